@@ -1,0 +1,19 @@
+"""checkpointless: keep training through worker failures without reloading a checkpoint.
+
+Depends on torch only. The public API:
+    join()                    -> Job: join a job started by the supervisor (spares wait here)
+    Job.protect(**objects)    register model, optimizer, ... that a replacement must receive
+    Job.steps(max_steps)      iterate over step numbers, resuming after a recovery
+    Job.step()                context manager around one step; a peer failure inside is recovered
+    Job.all_reduce_grads(...) average gradients in one fixed layout (bit-exact across recoveries)
+    Job.finish(result)        report this rank's result and leave
+    Supervisor                start workers and spares, detect failures, hand ranks to spares
+Run a script under it with `python -m checkpointless --nproc N --spares S script.py`.
+"""
+from .digest import model_sha256, state_sha256
+from .faults import Fault, InjectedFault, parse_faults
+from .job import Evicted, Job, join, step_seed
+from .supervisor import JobFailed, Supervisor, SupervisorConfig
+
+__all__ = ["join", "Job", "Evicted", "step_seed", "Supervisor", "SupervisorConfig", "JobFailed",
+           "Fault", "InjectedFault", "parse_faults", "model_sha256", "state_sha256"]

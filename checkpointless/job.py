@@ -1,0 +1,386 @@
+"""The worker side: join the job, train step by step, survive a peer's failure in-process.
+
+    job = checkpointless.join()                  # a spare waits here until it is given a rank
+    job.protect(model=model, optimizer=opt)      # what a spare must receive to take over a rank
+    for step in job.steps(max_steps):            # after a recovery, resumes at the agreed step
+        with job.step():                         # a peer failure in here is recovered, step redone
+            ...forward, backward...
+            job.all_reduce_grads(model.parameters())
+            opt.step()
+    job.finish({"loss": ...})
+
+A step commits when its body ends without error. If a collective fails because a peer died, the
+body's exception is swallowed, the worker waits for the supervisor's next membership plan, builds the
+new process group, and the members agree on the newest committed step: any member that holds it is a
+source, every other member (the spare, a survivor that had not applied the update) receives the full
+state from a source. No disk, no restart, no model rebuild.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import threading
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from . import detection, membership, transfer
+from .faults import FaultInjector, InjectedFault, parse_faults
+
+
+class Evicted(RuntimeError):
+    """This worker was left out of the new membership (declared failed by the supervisor)."""
+
+
+def step_seed(seed: int, step: int, rank: int, micro: int = 0) -> int:
+    """A seed that depends only on (seed, step, rank, micro-batch), never on process history.
+
+    Seeding every step this way makes dropout and sampling identical whichever process runs the
+    rank, so a spare redoing a step draws the same random numbers as the worker it replaced.
+    """
+    h = hashlib.sha256(f"{seed}/{step}/{rank}/{micro}".encode()).digest()
+    return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
+
+
+class Job:
+    def __init__(self, store, worker_id: int, spec: dict, host: str, port: int):
+        self.store = store
+        self.worker_id = worker_id
+        self.spec = spec
+        self.backend = spec["backend"]
+        self.seed = int(spec.get("seed", 0))
+        self.heartbeat_timeout_s = float(spec["heartbeat_timeout_s"])
+        self.pg_timeout_s = float(spec.get("pg_timeout_s", 300))
+        self._host, self._port = host, port
+        self.rank = -1
+        self.world_size = 0
+        self.gen = -1
+        self.device_slot = int(os.environ.get("CL_DEVICE_SLOT", "0"))
+        self._objects: dict = {}
+        self._completed = 0
+        self._has_state = True
+        self._failed = False
+        self._fail_t = 0.0
+        self._in_step = False
+        self._scope_used = False
+        self._applied = False
+        self._step_t0 = 0.0
+        self._pending_first: int | None = None  # generation waiting for its first committed step
+        self._latest_gen = -1  # newest generation the watch thread has seen in the store
+        self._injector = FaultInjector(parse_faults(spec.get("faults", [])), store, worker_id)
+        self.last_recovery: dict | None = None
+        self._unsynced_plan: membership.Plan | None = None
+
+    # ---- membership ----------------------------------------------------------------------
+    def _wait_plan(self, after_gen: int, timeout_s: float | None) -> membership.Plan:
+        """The newest plan with generation > after_gen that includes this worker."""
+        deadline = None if timeout_s is None else time.time() + timeout_s
+        last_beat = 0.0
+        while True:
+            g = membership.current_gen(self.store)
+            if g > after_gen:
+                plan = membership.read_plan(self.store, g)
+                if self.worker_id in plan.ranks:
+                    return plan
+                if self.rank >= 0:
+                    raise Evicted(f"worker {self.worker_id} is not in generation {g}")
+                after_gen = g  # a spare not picked this time keeps waiting
+            if self.store.check(["shutdown"]):
+                raise SystemExit(0)
+            if deadline is not None and time.time() > deadline:
+                raise TimeoutError(f"no new membership within {timeout_s:.0f} s after a failure")
+            if self.rank >= 0 and time.time() - last_beat > 0.5:
+                detection.beat(self.store, self.worker_id, self._completed, self.gen, "recover")
+                last_beat = time.time()
+            time.sleep(0.005)
+
+    def _teardown_group(self) -> None:
+        if dist.is_initialized():
+            try:
+                dist.distributed_c10d._abort_process_group()
+            except Exception:
+                pass
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+    def _form_group(self, plan: membership.Plan) -> bool:
+        self._teardown_group()
+        self.gen = plan.gen
+        self.rank = plan.ranks[self.worker_id]
+        self.world_size = plan.world_size
+        if not membership.barrier(self.store, plan.gen, plan.world_size):
+            return False
+        dist.init_process_group(
+            self.backend, store=dist.PrefixStore(f"pg/{plan.gen}", self.store),
+            rank=self.rank, world_size=self.world_size,
+            timeout=timedelta(seconds=self.pg_timeout_s))
+        self._t_group = time.time()
+        got = dist.get_world_size()
+        if got != self.world_size:
+            raise RuntimeError(f"process group has world size {got}, the plan asked for "
+                               f"{self.world_size}")
+        return True
+
+    def _enter_generation(self, first_plan: membership.Plan, sync: bool = True) -> None:
+        """Build the group for a plan (or a newer one) and bring every member to one state.
+
+        With sync=False only the group is built; the state agreement waits for the first
+        `steps()` call, once `protect()` has said what the state is.
+        """
+        plan = first_plan
+        while True:
+            try:
+                if not self._form_group(plan):
+                    plan = self._wait_plan(plan.gen, None)
+                    continue
+                t_group = time.time()
+                if not sync:
+                    self._unsynced_plan = plan
+                    return
+                info = self._agree_and_transfer()
+                info.update(t_plan=plan.t_published, t_group=t_group, t_ready=time.time(),
+                            worker_id=self.worker_id)
+                self.store.set(f"rec/{plan.gen}/{self.rank}", json.dumps(info))
+                self.last_recovery = info
+                self._pending_first = plan.gen
+                return
+            except Exception as exc:  # a member died during the regroup itself: next plan
+                if not detection.is_peer_failure(exc):
+                    raise
+                self._teardown_group()
+                plan = self._wait_plan(plan.gen, self._recovery_timeout())
+
+    def _sync_first(self, plan: membership.Plan) -> None:
+        """The state agreement deferred from join(); a failure here is recovered like any other."""
+        try:
+            info = self._agree_and_transfer()
+            info.update(t_plan=plan.t_published, t_group=self._t_group, t_ready=time.time(),
+                        worker_id=self.worker_id)
+            self.store.set(f"rec/{plan.gen}/{self.rank}", json.dumps(info))
+            self.last_recovery = info
+            self._pending_first = plan.gen if plan.gen > 0 else None
+        except Exception as exc:
+            if not detection.is_peer_failure(exc):
+                raise
+            self._failed, self._fail_t = True, time.time()
+
+    def _recovery_timeout(self) -> float:
+        return 4 * self.heartbeat_timeout_s + 60
+
+    def _agree_and_transfer(self) -> dict:
+        mine = self._completed if self._has_state else -1
+        steps = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(steps, torch.tensor([mine], dtype=torch.int64))
+        steps = [int(s) for s in steps]
+        resume = max(steps)
+        if resume < 0:
+            raise RuntimeError("no member of the new generation holds training state")
+        sources = [r for r, s in enumerate(steps) if s == resume]
+        receivers = [r for r, s in enumerate(steps) if s != resume]
+        pairs = transfer.assign_sources(receivers, sources)
+        sent = received = 0
+        t0 = time.time()
+        for dst, src in pairs.items():
+            if self.rank == src:
+                sent += transfer.send_state(self._state(), dst)
+            elif self.rank == dst:
+                state, received = transfer.recv_state(src)
+                self._load(state)
+        self._completed = resume
+        self._has_state = True
+        for obj in self._objects.values():
+            if isinstance(obj, torch.nn.Module):
+                obj.zero_grad(set_to_none=True)
+        return {"resumed_step": resume, "steps_by_rank": steps, "pairs": pairs,
+                "bytes_sent": sent, "bytes_received": received, "transfer_s": time.time() - t0,
+                "source": pairs.get(self.rank)}
+
+    # ---- state ---------------------------------------------------------------------------
+    def protect(self, **objects) -> None:
+        """Register what a replacement needs: anything with state_dict() / load_state_dict()."""
+        for name, obj in objects.items():
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise TypeError(f"protect({name}=...): needs state_dict() and load_state_dict()")
+            if isinstance(obj, torch.optim.Optimizer):
+                obj.register_step_post_hook(self._on_optimizer_step)
+        self._objects.update(objects)
+
+    def _on_optimizer_step(self, *_):
+        self._applied = True
+
+    def _state(self) -> dict:
+        return {name: obj.state_dict() for name, obj in self._objects.items()}
+
+    def _load(self, state: dict) -> None:
+        for name, obj in self._objects.items():
+            obj.load_state_dict(state[name])
+
+    # ---- the loop ------------------------------------------------------------------------
+    @property
+    def completed_steps(self) -> int:
+        return self._completed
+
+    def steps(self, max_steps: int):
+        """Yield step numbers until `max_steps` steps are committed, recovering on failure."""
+        if self._unsynced_plan is not None:
+            plan, self._unsynced_plan = self._unsynced_plan, None
+            self._sync_first(plan)
+        while True:
+            if self._membership_moved() and not self._failed:
+                self._failed, self._fail_t = True, time.time()
+            if self._failed:
+                self._recover()
+            if self._completed >= max_steps:
+                return
+            step = self._completed
+            detection.beat(self.store, self.worker_id, step, self.gen, "step")
+            self._injector.before_step(self.rank, step)
+            self._scope_used = False
+            self._step_t0 = time.time()
+            yield step
+            if not self._scope_used and not self._failed:
+                self._commit()
+
+    def step(self):
+        return _StepScope(self)
+
+    def seed_step(self, step: int, micro: int = 0) -> int:
+        s = step_seed(self.seed, step, self.rank, micro)
+        torch.manual_seed(s)
+        random.seed(s)
+        try:
+            import numpy as np
+            np.random.seed(s % (2 ** 32))
+        except ImportError:
+            pass
+        return s
+
+    def all_reduce_grads(self, params, extra: torch.Tensor | None = None):
+        from .grads import all_reduce_grads
+        return all_reduce_grads(params, self.world_size, extra)
+
+    def _commit(self) -> None:
+        t1 = time.time()
+        step = self._completed
+        self._completed += 1
+        if self.rank == 0:
+            self.store.set(f"steps/{step}", f"{self._step_t0:.6f},{t1:.6f}")
+        if self._pending_first is not None:
+            self.store.set(f"recfirst/{self._pending_first}/{self.rank}", f"{t1:.6f}")
+            self._pending_first = None
+
+    def _membership_moved(self) -> bool:
+        return self._latest_gen > self.gen
+
+    def _recover(self) -> None:
+        self._teardown_group()
+        plan = self._wait_plan(self.gen, self._recovery_timeout())
+        self._enter_generation(plan)
+        self._failed = False
+
+    def finish(self, result: dict | None = None) -> None:
+        """Report this rank's result and leave the job cleanly."""
+        self.store.set(f"result/{self.rank}", json.dumps(result or {}))
+        detection.beat(self.store, self.worker_id, self._completed, self.gen, "done")
+        self.store.set(f"done/{self.worker_id}", "1")
+        self._stop_watch.set()
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+    # ---- release of a survivor blocked in a collective -----------------------------------
+    def _start_watch(self) -> None:
+        self._stop_watch = threading.Event()
+        threading.Thread(target=self._watch, daemon=True, name="checkpointless-watch").start()
+
+    def _watch(self) -> None:
+        """Abort the process group when the membership moves on while we are inside a step.
+
+        Gloo usually raises at once when a peer dies, but a rank whose ring neighbours are alive
+        and equally stuck, or any rank on NCCL, would wait for the process-group timeout. Aborting
+        the communicator turns that wait into an immediate error that the step scope recovers from.
+        """
+        store = membership.connect(self._host, self._port)
+        while not self._stop_watch.wait(0.05):
+            try:
+                g = membership.current_gen(store)
+            except Exception:
+                return
+            if self.gen >= 0 and g > self.gen and g > self._latest_gen:
+                self._latest_gen = g
+                if self._in_step and dist.is_initialized():
+                    try:
+                        dist.distributed_c10d._abort_process_group()
+                    except Exception:
+                        pass
+
+
+class _StepScope:
+    def __init__(self, job: Job):
+        self.job = job
+
+    def __enter__(self):
+        job = self.job
+        job._scope_used = True
+        job._applied = False
+        job._in_step = True
+        job.seed_step(job._completed)
+        try:
+            job._injector.raise_due(job.rank, job._completed)
+        except InjectedFault as exc:
+            job._in_step = False
+            _report_error(job, exc)
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        job = self.job
+        job._in_step = False
+        if exc is None:
+            job._commit()
+            return False
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            return False
+        if detection.is_peer_failure(exc) or job._membership_moved():
+            job._failed, job._fail_t = True, time.time()
+            if job._applied:  # the update landed before the failure: this step stands
+                job._commit()
+            return True
+        _report_error(job, exc)
+        return False
+
+
+def _report_error(job: Job, exc: BaseException) -> None:
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        job.store.set(f"error/{job.worker_id}", json.dumps({"t": time.time(), "error": text}))
+    except Exception:
+        pass
+
+
+def join() -> Job:
+    """Join the job started by the supervisor; blocks until this worker holds a rank."""
+    host = os.environ.get("CL_STORE_HOST")
+    if host is None:
+        raise RuntimeError("checkpointless.join(): not started by the supervisor. Launch with "
+                           "`python -m checkpointless --nproc N --spares S script.py`.")
+    port = int(os.environ["CL_STORE_PORT"])
+    worker_id = int(os.environ["CL_WORKER_ID"])
+    store = membership.connect(host, port)
+    spec = json.loads(store.get("spec"))
+    job = Job(store, worker_id, spec, host, port)
+    store.set(f"ready/{worker_id}", f"{time.time():.6f}")
+    plan = job._wait_plan(-1, None)
+    # Workers of the first generation all start from the same seeded state; a worker that joins
+    # later is a spare and holds nothing until it receives the state.
+    job._has_state = plan.gen == 0
+    job._enter_generation(plan, sync=False)
+    job._start_watch()
+    return job

@@ -1,0 +1,72 @@
+"""Membership generations kept in the supervisor's store.
+
+Every change of who trains (start, a failure, a spare taking over) is a new generation `g` with a
+plan: which worker holds which rank and the world size. Workers build a fresh process group for each
+generation on its own store prefix, so nothing left from an older, broken group (keys, sockets) can
+leak into the new one. The store lives in the supervisor, never in a training worker, so losing
+any worker, rank 0 included, loses no coordination state.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+
+@dataclass
+class Plan:
+    gen: int
+    world_size: int
+    ranks: dict[int, int]  # worker id -> rank
+    t_published: float = 0.0
+
+    def to_json(self) -> str:
+        return json.dumps({"gen": self.gen, "world_size": self.world_size, "t": self.t_published,
+                           "ranks": {str(k): v for k, v in self.ranks.items()}})
+
+    @classmethod
+    def from_json(cls, text) -> "Plan":
+        d = json.loads(text)
+        return cls(gen=d["gen"], world_size=d["world_size"], t_published=d["t"],
+                   ranks={int(k): int(v) for k, v in d["ranks"].items()})
+
+
+def connect(host: str, port: int, timeout_s: float = 120.0) -> dist.TCPStore:
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+def current_gen(store) -> int:
+    return int(store.get("gen")) if store.check(["gen"]) else -1
+
+
+def publish(store, plan: Plan) -> None:
+    """Write the plan first, then move `gen`: a reader that sees the new gen finds its plan."""
+    plan.t_published = time.time()
+    store.set(f"plan/{plan.gen}", plan.to_json())
+    store.set("gen", str(plan.gen))
+
+
+def read_plan(store, gen: int) -> Plan:
+    return Plan.from_json(store.get(f"plan/{gen}"))
+
+
+def counter(store, key: str) -> int:
+    return store.add(key, 0)
+
+
+def barrier(store, gen: int, world_size: int, poll_s: float = 0.002) -> bool:
+    """All members of `gen` arrive; False if a newer generation replaces it while waiting.
+
+    Done on the store, before the process group exists, so a member that died after the plan was
+    published cannot block the others inside the process-group constructor.
+    """
+    key = f"barrier/{gen}"
+    store.add(key, 1)
+    while counter(store, key) < world_size:
+        if current_gen(store) != gen:
+            return False
+        time.sleep(poll_s)
+    return True

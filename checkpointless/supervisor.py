@@ -1,0 +1,358 @@
+"""The supervisor: starts workers and hot spares, watches them, hands a failed rank to a spare.
+
+It owns the coordination store (a TCPStore server in this process, not in any training worker), so
+it survives the loss of any worker. Its loop, every few milliseconds:
+  1. a worker process that exited is a failure at once (cause `error` if it reported an exception,
+     `hang` if the supervisor killed it for silence, else `exit`);
+  2. an active worker whose heartbeat is silent past `heartbeat_timeout_s` while behind the others,
+     or whose process is stopped, is hung: it is killed, which also releases peers blocked on it;
+  3. on failure, each lost rank goes to a warm spare and a new membership generation is published;
+     the workers do the rest (regroup, state transfer) and report their timings back here;
+  4. a used spare is replaced in the background (`refill`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from . import detection, membership
+from .goodput import goodput_from_steps
+
+
+@dataclass
+class Worker:
+    wid: int
+    proc: subprocess.Popen
+    slot: int
+    started: float
+    rank: int = -1  # -1 while a spare
+
+
+@dataclass
+class Failure:
+    wid: int
+    rank: int
+    cause: str
+    t_fail: float
+    t_detect: float
+    step: int
+    gen: int = -1  # the generation that replaced it
+    t_spare: float = 0.0  # when a spare was available
+    new_wid: int = -1
+
+
+@dataclass
+class SupervisorConfig:
+    nproc: int
+    spares: int = 1
+    refill: bool = True
+    heartbeat_timeout_s: float = 10.0
+    backend: str = "gloo"
+    host: str = "127.0.0.1"
+    port: int = 0
+    seed: int = 0
+    faults: list = field(default_factory=list)
+    pg_timeout_s: float = 300.0
+    spare_wait_s: float = 600.0
+    poll_s: float = 0.01
+    enabled: bool = True
+
+
+class JobFailed(RuntimeError):
+    pass
+
+
+class Supervisor:
+    def __init__(self, cmd: list[str], cfg: SupervisorConfig, env: dict | None = None, log=print):
+        self.cmd = cmd
+        self.cfg = cfg
+        self.env = dict(os.environ if env is None else env)
+        self.log = log
+        self.workers: dict[int, Worker] = {}
+        self.failures: list[Failure] = []
+        self.gen = -1
+        self.ranks: dict[int, int] = {}  # active worker id -> rank
+        self._next_wid = 0
+        self.store = None
+
+    # ---- processes -----------------------------------------------------------------------
+    def _spawn(self, slot: int) -> Worker:
+        wid = self._next_wid
+        self._next_wid += 1
+        env = dict(self.env, CL_STORE_HOST=self.cfg.host, CL_STORE_PORT=str(self.port),
+                   CL_WORKER_ID=str(wid), CL_DEVICE_SLOT=str(slot))
+        proc = subprocess.Popen(self.cmd, env=env)
+        w = Worker(wid=wid, proc=proc, slot=slot, started=time.time())
+        self.workers[wid] = w
+        return w
+
+    def _kill(self, w: Worker) -> None:
+        if w.proc.poll() is None:
+            try:
+                w.proc.send_signal(signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            w.proc.wait()
+
+    def _ready_spares(self) -> list[Worker]:
+        return [w for w in self.workers.values()
+                if w.rank < 0 and w.proc.poll() is None and self.store.check([f"ready/{w.wid}"])]
+
+    def _live_spares(self) -> list[Worker]:
+        return [w for w in self.workers.values() if w.rank < 0 and w.proc.poll() is None]
+
+    # ---- membership ----------------------------------------------------------------------
+    def _publish(self) -> None:
+        self.gen += 1
+        plan = membership.Plan(gen=self.gen, world_size=self.cfg.nproc, ranks=dict(self.ranks))
+        membership.publish(self.store, plan)
+
+    def _cause(self, w: Worker, hung: bool) -> str:
+        if hung:
+            return "hang"
+        if self.store.check([f"error/{w.wid}"]):
+            return "error"
+        return "exit"
+
+    def _fault_time(self, w: Worker, fallback: float) -> float:
+        key = f"fault_at/{w.wid}"
+        return json.loads(self.store.get(key))["t"] if self.store.check([key]) else fallback
+
+    def _last_step(self, w: Worker) -> int:
+        b = detection.read_beat(self.store, w.wid)
+        return b["step"] if b else 0
+
+    def _handle(self, lost: list[tuple[Worker, bool]]) -> None:
+        now = time.time()
+        for w, _ in lost:
+            if not self.store.check([f"ready/{w.wid}"]):
+                raise JobFailed(f"worker {w.wid} (rank {w.rank}) exited with code "
+                                f"{w.proc.returncode} before it finished starting up; its output "
+                                "above says why. A start-up failure is a bug, not a fault to "
+                                "recover from")
+        for w, hung in lost:
+            if hung:
+                self._kill(w)  # also releases the peers blocked in a collective with it
+            f = Failure(wid=w.wid, rank=w.rank, cause=self._cause(w, hung),
+                        t_fail=self._fault_time(w, now), t_detect=now, step=self._last_step(w))
+            self.failures.append(f)
+            self.log(f"[checkpointless] rank {w.rank} lost ({f.cause}, worker {w.wid}, "
+                     f"exit code {w.proc.returncode}) at step {f.step}; detected "
+                     f"{f.t_detect - f.t_fail:.2f} s after the failure")
+            del self.ranks[w.wid]
+            w.rank = -2
+        self._replace([f for f in self.failures if f.gen < 0])
+
+    def _replace(self, pending: list[Failure]) -> None:
+        """Give each lost rank to a ready spare, waiting for one (the refill) if none is ready."""
+        if self.cfg.refill:
+            for f in pending:
+                if not getattr(f, "_refilled", False):
+                    f._refilled = True
+                    self._spawn(self.workers[f.wid].slot)
+        deadline = time.time() + self.cfg.spare_wait_s
+        said = False
+        while True:
+            spares = self._ready_spares()
+            if len(spares) >= len(pending):
+                break
+            if not self._live_spares():
+                raise JobFailed(
+                    f"{len(pending)} rank(s) lost and no spare left (checkpointless.spares="
+                    f"{self.cfg.spares}, refill={self.cfg.refill}); the run stops here. Raise "
+                    "checkpointless.spares or enable checkpointless.refill")
+            if not said:
+                self.log(f"[checkpointless] waiting for a spare to warm up "
+                         f"({len(spares)} ready, {len(pending)} needed)")
+                said = True
+            if time.time() > deadline:
+                raise JobFailed(f"no spare became ready within {self.cfg.spare_wait_s:.0f} s")
+            self._check_active_alive()
+            time.sleep(0.05)
+        t = time.time()
+        for f, spare in zip(pending, spares):
+            spare.rank = f.rank
+            self.ranks[spare.wid] = f.rank
+            f.t_spare, f.new_wid = t, spare.wid
+        self._publish()
+        for f in pending:
+            f.gen = self.gen
+
+    def _check_active_alive(self) -> None:
+        """While waiting for a spare, another active worker may fail too: fold it in."""
+        for wid in list(self.ranks):
+            w = self.workers[wid]
+            if w.proc.poll() is not None and not self.store.check([f"done/{wid}"]):
+                f = Failure(wid=wid, rank=w.rank, cause=self._cause(w, False),
+                            t_fail=self._fault_time(w, time.time()), t_detect=time.time(),
+                            step=self._last_step(w))
+                self.failures.append(f)
+                del self.ranks[wid]
+                w.rank = -2
+                if self.cfg.refill:
+                    f._refilled = True
+                    self._spawn(w.slot)
+
+    # ---- main loop -----------------------------------------------------------------------
+    def run(self) -> dict:
+        cfg = self.cfg
+        self.store = dist.TCPStore(cfg.host, cfg.port, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=60))
+        self.port = self.store.port
+        spec = {"backend": cfg.backend, "heartbeat_timeout_s": cfg.heartbeat_timeout_s,
+                "seed": cfg.seed, "faults": cfg.faults, "pg_timeout_s": cfg.pg_timeout_s}
+        self.store.set("spec", json.dumps(spec))
+        t_start = time.time()
+        for slot in range(cfg.nproc + cfg.spares):
+            w = self._spawn(slot)
+            if slot < cfg.nproc:
+                w.rank = slot
+                self.ranks[w.wid] = slot
+        self._publish()
+        reported = set()
+        try:
+            while True:
+                time.sleep(cfg.poll_s)
+                lost = []
+                for wid in list(self.ranks):
+                    w = self.workers[wid]
+                    if w.proc.poll() is not None and not self.store.check([f"done/{wid}"]):
+                        lost.append((w, False))
+                    elif self.store.check([f"error/{wid}"]):
+                        # it reported its own exception: no need to wait for its slow exit
+                        self._kill(w)
+                        lost.append((w, False))
+                active = {wid: self.workers[wid] for wid in self.ranks}
+                if not lost and cfg.enabled:
+                    beats = {wid: detection.read_beat(self.store, wid) for wid in active}
+                    pids = {wid: w.proc.pid for wid, w in active.items()}
+                    for wid in detection.find_hung(beats, pids, cfg.heartbeat_timeout_s):
+                        lost.append((active[wid], True))
+                if lost:
+                    if not cfg.enabled:
+                        w = lost[0][0]
+                        raise JobFailed(f"rank {w.rank} (worker {w.wid}) failed with exit code "
+                                        f"{w.proc.returncode} and checkpointless is off")
+                    self._handle(lost)
+                self._say_recoveries(reported)
+                # a spare that died while waiting is replaced too
+                for w in list(self.workers.values()):
+                    if w.rank == -1 and w.proc.poll() is not None and not getattr(w, "_gone", 0):
+                        w._gone = True
+                        if self.store.check(["shutdown"]):
+                            continue
+                        self.log(f"[checkpointless] spare worker {w.wid} exited "
+                                 f"(code {w.proc.returncode})" +
+                                 ("; starting another" if cfg.refill else ""))
+                        if cfg.refill:
+                            self._spawn(w.slot)
+                if all(self.store.check([f"done/{wid}"]) for wid in self.ranks):
+                    for wid in self.ranks:
+                        self.workers[wid].proc.wait()
+                    bad = [wid for wid in self.ranks if self.workers[wid].proc.returncode != 0]
+                    if bad:
+                        raise JobFailed(f"workers {bad} reported done but exited non-zero")
+                    break
+        finally:
+            self.store.set("shutdown", "1")
+            time.sleep(0.05)
+            for w in self.workers.values():
+                if w.proc.poll() is None and w.rank < 0:
+                    w.proc.terminate()
+            for w in self.workers.values():
+                try:
+                    w.proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    self._kill(w)
+        self._say_recoveries(reported)
+        return self._report(t_start)
+
+    # ---- reporting -----------------------------------------------------------------------
+    def _recovery_entry(self, f: Failure) -> dict | None:
+        members = range(self.cfg.nproc)
+        recs = []
+        for r in members:
+            key = f"rec/{f.gen}/{r}"
+            if self.store.check([key]):
+                recs.append(json.loads(self.store.get(key)))
+        firsts = []
+        for g in range(f.gen, self.gen + 1):
+            for r in members:
+                key = f"recfirst/{g}/{r}"
+                if self.store.check([key]):
+                    firsts.append(float(self.store.get(key)))
+        if len(recs) < self.cfg.nproc or not firsts:
+            return None
+        t_plan = recs[0]["t_plan"]
+        t_group = max(r["t_group"] for r in recs)
+        t_ready = max(r["t_ready"] for r in recs)
+        t_first = min(firsts)
+        mine = [r for r in recs if r["worker_id"] == f.new_wid]
+        src = mine[0]["source"] if mine else None
+        return {
+            "failed_rank": f.rank, "cause": f.cause, "failed_worker": f.wid,
+            "replacement_worker": f.new_wid, "generation": f.gen, "failed_at_step": f.step,
+            "detect_s": round(f.t_detect - f.t_fail, 4),
+            "recovery_s": round(t_first - f.t_fail, 4),
+            "phases_s": {
+                "detection": round(f.t_detect - f.t_fail, 4),
+                "spare_wait": round(max(0.0, f.t_spare - f.t_detect), 4),
+                "regroup": round(t_group - t_plan, 4),
+                "state_transfer": round(t_ready - t_group, 4),
+                "resume": round(t_first - t_ready, 4),
+            },
+            "state_bytes": sum(r["bytes_received"] for r in recs),
+            "source_ranks": sorted({int(s) for r in recs for s in r["pairs"].values()}),
+            "served": {str(k): v for k, v in recs[0]["pairs"].items()},
+            "resumed_step": recs[0]["resumed_step"],
+        }
+
+    def _say_recoveries(self, reported: set) -> None:
+        for i, f in enumerate(self.failures):
+            if i in reported or f.gen < 0:
+                continue
+            e = self._recovery_entry(f)
+            if e is None:
+                continue
+            reported.add(i)
+            p = e["phases_s"]
+            self.log(f"[checkpointless] recovered rank {e['failed_rank']} ({e['cause']}): spare "
+                     f"worker {e['replacement_worker']} got {e['state_bytes'] / 1e6:.1f} MB from "
+                     f"rank(s) {e['source_ranks']}, resumed at step {e['resumed_step']}, "
+                     f"{e['recovery_s']:.2f} s after the failure (detect {p['detection']:.2f}, "
+                     f"regroup {p['regroup']:.2f}, transfer {p['state_transfer']:.2f}, "
+                     f"resume {p['resume']:.2f})")
+
+    def _report(self, t_start: float) -> dict:
+        steps = {}
+        for key_step in range(0, 10 ** 9):
+            key = f"steps/{key_step}"
+            if not self.store.check([key]):
+                break
+            t0, t1 = (float(x) for x in self.store.get(key).decode().split(","))
+            steps[key_step] = (t0, t1)
+        results = {}
+        for r in range(self.cfg.nproc):
+            key = f"result/{r}"
+            if self.store.check([key]):
+                results[r] = json.loads(self.store.get(key))
+        recoveries = [e for f in self.failures if f.gen >= 0
+                      for e in [self._recovery_entry(f)] if e is not None]
+        return {
+            "world_size": self.cfg.nproc,
+            "spares": self.cfg.spares,
+            "steps_completed": len(steps),
+            "wall_s": round(time.time() - t_start, 3),
+            "goodput": goodput_from_steps(steps),
+            "recoveries": recoveries,
+            "results_by_rank": results,
+            "step_times": steps,
+        }

@@ -1,0 +1,127 @@
+"""Peer-to-peer transfer of training state from a healthy worker to one that needs it.
+
+The state (model, optimizer, anything with `state_dict`) is split into a skeleton (the nested
+structure with every tensor replaced by its index, pickled) and one flat byte buffer holding all
+tensors back to back. Three messages cross the wire: the sizes, the skeleton, the buffer (with its
+SHA-256 digest appended), so the cost is one large send whatever the number of tensors. The receiver
+checks the digest before it touches its live state: a corrupt or truncated transfer is refused, never
+loaded.
+"""
+from __future__ import annotations
+
+import hashlib
+import pickle
+
+import torch
+import torch.distributed as dist
+
+
+class _TensorRef:
+    __slots__ = ("index", "dtype", "shape")
+
+    def __init__(self, index, dtype, shape):
+        self.index, self.dtype, self.shape = index, dtype, shape
+
+
+def flatten_state(obj) -> tuple[bytes, torch.Tensor]:
+    """(pickled skeleton, uint8 buffer with every tensor's bytes in traversal order)."""
+    tensors: list[torch.Tensor] = []
+
+    def strip(x):
+        if isinstance(x, torch.Tensor):
+            t = x.detach()
+            if hasattr(t, "full_tensor"):  # a DTensor: send the local shard only
+                t = t.to_local()
+            t = t.cpu().contiguous()
+            tensors.append(t)
+            return _TensorRef(len(tensors) - 1, t.dtype, tuple(t.shape))
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(strip(v) for v in x)
+        return x
+
+    skeleton = strip(obj)
+    parts = [t.reshape(-1).view(torch.uint8) for t in tensors if t.numel() > 0]
+    flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+    return pickle.dumps(skeleton), flat
+
+
+def unflatten_state(skeleton_bytes: bytes, flat: torch.Tensor):
+    skeleton = pickle.loads(skeleton_bytes)
+    offset = 0
+    refs: list[_TensorRef] = []
+
+    def collect(x):
+        if isinstance(x, _TensorRef):
+            refs.append(x)
+        elif isinstance(x, dict):
+            for v in x.values():
+                collect(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                collect(v)
+
+    collect(skeleton)
+    tensors = {}
+    for ref in sorted(refs, key=lambda r: r.index):
+        n = torch.Size(ref.shape).numel() * torch.empty(0, dtype=ref.dtype).element_size()
+        chunk = flat[offset:offset + n].clone()
+        offset += n
+        tensors[ref.index] = chunk.view(ref.dtype).reshape(ref.shape)
+
+    def fill(x):
+        if isinstance(x, _TensorRef):
+            return tensors[x.index]
+        if isinstance(x, dict):
+            return {k: fill(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(fill(v) for v in x)
+        return x
+
+    return fill(skeleton)
+
+
+def _digest(skeleton: bytes, flat: torch.Tensor) -> bytes:
+    h = hashlib.sha256(skeleton)
+    h.update(flat.numpy().tobytes() if flat.numel() else b"")
+    return h.digest()
+
+
+def send_state(obj, dst: int, group=None) -> int:
+    """Send `obj` to rank `dst`; returns the number of bytes sent."""
+    skeleton, flat = flatten_state(obj)
+    digest = torch.frombuffer(bytearray(_digest(skeleton, flat)), dtype=torch.uint8)
+    sizes = torch.tensor([len(skeleton), flat.numel()], dtype=torch.int64)
+    dist.send(sizes, dst, group=group)
+    dist.send(torch.frombuffer(bytearray(skeleton), dtype=torch.uint8), dst, group=group)
+    dist.send(torch.cat([flat, digest]), dst, group=group)
+    return len(skeleton) + flat.numel() + 32
+
+
+def recv_state(src: int, group=None):
+    """Receive a state sent by `send_state` from `src`; returns (state, bytes received)."""
+    sizes = torch.empty(2, dtype=torch.int64)
+    dist.recv(sizes, src, group=group)
+    n_skel, n_flat = (int(v) for v in sizes)
+    skel = torch.empty(n_skel, dtype=torch.uint8)
+    dist.recv(skel, src, group=group)
+    payload = torch.empty(n_flat + 32, dtype=torch.uint8)
+    dist.recv(payload, src, group=group)
+    skeleton = skel.numpy().tobytes()
+    flat, digest = payload[:n_flat], payload[n_flat:].numpy().tobytes()
+    if _digest(skeleton, flat) != digest:
+        raise IntegrityError(f"state received from rank {src} failed its SHA-256 check")
+    return unflatten_state(skeleton, flat), n_skel + n_flat + 32
+
+
+class IntegrityError(RuntimeError):
+    """A transferred state did not match its digest."""
+
+
+def assign_sources(receivers: list[int], sources: list[int]) -> dict[int, int]:
+    """Pair each receiver with a source, spreading receivers evenly over the sources."""
+    if receivers and not sources:
+        raise RuntimeError("no healthy worker holds the state: nothing to copy from")
+    return {r: sources[i % len(sources)] for i, r in enumerate(sorted(receivers))}
+
