@@ -227,6 +227,11 @@ class Job:
     def completed_steps(self) -> int:
         return self._completed
 
+    @property
+    def step_started_at(self) -> float:
+        """Wall time at which the current (or last) step started."""
+        return self._step_t0
+
     def steps(self, max_steps: int):
         """Yield step numbers until `max_steps` steps are committed, recovering on failure."""
         if self._unsynced_plan is not None:
@@ -290,6 +295,7 @@ class Job:
         self.store.set(f"result/{self.rank}", json.dumps(result or {}))
         detection.beat(self.store, self.worker_id, self._completed, self.gen, "done")
         self.store.set(f"done/{self.worker_id}", "1")
+        self.store.add("done", 1)
         self._stop_watch.set()
         if dist.is_initialized():
             dist.barrier()
@@ -361,6 +367,7 @@ def _report_error(job: Job, exc: BaseException) -> None:
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     try:
         job.store.set(f"error/{job.worker_id}", json.dumps({"t": time.time(), "error": text}))
+        job.store.add("errors", 1)
     except Exception:
         pass
 

@@ -149,7 +149,21 @@ class Supervisor:
                      f"{f.t_detect - f.t_fail:.2f} s after the failure")
             del self.ranks[w.wid]
             w.rank = -2
+            self._escalate(f)
+        if not self.ranks:
+            raise JobFailed("every active worker failed at once: no healthy peer holds the "
+                            "training state, so there is nothing to recover from (see the "
+                            "workers' errors above)")
         self._replace([f for f in self.failures if f.gen < 0])
+
+    def _escalate(self, f: Failure) -> None:
+        """An error that strikes again at the same step is a bug, not a fault: stop."""
+        same = [g for g in self.failures if g is not f and g.cause == "error" == f.cause
+                and g.step == f.step]
+        if same:
+            raise JobFailed(f"step {f.step} raised an error again after a recovery (ranks "
+                            f"{same[0].rank} and {f.rank}): this is a bug in the step, not a "
+                            "transient fault; see the traceback above")
 
     def _replace(self, pending: list[Failure]) -> None:
         """Give each lost rank to a ready spare, waiting for one (the refill) if none is ready."""
@@ -218,20 +232,28 @@ class Supervisor:
                 self.ranks[w.wid] = slot
         self._publish()
         reported = set()
+        errors_seen = 0
+        next_slow = 0.0
         try:
             while True:
                 time.sleep(cfg.poll_s)
-                lost = []
-                for wid in list(self.ranks):
-                    w = self.workers[wid]
-                    if w.proc.poll() is not None and not self.store.check([f"done/{wid}"]):
-                        lost.append((w, False))
-                    elif self.store.check([f"error/{wid}"]):
-                        # it reported its own exception: no need to wait for its slow exit
-                        self._kill(w)
-                        lost.append((w, False))
-                active = {wid: self.workers[wid] for wid in self.ranks}
-                if not lost and cfg.enabled:
+                # fast checks every poll: process exits (a syscall each) and one error counter
+                lost = [(self.workers[wid], False) for wid in list(self.ranks)
+                        if self.workers[wid].proc.poll() is not None
+                        and not self.store.check([f"done/{wid}"])]
+                errors = membership.counter(self.store, "errors")
+                if errors != errors_seen:
+                    errors_seen = errors
+                    for wid in list(self.ranks):
+                        w = self.workers[wid]
+                        if self.store.check([f"error/{wid}"]) and all(w is not x for x, _ in lost):
+                            self._kill(w)  # it reported its exception: no need to wait its exit
+                            lost.append((w, False))
+                slow = time.time() >= next_slow
+                if slow:
+                    next_slow = time.time() + 0.25
+                if not lost and slow and cfg.enabled:
+                    active = {wid: self.workers[wid] for wid in self.ranks}
                     beats = {wid: detection.read_beat(self.store, wid) for wid in active}
                     pids = {wid: w.proc.pid for wid, w in active.items()}
                     for wid in detection.find_hung(beats, pids, cfg.heartbeat_timeout_s):
@@ -240,21 +262,14 @@ class Supervisor:
                     if not cfg.enabled:
                         w = lost[0][0]
                         raise JobFailed(f"rank {w.rank} (worker {w.wid}) failed with exit code "
-                                        f"{w.proc.returncode} and checkpointless is off")
+                                        f"{w.proc.poll()} and checkpointless is off")
                     self._handle(lost)
+                if not slow:
+                    continue
                 self._say_recoveries(reported)
-                # a spare that died while waiting is replaced too
-                for w in list(self.workers.values()):
-                    if w.rank == -1 and w.proc.poll() is not None and not getattr(w, "_gone", 0):
-                        w._gone = True
-                        if self.store.check(["shutdown"]):
-                            continue
-                        self.log(f"[checkpointless] spare worker {w.wid} exited "
-                                 f"(code {w.proc.returncode})" +
-                                 ("; starting another" if cfg.refill else ""))
-                        if cfg.refill:
-                            self._spawn(w.slot)
-                if all(self.store.check([f"done/{wid}"]) for wid in self.ranks):
+                self._refill_dead_spares()
+                if membership.counter(self.store, "done") >= len(self.ranks) and all(
+                        self.store.check([f"done/{wid}"]) for wid in self.ranks):
                     for wid in self.ranks:
                         self.workers[wid].proc.wait()
                     bad = [wid for wid in self.ranks if self.workers[wid].proc.returncode != 0]
@@ -274,6 +289,18 @@ class Supervisor:
                     self._kill(w)
         self._say_recoveries(reported)
         return self._report(t_start)
+
+    def _refill_dead_spares(self) -> None:
+        """A spare that died while waiting is replaced too."""
+        for w in list(self.workers.values()):
+            if w.rank == -1 and w.proc.poll() is not None and not getattr(w, "_gone", False):
+                w._gone = True
+                if self.store.check(["shutdown"]):
+                    continue
+                self.log(f"[checkpointless] spare worker {w.wid} exited (code "
+                         f"{w.proc.returncode})" + ("; starting another" if self.cfg.refill else ""))
+                if self.cfg.refill:
+                    self._spawn(w.slot)
 
     # ---- reporting -----------------------------------------------------------------------
     def _recovery_entry(self, f: Failure) -> dict | None:

@@ -1,0 +1,1 @@
+"""Recipe-driven launcher: YAML recipe + key=value overrides -> a supervised, fault-tolerant run."""

@@ -1,0 +1,85 @@
+"""The command line.
+
+    python -m launcher ls                              the shipped recipes
+    python -m launcher show RECIPE [key=value ...]     the fully resolved recipe, as YAML
+    python -m launcher validate [RECIPE ...]           check recipes (all when none given)
+    python -m launcher train RECIPE [key=value ...]    train (workers + spares, supervised)
+    python -m launcher bench [key=value ...]           goodput benchmark (see launcher/bench.py)
+
+RECIPE is a name in recipes/ or a path to a YAML file. Overrides use OmegaConf dotlist syntax
+(`trainer.max_steps=7`, `'faults=[kill:2:5]'`); `~key` deletes a key.
+"""
+from __future__ import annotations
+
+import sys
+
+from .recipes import RecipeError, load, recipe_names, to_yaml
+
+USAGE = __doc__
+
+
+def cmd_ls(_args) -> int:
+    rows = [("recipe", "model", "size", "strategy", "workers+spares", "description")]
+    for name in recipe_names():
+        c = load(name)
+        rows.append((name, c.model.id or c.model.name, c.model.size, c.distributed.strategy,
+                     f"{c.distributed.num_processes}+{c.checkpointless.spares}", c.description))
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]) - 1)]
+    for r in rows:
+        print("  ".join(str(v).ljust(w) for v, w in zip(r, widths)) + "  " + r[-1])
+    return 0
+
+
+def cmd_show(args) -> int:
+    if not args:
+        raise RecipeError("show needs a recipe: python -m launcher show RECIPE [key=value ...]")
+    print(to_yaml(load(args[0], args[1:])), end="")
+    return 0
+
+
+def cmd_validate(args) -> int:
+    names = args or recipe_names()
+    bad = 0
+    for name in names:
+        try:
+            load(name)
+            print(f"ok      {name}")
+        except RecipeError as exc:
+            bad += 1
+            print(f"INVALID {name}: {exc}")
+    return 1 if bad else 0
+
+
+def cmd_train(args) -> int:
+    if not args:
+        raise RecipeError("train needs a recipe: python -m launcher train RECIPE [key=value ...]")
+    cfg = load(args[0], args[1:])
+    from .run import train  # imported late: ls/show/validate stay fast
+    report = train(cfg)
+    return 0 if report is not None else 1
+
+
+def cmd_bench(args) -> int:
+    from .bench import bench
+    return bench(args)
+
+
+COMMANDS = {"ls": cmd_ls, "show": cmd_show, "validate": cmd_validate, "train": cmd_train,
+            "bench": cmd_bench}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0 if argv else 2
+    cmd = COMMANDS.get(argv[0])
+    if cmd is None:
+        print(f"unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)}\n\n{USAGE}",
+              file=sys.stderr)
+        return 2
+    try:
+        return cmd(argv[1:])
+    except RecipeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

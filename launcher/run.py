@@ -1,0 +1,74 @@
+"""`python -m launcher train`: write the resolved recipe, supervise the workers, write the report."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from checkpointless.supervisor import JobFailed, Supervisor, SupervisorConfig
+
+
+def supervisor_config(cfg) -> SupervisorConfig:
+    d, c = cfg.distributed, cfg.checkpointless
+    backend = d.backend
+    if backend == "auto":
+        import torch
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    return SupervisorConfig(
+        nproc=d.num_processes, spares=c.spares if c.enabled else 0, refill=c.refill,
+        heartbeat_timeout_s=c.heartbeat_timeout_s, backend=backend, host=d.master_addr,
+        port=d.master_port, seed=cfg.run.seed, pg_timeout_s=c.pg_timeout_s,
+        spare_wait_s=c.spare_wait_s, enabled=c.enabled,
+        faults=[dict(f) for f in OmegaConf.to_container(cfg.faults)])
+
+
+def train(cfg) -> dict | None:
+    out = Path(cfg.run.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    recipe_file = out / "recipe.yaml"
+    recipe_file.write_text(OmegaConf.to_yaml(cfg))
+    (out / "metrics.jsonl").write_text("")  # a new run starts a new metrics file
+    print(f"[launcher] {cfg.run.name}: {cfg.distributed.num_processes} workers + "
+          f"{cfg.checkpointless.spares if cfg.checkpointless.enabled else 0} spares, "
+          f"strategy {cfg.distributed.strategy}, {cfg.trainer.max_steps} steps -> {out}",
+          flush=True)
+    sup = Supervisor([sys.executable, "-m", "launcher.train", str(recipe_file)],
+                     supervisor_config(cfg),
+                     log=lambda m: print(m, flush=True))
+    t0 = time.time()
+    try:
+        run = sup.run()
+    except JobFailed as exc:
+        print(f"[launcher] run failed: {exc}", file=sys.stderr, flush=True)
+        return None
+    results = run["results_by_rank"]
+    r0 = results.get(0, {})
+    report = {
+        "recipe": cfg.run.name,
+        "world_size": run["world_size"],
+        "strategy": cfg.distributed.strategy,
+        "steps_completed": run["steps_completed"],
+        "tokens": r0.get("tokens"),
+        "wall_s": round(time.time() - t0, 3),
+        "final_loss": r0.get("final_loss"),
+        "params_sha256": r0.get("params_sha256"),
+        "params_sha256_by_rank": {str(r): v.get("params_sha256") for r, v in results.items()},
+        "goodput": run["goodput"],
+        "recoveries": run["recoveries"],
+        "workers_by_rank": {str(r): {"worker_id": v.get("worker_id"), "pid": v.get("pid")}
+                            for r, v in results.items()},
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    agree = len(set(report["params_sha256_by_rank"].values())) == 1
+    print(f"[launcher] done: {report['steps_completed']} steps, final loss "
+          f"{report['final_loss']:.4f}, goodput {report['goodput']:.1%}, "
+          f"{len(report['recoveries'])} recoveries, replicas "
+          f"{'agree' if agree else 'DISAGREE'} (params_sha256 {str(report['params_sha256'])[:16]}), "
+          f"report {out / 'report.json'}", flush=True)
+    if not agree:
+        print("[launcher] ERROR: ranks ended with different parameters", file=sys.stderr)
+        return None
+    return report

@@ -1,0 +1,122 @@
+"""The recipe schema: every key a recipe may set, its type, its default and what it means.
+
+A recipe is YAML merged onto these dataclasses; a key that is not here is refused with a
+suggestion, a value of the wrong type names the key and the type expected.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"  # name of the run, used in the default output folder
+    output_dir: str = "runs/${run.name}"  # where the resolved recipe, metrics, model and report go
+    seed: int = 0  # seeds model init, data order, dropout (per step and rank)
+
+
+@dataclass
+class ModelConfig:
+    name: str = "llama"  # registry name (llama, gpt2, gpt-oss) or any transformers model_type
+    id: Optional[str] = None  # Hugging Face hub id or local folder for the config / weights
+    init: str = "random"  # random: built from the config; pretrained: weights loaded from `id`
+    config: Dict[str, Any] = field(default_factory=dict)  # overrides of the transformers config
+    gradient_checkpointing: bool = False  # recompute activations in backward to save memory
+    size: str = ""  # parameter count for people (shown by `launcher ls`), e.g. 8B
+
+
+@dataclass
+class TokenizerConfig:
+    kind: str = "byte"  # byte: built-in byte-level tokenizer (no download); hub: load `id`
+    id: Optional[str] = None  # hub id or local folder when kind=hub (defaults to model.id)
+
+
+@dataclass
+class DataConfig:
+    source: str = "synthetic"  # synthetic (generated offline), hub (datasets hub id) or files
+    id: Optional[str] = None  # hub dataset id when source=hub
+    subset: Optional[str] = None  # hub dataset configuration name, if it has several
+    split: str = "train"  # dataset split to train on
+    files: List[str] = field(default_factory=list)  # json/jsonl/txt/parquet files for source=files
+    text_field: str = "text"  # column holding the text
+    seq_len: int = 256  # tokens per packed training sequence
+    max_docs: Optional[int] = None  # use only the first N documents (quick trials)
+    synthetic_docs: int = 4000  # documents generated when source=synthetic
+    cache_dir: str = ".cache/data"  # tokenized, packed Arrow cache (memory-mapped on load)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4  # peak learning rate of AdamW
+    weight_decay: float = 0.1  # decoupled weight decay on matrices (not on norms and biases)
+    beta1: float = 0.9  # AdamW first-moment decay
+    beta2: float = 0.95  # AdamW second-moment decay
+    eps: float = 1e-8  # AdamW epsilon
+    warmup_steps: int = 100  # linear warm-up from 0 to lr
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at max_steps
+    grad_clip: float = 1.0  # clip the global gradient norm to this (0 disables)
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 1000  # optimizer steps to train
+    micro_batch_size: int = 4  # sequences per forward pass on each worker
+    grad_accum_steps: int = 1  # micro-batches per optimizer step on each worker
+    precision: str = "fp32"  # fp32, or bf16 (autocast; master weights and optimizer stay fp32)
+    log_every: int = 10  # steps between metric lines
+    progress_bar: bool = True  # show a progress bar with loss and tokens/s on rank 0
+    save_model: bool = True  # write the final model with save_pretrained
+
+
+@dataclass
+class DistributedConfig:
+    num_processes: int = 2  # active workers (world size); one per GPU on GPUs
+    strategy: str = "ddp"  # ddp: full replica per worker; fsdp: parameters and optimizer sharded
+    backend: str = "auto"  # auto (nccl with GPUs, else gloo), gloo or nccl
+    master_addr: str = "127.0.0.1"  # address the coordination store listens on
+    master_port: int = 0  # port of the coordination store (0: any free port)
+    threads_per_worker: int = 0  # torch CPU threads per worker (0: cores / processes)
+
+
+@dataclass
+class CheckpointlessConfig:
+    enabled: bool = True  # recover in-process from worker failures (off: a failure stops the run)
+    spares: int = 1  # warm spare workers waiting to take over a failed rank
+    refill: bool = True  # start a new spare in the background after one is used
+    heartbeat_timeout_s: float = 10.0  # training-loop silence before a lagging worker is hung
+    pg_timeout_s: float = 300.0  # last-resort timeout of collectives (hangs are caught sooner)
+    spare_wait_s: float = 600.0  # how long to wait for a spare to warm up before giving up
+
+
+@dataclass
+class FaultConfig:
+    kind: str = "kill"  # kill (SIGKILL), hang (SIGSTOP) or raise (exception in the step)
+    rank: int = 0  # rank that fails
+    step: int = 0  # step at whose start it fails
+
+
+@dataclass
+class Recipe:
+    description: str = ""  # one line on what the recipe is
+    extends: Optional[str] = None  # recipe this one is merged onto (e.g. _base)
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    checkpointless: CheckpointlessConfig = field(default_factory=CheckpointlessConfig)
+    faults: List[FaultConfig] = field(default_factory=list)  # failures to inject (rehearsal)
+
+
+# Values a string field may take; checked before any worker starts.
+CHOICES = {
+    "model.init": ("random", "pretrained"),
+    "tokenizer.kind": ("byte", "hub"),
+    "data.source": ("synthetic", "hub", "files"),
+    "trainer.precision": ("fp32", "bf16"),
+    "distributed.strategy": ("ddp", "fsdp"),
+    "distributed.backend": ("auto", "gloo", "nccl"),
+}

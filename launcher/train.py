@@ -1,0 +1,222 @@
+"""The training loop each worker runs (a spare runs it too, and waits in `join()`).
+
+    python -m launcher.train RUN_DIR/recipe.yaml      (started by `python -m launcher train`)
+
+One readable loop on the public checkpointless API, the same one a custom PyTorch loop uses:
+build everything (imports, tokenizer, model, data cache) *before* joining, so a spare is warm;
+join; shard (fsdp) and build the optimizer; then step. Gradients of a ddp run are averaged in
+one flat buffer in a fixed order (checkpointless.grads), which keeps a recovered run bit-identical
+to an uninterrupted one; fsdp reduce-scatters through FSDP2 (`fully_shard`).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+import checkpointless
+from checkpointless.digest import state_sha256
+
+from .schema import Recipe
+
+
+def lr_at(step: int, cfg) -> float:
+    """Linear warm-up then cosine decay to lr * min_lr_ratio: a pure function of the step."""
+    o, total = cfg.optim, cfg.trainer.max_steps
+    if step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps
+    progress = (step - o.warmup_steps) / max(1, total - o.warmup_steps)
+    return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def build_optimizer(model, cfg):
+    """AdamW, with weight decay on matrices only (not on norms, biases)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    o = cfg.optim
+    return torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+
+
+def shard(model, cfg):
+    """FSDP2: each decoder block and then the root becomes a sharded unit."""
+    from torch.distributed.fsdp import fully_shard
+    blocks = None
+    for attr in ("model.layers", "transformer.h"):
+        obj = model
+        try:
+            for part in attr.split("."):
+                obj = getattr(obj, part)
+            blocks = obj
+            break
+        except AttributeError:
+            continue
+    for block in blocks or []:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def full_state(model, strategy: str) -> dict:
+    """The whole model state on every rank (a collective under fsdp)."""
+    if strategy == "fsdp":
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                              get_model_state_dict)
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                     cpu_offload=False))
+    return model.state_dict()
+
+
+class Metrics:
+    """metrics.jsonl lines and the progress bar, written by rank 0 only."""
+
+    def __init__(self, cfg, out_dir: Path, start_step: int):
+        self.cfg = cfg
+        self.file = open(out_dir / "metrics.jsonl", "a")
+        self.bar = None
+        if cfg.trainer.progress_bar:
+            from tqdm import tqdm
+            self.bar = tqdm(total=cfg.trainer.max_steps, initial=start_step, unit="step",
+                            dynamic_ncols=True, mininterval=1.0, file=sys.stdout)
+        self.tokens_per_step = (cfg.trainer.micro_batch_size * cfg.trainer.grad_accum_steps *
+                                cfg.data.seq_len * cfg.distributed.num_processes)
+        self.window_t, self.window_steps = time.time(), 0
+
+    def step(self, step: int, loss: float, lr: float, grad_norm: float, t0: float, t1: float):
+        self.window_steps += 1
+        rec = {"step": step, "loss": round(loss, 6), "lr": lr, "grad_norm": round(grad_norm, 6),
+               "t_start": round(t0, 6), "t_end": round(t1, 6)}
+        if step % self.cfg.trainer.log_every == 0 or step == self.cfg.trainer.max_steps - 1:
+            elapsed = time.time() - self.window_t
+            rec["tokens_per_s"] = round(self.window_steps * self.tokens_per_step / elapsed, 1)
+            self.window_t, self.window_steps = time.time(), 0
+            if self.bar is None:
+                print(f"step {step} loss {loss:.4f} lr {lr:.2e} "
+                      f"tok/s {rec['tokens_per_s']:.0f}", flush=True)
+        self.file.write(json.dumps(rec) + "\n")
+        self.file.flush()
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{self.tokens_per_step / (t1 - t0):.0f}",
+                                 refresh=False)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+        self.file.close()
+
+
+def main(recipe_file: str) -> None:
+    cfg = OmegaConf.merge(OmegaConf.structured(Recipe), OmegaConf.load(recipe_file))
+    out_dir = Path(recipe_file).parent
+    d, t = cfg.distributed, cfg.trainer
+    backend = d.backend if d.backend != "auto" else ("nccl" if torch.cuda.is_available() else
+                                                     "gloo")
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("CL_DEVICE_SLOT", "0")) %
+                              torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(d.threads_per_worker or
+                              max(1, (os.cpu_count() or 1) // d.num_processes))
+
+    # --- warm-up: everything a worker needs before it holds a rank ---------------------------
+    import datasets
+    datasets.disable_progress_bars()
+    from models import build_model, build_tokenizer
+
+    from .data import StepSampler, prepare
+
+    tokenizer = build_tokenizer(cfg.tokenizer.kind, cfg.tokenizer.id or cfg.model.id)
+    torch.manual_seed(cfg.run.seed)
+    model = build_model(cfg.model.name, cfg.model.init, cfg.model.id,
+                        OmegaConf.to_container(cfg.model.config), vocab_size=len(tokenizer),
+                        token_ids={"eos_token_id": tokenizer.eos_token_id,
+                                   "bos_token_id": tokenizer.bos_token_id,
+                                   "pad_token_id": tokenizer.pad_token_id})
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    model.to(device).train()
+    sampler = StepSampler(prepare(cfg, tokenizer), cfg.run.seed, t.micro_batch_size,
+                          t.grad_accum_steps)
+
+    # --- join: a spare blocks here until it is handed a failed rank -------------------------
+    job = checkpointless.join()
+    if dist.get_world_size() != d.num_processes:
+        raise RuntimeError(f"torch.distributed reports world size {dist.get_world_size()} but "
+                           f"distributed.num_processes={d.num_processes}: refusing to train a "
+                           "silently different job")
+    if d.strategy == "fsdp":
+        shard(model, cfg)
+    optimizer = build_optimizer(model, cfg)
+    job.protect(model=model, optimizer=optimizer)
+    metrics = Metrics(cfg, out_dir, job.completed_steps) if job.rank == 0 else None
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.precision == "bf16")
+    tokens = 0
+    loss_value = float("nan")
+
+    for step in job.steps(t.max_steps):
+        with job.step():
+            lr = lr_at(step, cfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss_sum = torch.zeros(1, device=device)
+            for micro in range(t.grad_accum_steps):
+                job.seed_step(step, micro)
+                ids = sampler.batch(step, job.rank, job.world_size, micro).to(device)
+                if d.strategy == "fsdp" and t.grad_accum_steps > 1:
+                    model.set_requires_gradient_sync(micro == t.grad_accum_steps - 1)
+                with autocast:
+                    loss = model(input_ids=ids, labels=ids).loss
+                (loss / t.grad_accum_steps).backward()
+                loss_sum += loss.detach().float()
+            if d.strategy == "ddp":
+                loss_total = job.all_reduce_grads(model.parameters(), extra=loss_sum)
+            else:  # FSDP already averaged the gradients; the loss needs its own collective
+                loss_total = loss_sum.clone()
+                dist.all_reduce(loss_total)
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                model.parameters(), cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf"))
+            if hasattr(grad_norm, "full_tensor"):
+                grad_norm = grad_norm.full_tensor()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if job.completed_steps == step + 1:  # committed (not rolled into a recovery)
+            loss_value = loss_total.item() / (job.world_size * t.grad_accum_steps)
+            tokens = job.completed_steps * (t.micro_batch_size * t.grad_accum_steps *
+                                            cfg.data.seq_len * job.world_size)
+            if metrics:
+                metrics.step(step, loss_value, lr, float(grad_norm), job.step_started_at, time.time())
+
+    # --- the end: digest of the full state on every rank, model export on rank 0 -------------
+    state = full_state(model, d.strategy)
+    digest = state_sha256(state)
+    if job.rank == 0:
+        if metrics:
+            metrics.close()
+        if t.save_model:
+            export(model, state, tokenizer, out_dir / "model")
+    job.finish({"params_sha256": digest, "final_loss": loss_value, "tokens": tokens,
+                "steps": job.completed_steps, "worker_id": job.worker_id, "pid": os.getpid()})
+
+
+def export(model, state: dict, tokenizer, path: Path) -> None:
+    """save_pretrained with the full (gathered) state, loadable by AutoModelForCausalLM."""
+    inner = model
+    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
+             for k, v in state.items()}
+    inner.save_pretrained(str(path), state_dict=state, safe_serialization=True)
+    tokenizer.save_pretrained(str(path))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,70 @@
+"""Model builders by name, over transformers' Auto classes.
+
+    build_model(name="llama", init="random", config={"hidden_size": 128, ...}, vocab_size=257)
+    build_model(name="llama", id="meta-llama/Meta-Llama-3-8B", init="pretrained")
+
+A registry name maps to a transformers `model_type`; any other model_type transformers knows
+(mistral, qwen2, ...) works as a name too, and any hub id or local folder works through `id`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .tokenizer import build_tokenizer, byte_tokenizer
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    model_type: str  # transformers model_type for AutoConfig.for_model
+    vocab_key: str = "vocab_size"
+
+
+REGISTRY = {
+    "llama": ModelSpec("llama"),
+    "gpt2": ModelSpec("gpt2"),
+    "gpt-oss": ModelSpec("gpt_oss"),
+    "gpt_oss": ModelSpec("gpt_oss"),
+}
+
+
+class UnknownModel(ValueError):
+    pass
+
+
+def model_config(name: str, id: str | None = None, config: dict | None = None,
+                 vocab_size: int | None = None, token_ids: dict | None = None):
+    from transformers import AutoConfig
+    if id:
+        cfg = AutoConfig.from_pretrained(id)
+    else:
+        model_type = REGISTRY[name].model_type if name in REGISTRY else name
+        try:
+            cfg = AutoConfig.for_model(model_type)
+        except ValueError:
+            raise UnknownModel(
+                f"model.name={name!r} is neither a registry name ({', '.join(REGISTRY)}) nor a "
+                "transformers model_type; set model.id to a hub id or folder instead") from None
+    for key, value in (config or {}).items():
+        if not hasattr(cfg, key):
+            raise UnknownModel(f"model.config.{key}: {type(cfg).__name__} has no such field")
+        setattr(cfg, key, value)
+    if vocab_size is not None and "vocab_size" not in (config or {}):
+        cfg.vocab_size = vocab_size
+    for key, value in (token_ids or {}).items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+def build_model(name: str, init: str = "random", id: str | None = None,
+                config: dict | None = None, vocab_size: int | None = None,
+                token_ids: dict | None = None, dtype=None):
+    """A causal LM: random weights from a config, or pretrained weights from `id`."""
+    from transformers import AutoModelForCausalLM
+    if init == "pretrained":
+        return AutoModelForCausalLM.from_pretrained(id, dtype=dtype, **(config or {}))
+    cfg = model_config(name, id, config, vocab_size, token_ids)
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+__all__ = ["REGISTRY", "ModelSpec", "build_model", "model_config", "build_tokenizer",
+           "byte_tokenizer", "UnknownModel"]
