@@ -385,6 +385,11 @@ def join() -> Job:
     job = Job(store, worker_id, spec, host, port)
     store.set(f"ready/{worker_id}", f"{time.time():.6f}")
     plan = job._wait_plan(-1, None)
+    try:  # a refilled spare warmed up at low priority; training runs at normal priority
+        if os.getpriority(os.PRIO_PROCESS, 0) > 0:
+            os.setpriority(os.PRIO_PROCESS, 0, 0)
+    except OSError:
+        pass
     # Workers of the first generation all start from the same seeded state; a worker that joins
     # later is a spare and holds nothing until it receives the state.
     job._has_state = plan.gen == 0

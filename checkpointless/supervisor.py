@@ -84,12 +84,15 @@ class Supervisor:
         self.store = None
 
     # ---- processes -----------------------------------------------------------------------
-    def _spawn(self, slot: int) -> Worker:
+    def _spawn(self, slot: int, background: bool = False) -> Worker:
+        """Start a worker. A background refill runs at low CPU priority while it warms up, so
+        it does not slow the training workers; it takes normal priority when given a rank."""
         wid = self._next_wid
         self._next_wid += 1
         env = dict(self.env, CL_STORE_HOST=self.cfg.host, CL_STORE_PORT=str(self.port),
                    CL_WORKER_ID=str(wid), CL_DEVICE_SLOT=str(slot))
-        proc = subprocess.Popen(self.cmd, env=env)
+        proc = subprocess.Popen(self.cmd, env=env,
+                                preexec_fn=(lambda: os.nice(10)) if background else None)
         w = Worker(wid=wid, proc=proc, slot=slot, started=time.time())
         self.workers[wid] = w
         return w
@@ -171,7 +174,7 @@ class Supervisor:
             for f in pending:
                 if not getattr(f, "_refilled", False):
                     f._refilled = True
-                    self._spawn(self.workers[f.wid].slot)
+                    self._spawn(self.workers[f.wid].slot, background=True)
         deadline = time.time() + self.cfg.spare_wait_s
         said = False
         while True:
@@ -213,7 +216,7 @@ class Supervisor:
                 w.rank = -2
                 if self.cfg.refill:
                     f._refilled = True
-                    self._spawn(w.slot)
+                    self._spawn(w.slot, background=True)
 
     # ---- main loop -----------------------------------------------------------------------
     def run(self) -> dict:
@@ -230,6 +233,7 @@ class Supervisor:
             if slot < cfg.nproc:
                 w.rank = slot
                 self.ranks[w.wid] = slot
+        self.pids_at_start = {w.rank: w.proc.pid for w in self.workers.values() if w.rank >= 0}
         self._publish()
         reported = set()
         errors_seen = 0
@@ -300,7 +304,7 @@ class Supervisor:
                 self.log(f"[checkpointless] spare worker {w.wid} exited (code "
                          f"{w.proc.returncode})" + ("; starting another" if self.cfg.refill else ""))
                 if self.cfg.refill:
-                    self._spawn(w.slot)
+                    self._spawn(w.slot, background=True)
 
     # ---- reporting -----------------------------------------------------------------------
     def _recovery_entry(self, f: Failure) -> dict | None:
@@ -381,5 +385,8 @@ class Supervisor:
             "goodput": goodput_from_steps(steps),
             "recoveries": recoveries,
             "results_by_rank": results,
+            "pids_at_start": self.pids_at_start,
+            "pids_at_end": {w.rank: w.proc.pid for w in self.workers.values() if w.rank >= 0},
+            "worker_ids_at_end": {w.rank: w.wid for w in self.workers.values() if w.rank >= 0},
             "step_times": steps,
         }

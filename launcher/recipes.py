@@ -78,7 +78,21 @@ def _schema_keys(cls=Recipe, prefix="") -> list[str]:
     return keys
 
 
+# Names people bring from other tools, mapped to ours.
+_ALIASES = {"learning_rate": "lr", "batch_size": "micro_batch_size", "steps": "max_steps",
+            "num_steps": "max_steps", "nproc": "num_processes", "world_size": "num_processes",
+            "gradient_accumulation_steps": "grad_accum_steps", "max_grad_norm": "grad_clip",
+            "warmup": "warmup_steps", "seed": "seed", "block_size": "seq_len"}
+
+
 def _suggest(key: str) -> str:
+    head, _, last = key.rpartition(".")
+    if last in _ALIASES:
+        alias = f"{head}.{_ALIASES[last]}" if head else _ALIASES[last]
+        hits = [k for k in _schema_keys() if k == alias or k.endswith("." + _ALIASES[last])]
+        if hits:
+            best = alias if alias in hits else hits[0]
+            return f" Did you mean '{best}'?"
     near = difflib.get_close_matches(key, _schema_keys(), n=1, cutoff=0.6)
     if not near:
         last = key.rsplit(".", 1)[-1]

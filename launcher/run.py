@@ -58,8 +58,10 @@ def train(cfg) -> dict | None:
         "params_sha256_by_rank": {str(r): v.get("params_sha256") for r, v in results.items()},
         "goodput": run["goodput"],
         "recoveries": run["recoveries"],
-        "workers_by_rank": {str(r): {"worker_id": v.get("worker_id"), "pid": v.get("pid")}
-                            for r, v in results.items()},
+        "pids_at_start": {str(r): p for r, p in run["pids_at_start"].items()},
+        "pids_at_end": {str(r): p for r, p in run["pids_at_end"].items()},
+        "local_params_by_rank": {str(r): v.get("local_params") for r, v in results.items()},
+        "full_params": r0.get("full_params"),
     }
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     agree = len(set(report["params_sha256_by_rank"].values())) == 1

@@ -205,7 +205,9 @@ def main(recipe_file: str) -> None:
             metrics.close()
         if t.save_model:
             export(model, state, tokenizer, out_dir / "model")
-    job.finish({"params_sha256": digest, "final_loss": loss_value, "tokens": tokens,
+    local = sum(getattr(p, "_local_tensor", p).numel() for p in model.parameters())
+    job.finish({"params_sha256": digest, "local_params": local,
+                "full_params": sum(v.numel() for v in state.values()), "final_loss": loss_value, "tokens": tokens,
                 "steps": job.completed_steps, "worker_id": job.worker_id, "pid": os.getpid()})
 
 

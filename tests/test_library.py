@@ -1,0 +1,201 @@
+"""checkpointless building blocks, on plain torch (no transformers): fast, real gloo where it counts."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from checkpointless import detection, faults, goodput, membership, transfer
+from checkpointless.grads import all_reduce_grads
+from checkpointless.job import step_seed
+
+
+def _state():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2)).to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 8, dtype=torch.bfloat16)).sum().backward()
+    opt.step()
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 7,
+            "rng": torch.get_rng_state()}
+
+
+def _equal(a, b):
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_flatten_roundtrip_keeps_every_bit_and_dtype():
+    s = _state()
+    skeleton, flat = transfer.flatten_state(s)
+    assert _equal(transfer.unflatten_state(skeleton, flat), s)
+
+
+def _pair(rank, port, tamper, q):
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
+                            timeout=timedelta(seconds=30))
+    try:
+        if rank == 0:
+            if tamper:
+                skel, flat = transfer.flatten_state(_state())
+                dist.send(torch.tensor([len(skel), flat.numel()]), 1)
+                dist.send(torch.frombuffer(bytearray(skel), dtype=torch.uint8), 1)
+                flat[3] ^= 1  # one flipped bit after the digest was taken
+                dist.send(torch.cat([flat, torch.zeros(32, dtype=torch.uint8)]), 1)
+            else:
+                transfer.send_state(_state(), 1)
+        else:
+            try:
+                got, n = transfer.recv_state(0)
+                q.put(("ok", _equal(got, _state()), n))
+            except transfer.IntegrityError as exc:
+                q.put(("integrity", str(exc), 0))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("tamper", [False, True])
+def test_state_transfer_over_gloo_is_exact_and_checked(tamper):
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ps = [ctx.Process(target=_pair, args=(r, store.port, tamper, q)) for r in range(2)]
+    [p.start() for p in ps]
+    kind, value, n = q.get(timeout=60)
+    [p.join(timeout=30) for p in ps]
+    if tamper:
+        assert kind == "integrity" and "SHA-256" in value
+    else:
+        assert kind == "ok" and value is True and n > 0
+
+
+def test_sources_are_load_balanced():
+    pairs = transfer.assign_sources([1, 3, 5, 6], [0, 2])
+    assert sorted(pairs) == [1, 3, 5, 6]
+    assert sorted(pairs.values()) == [0, 0, 2, 2]
+    with pytest.raises(RuntimeError, match="no healthy worker"):
+        transfer.assign_sources([1], [])
+
+
+def test_peer_failure_is_told_from_own_bug():
+    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+                        "[127.0.0.1]:4242: Connection reset by peer")
+    assert detection.is_peer_failure(gloo)
+    assert not detection.is_peer_failure(faults.InjectedFault("injected fault: raise"))
+    assert not detection.is_peer_failure(ValueError("shape mismatch"))
+    assert not detection.is_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+
+
+def test_hung_worker_is_the_silent_one_behind_not_its_blocked_peers():
+    now = 100.0
+    beats = {0: {"t": 95.0, "step": 8}, 1: {"t": 90.0, "step": 7}, 2: {"t": 95.0, "step": 8},
+             3: None}
+    assert detection.find_hung(beats, {}, timeout_s=3.0, now=now) == [1]
+    # all silent at the same step: nobody is declared hung on heartbeats alone
+    same = {0: {"t": 90.0, "step": 8}, 1: {"t": 90.0, "step": 8}}
+    assert detection.find_hung(same, {}, timeout_s=3.0, now=now) == []
+    # recent beats: nobody
+    assert detection.find_hung({0: {"t": 99.0, "step": 1}, 1: {"t": 99.5, "step": 2}}, {},
+                               timeout_s=3.0, now=now) == []
+
+
+def test_a_stopped_process_is_seen_as_stopped():
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert not detection.process_stopped(p.pid)
+        os.kill(p.pid, signal.SIGSTOP)
+        time.sleep(0.2)
+        assert detection.process_stopped(p.pid)
+        beats = {0: {"t": 0.0, "step": 8}, 1: {"t": 0.0, "step": 8}}
+        assert detection.find_hung(beats, {1: p.pid}, timeout_s=3.0, now=10.0) == [1]
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_step_seed_depends_on_step_and_rank_only():
+    assert step_seed(0, 5, 2) == step_seed(0, 5, 2)
+    assert len({step_seed(0, s, r) for s in range(10) for r in range(4)}) == 40
+    assert step_seed(1, 5, 2) != step_seed(0, 5, 2)
+
+
+def test_goodput_counts_committed_step_time_over_span():
+    steps = {0: (0.0, 1.0), 1: (1.0, 2.0), 2: (5.0, 6.0)}  # 3 s of failure between 1 and 2
+    assert goodput.goodput_from_steps(steps) == pytest.approx(0.5)
+    assert goodput.goodput_from_steps({}) is None
+
+
+def test_fault_specs_parse_and_reject():
+    f = faults.parse_faults(["kill:2:5", {"kind": "hang", "rank": 0, "step": 1}])
+    assert f == [faults.Fault("kill", 2, 5), faults.Fault("hang", 0, 1)]
+    with pytest.raises(ValueError, match="explode"):
+        faults.parse_faults(["explode:1:1"])
+    with pytest.raises(ValueError, match="kind:rank:step"):
+        faults.parse_faults(["kill:1"])
+
+
+def test_a_fault_fires_once_even_when_the_step_is_redone():
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    inj = faults.FaultInjector([faults.Fault("raise", 1, 3)], store, worker_id=0)
+    inj.raise_due(0, 3)  # other rank: nothing
+    with pytest.raises(faults.InjectedFault):
+        inj.raise_due(1, 3)
+    replacement = faults.FaultInjector([faults.Fault("raise", 1, 3)], store, worker_id=5)
+    replacement.raise_due(1, 3)  # the spare redoing step 3 does not fail again
+    assert json.loads(store.get("fault_at/0"))["kind"] == "raise"
+
+
+def test_plans_roundtrip_and_the_barrier_gives_way_to_a_newer_generation():
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    membership.publish(store, membership.Plan(gen=0, world_size=2, ranks={10: 0, 11: 1}))
+    plan = membership.read_plan(store, membership.current_gen(store))
+    assert plan.ranks == {10: 0, 11: 1} and plan.t_published > 0
+    membership.publish(store, membership.Plan(gen=1, world_size=2, ranks={10: 0, 12: 1}))
+    assert membership.barrier(store, 0, 2) is False  # gen 0 is stale: do not wait for it
+
+
+def _reduce(rank, port, q):
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    torch.manual_seed(rank)
+    ps = [torch.nn.Parameter(torch.zeros(3, 4)), torch.nn.Parameter(torch.zeros(5))]
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    expect = [p.grad.clone() for p in ps]
+    for e in expect:
+        dist.all_reduce(e)
+        e /= 2
+    extra = all_reduce_grads(ps, 2, extra=torch.tensor([float(rank + 1)]))
+    q.put((rank, all(torch.allclose(p.grad, e) for p, e in zip(ps, expect)), float(extra)))
+    dist.destroy_process_group()
+
+
+def test_flat_gradient_average_matches_per_tensor_and_carries_the_loss():
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ps = [ctx.Process(target=_reduce, args=(r, store.port, q)) for r in range(2)]
+    [p.start() for p in ps]
+    got = sorted(q.get(timeout=60) for _ in range(2))
+    [p.join(timeout=30) for p in ps]
+    assert got == [(0, True, 3.0), (1, True, 3.0)]
+
+
+def test_the_library_does_not_import_transformers():
+    code = ("import sys, checkpointless, checkpointless.supervisor, checkpointless.job; "
+            "print('transformers' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == "False"
