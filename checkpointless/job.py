@@ -97,7 +97,8 @@ class Job:
             if self.rank >= 0 and time.time() - last_beat > 0.5:
                 detection.beat(self.store, self.worker_id, self._completed, self.gen, "recover")
                 last_beat = time.time()
-            time.sleep(0.005)
+            # survivors poll fast (they are mid-recovery); an idle spare polls gently
+            time.sleep(0.005 if self.rank >= 0 else 0.02)
 
     def _teardown_group(self) -> None:
         if dist.is_initialized():
@@ -226,6 +227,15 @@ class Job:
     @property
     def completed_steps(self) -> int:
         return self._completed
+
+    @property
+    def is_replacement(self) -> bool:
+        """True for a spare that took over a rank: its state comes from peers, not from disk."""
+        return not self._has_state
+
+    def resume_at(self, step: int) -> None:
+        """Start counting from `step` (after loading a checkpoint), before the first steps()."""
+        self._completed = step
 
     @property
     def step_started_at(self) -> float:
@@ -372,16 +382,81 @@ def _report_error(job: Job, exc: BaseException) -> None:
         pass
 
 
-def join() -> Job:
-    """Join the job started by the supervisor; blocks until this worker holds a rank."""
+class PlainJob:
+    """The same loop API with no fault tolerance, for a script started by torchrun.
+
+    It lets one training script run both ways: under the supervisor (recovering in-process) or
+    under torchrun (a failure kills the job; torchrun restarts it and the script resumes from its
+    last disk checkpoint), which is the baseline the benchmark measures against.
+    """
+
+    def __init__(self, backend: str, seed: int):
+        dist.init_process_group(backend)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.worker_id, self.gen, self.seed = self.rank, 0, seed
+        self.backend = backend
+        self.device_slot = int(os.environ.get("LOCAL_RANK", "0"))
+        self.is_replacement = False
+        self._completed = 0
+        self._step_t0 = 0.0
+
+    completed_steps = Job.completed_steps
+    step_started_at = Job.step_started_at
+    resume_at = Job.resume_at
+    seed_step = Job.seed_step
+    all_reduce_grads = Job.all_reduce_grads
+
+    def protect(self, **objects) -> None:
+        pass  # nothing to protect: a failure ends the job
+
+    def steps(self, max_steps: int):
+        while self._completed < max_steps:
+            self._step_t0 = time.time()
+            self._scoped = False
+            yield self._completed
+            if not self._scoped:
+                self._completed += 1
+
+    def step(self):
+        job = self
+
+        class _Scope:
+            def __enter__(self):
+                job._scoped = True
+                job.seed_step(job._completed)
+
+            def __exit__(self, exc_type, exc, tb):
+                if exc is None:
+                    job._completed += 1
+                return False
+
+        return _Scope()
+
+    def finish(self, result: dict | None = None) -> None:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def join(seed: int | None = None, backend: str | None = None):
+    """Join the job; blocks until this worker holds a rank (a spare waits here, warm).
+
+    Under the supervisor (`python -m checkpointless` or `python -m launcher train`) this returns a
+    fault-tolerant Job; under torchrun, a PlainJob with the same API and no recovery.
+    """
     host = os.environ.get("CL_STORE_HOST")
     if host is None:
+        if "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ:
+            if backend is None:
+                backend = "nccl" if torch.cuda.is_available() else "gloo"
+            return PlainJob(backend, 0 if seed is None else seed)
         raise RuntimeError("checkpointless.join(): not started by the supervisor. Launch with "
                            "`python -m checkpointless --nproc N --spares S script.py`.")
     port = int(os.environ["CL_STORE_PORT"])
     worker_id = int(os.environ["CL_WORKER_ID"])
     store = membership.connect(host, port)
     spec = json.loads(store.get("spec"))
+    if seed is not None:
+        spec["seed"] = seed
     job = Job(store, worker_id, spec, host, port)
     store.set(f"ready/{worker_id}", f"{time.time():.6f}")
     plan = job._wait_plan(-1, None)

@@ -226,6 +226,9 @@ def validate(cfg: DictConfig) -> None:
              f"must be a rank in 0..{d.num_processes - 1}")
         need(0 <= f.step < t.max_steps, f"faults[{i}].step", f.step,
              f"must be a step in 0..{t.max_steps - 1}")
+    need(cfg.checkpoint.interval >= 0, "checkpoint.interval", cfg.checkpoint.interval,
+         "must be >= 0 (0 disables durable checkpoints)")
+    need(cfg.checkpoint.keep >= 1, "checkpoint.keep", cfg.checkpoint.keep, "must be >= 1")
     if cfg.faults:
         need(c.enabled, "checkpointless.enabled", c.enabled,
              "faults are injected but recovery is off; set checkpointless.enabled=true")

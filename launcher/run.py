@@ -25,19 +25,25 @@ def supervisor_config(cfg) -> SupervisorConfig:
         faults=[dict(f) for f in OmegaConf.to_container(cfg.faults)])
 
 
+def _log(message: str) -> None:
+    # on a terminal, step off the progress bar's line first
+    print(("\n" if sys.stdout.isatty() else "") + message, flush=True)
+
+
 def train(cfg) -> dict | None:
     out = Path(cfg.run.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     recipe_file = out / "recipe.yaml"
     recipe_file.write_text(OmegaConf.to_yaml(cfg))
-    (out / "metrics.jsonl").write_text("")  # a new run starts a new metrics file
+    if cfg.checkpoint.resume != "auto":
+        (out / "metrics.jsonl").write_text("")  # a new run starts a new metrics file
     print(f"[launcher] {cfg.run.name}: {cfg.distributed.num_processes} workers + "
           f"{cfg.checkpointless.spares if cfg.checkpointless.enabled else 0} spares, "
           f"strategy {cfg.distributed.strategy}, {cfg.trainer.max_steps} steps -> {out}",
           flush=True)
     sup = Supervisor([sys.executable, "-m", "launcher.train", str(recipe_file)],
                      supervisor_config(cfg),
-                     log=lambda m: print(m, flush=True))
+                     log=_log)
     t0 = time.time()
     try:
         run = sup.run()

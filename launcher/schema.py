@@ -90,6 +90,14 @@ class CheckpointlessConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    interval: int = 0  # steps between durable checkpoints (0: none; peers hold the live state)
+    keep: int = 2  # newest checkpoints kept on disk
+    dir: str = "${run.output_dir}/checkpoints"  # where checkpoints are written
+    resume: str = "never"  # auto: continue from the newest checkpoint in dir, if any; never
+
+
+@dataclass
 class FaultConfig:
     kind: str = "kill"  # kill (SIGKILL), hang (SIGSTOP) or raise (exception in the step)
     rank: int = 0  # rank that fails
@@ -108,6 +116,7 @@ class Recipe:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     checkpointless: CheckpointlessConfig = field(default_factory=CheckpointlessConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     faults: List[FaultConfig] = field(default_factory=list)  # failures to inject (rehearsal)
 
 
@@ -119,4 +128,5 @@ CHOICES = {
     "trainer.precision": ("fp32", "bf16"),
     "distributed.strategy": ("ddp", "fsdp"),
     "distributed.backend": ("auto", "gloo", "nccl"),
+    "checkpoint.resume": ("never", "auto"),
 }

@@ -150,7 +150,7 @@ def main(recipe_file: str) -> None:
                           t.grad_accum_steps)
 
     # --- join: a spare blocks here until it is handed a failed rank -------------------------
-    job = checkpointless.join()
+    job = checkpointless.join(seed=cfg.run.seed)
     if dist.get_world_size() != d.num_processes:
         raise RuntimeError(f"torch.distributed reports world size {dist.get_world_size()} but "
                            f"distributed.num_processes={d.num_processes}: refusing to train a "
@@ -159,6 +159,7 @@ def main(recipe_file: str) -> None:
         shard(model, cfg)
     optimizer = build_optimizer(model, cfg)
     job.protect(model=model, optimizer=optimizer)
+    ckpt = durable_checkpoints(cfg, job, model, optimizer)
     metrics = Metrics(cfg, out_dir, job.completed_steps) if job.rank == 0 else None
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.precision == "bf16")
     tokens = 0
@@ -190,6 +191,8 @@ def main(recipe_file: str) -> None:
                 grad_norm = grad_norm.full_tensor()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+        if ckpt and job.completed_steps == step + 1 and (step + 1) % cfg.checkpoint.interval == 0:
+            ckpt.save(step + 1)
         if job.completed_steps == step + 1:  # committed (not rolled into a recovery)
             loss_value = loss_total.item() / (job.world_size * t.grad_accum_steps)
             tokens = job.completed_steps * (t.micro_batch_size * t.grad_accum_steps *
@@ -198,6 +201,8 @@ def main(recipe_file: str) -> None:
                 metrics.step(step, loss_value, lr, float(grad_norm), job.step_started_at, time.time())
 
     # --- the end: digest of the full state on every rank, model export on rank 0 -------------
+    if ckpt:
+        ckpt.close()
     state = full_state(model, d.strategy)
     digest = state_sha256(state)
     if job.rank == 0:
@@ -206,9 +211,69 @@ def main(recipe_file: str) -> None:
         if t.save_model:
             export(model, state, tokenizer, out_dir / "model")
     local = sum(getattr(p, "_local_tensor", p).numel() for p in model.parameters())
+    result = {"params_sha256": digest, "local_params": local, "rank": job.rank,
+              "full_params": sum(v.numel() for v in state.values()),
+              "final_loss": loss_value, "steps": job.completed_steps}
+    (out_dir / "results").mkdir(exist_ok=True)
+    (out_dir / "results" / f"rank{job.rank}.json").write_text(json.dumps(result))
     job.finish({"params_sha256": digest, "local_params": local,
                 "full_params": sum(v.numel() for v in state.values()), "final_loss": loss_value, "tokens": tokens,
                 "steps": job.completed_steps, "worker_id": job.worker_id, "pid": os.getpid()})
+
+
+class DurableCheckpoints:
+    """Every `checkpoint.interval` steps the full state goes to disk (rank 0 writes, async)."""
+
+    def __init__(self, cfg, job, model, optimizer):
+        from checkpointless.checkpoint import CheckpointWriter
+        self.cfg, self.job, self.model, self.optimizer = cfg, job, model, optimizer
+        self.writer = CheckpointWriter(cfg.checkpoint.dir, cfg.checkpoint.keep) \
+            if job.rank == 0 else None
+
+    def state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                              get_model_state_dict,
+                                                              get_optimizer_state_dict)
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return {"model": get_model_state_dict(self.model, options=opts),
+                "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=opts)}
+
+    def save(self, step: int) -> None:
+        state = self.state()  # a collective under fsdp: every rank takes part
+        if self.writer:
+            self.writer.save(step, state)
+
+    def load(self, path) -> int:
+        from checkpointless.checkpoint import load
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                              set_model_state_dict,
+                                                              set_optimizer_state_dict)
+        state = load(path)
+        opts = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(self.model, state["model"], options=opts)
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=opts)
+        return int(state["step"])
+
+    def close(self) -> None:
+        if self.writer:
+            self.writer.wait()
+
+
+def durable_checkpoints(cfg, job, model, optimizer):
+    """Set up checkpoints and, with checkpoint.resume=auto, continue from the newest one."""
+    c = cfg.checkpoint
+    if c.interval <= 0 and c.resume == "never":
+        return None
+    ckpt = DurableCheckpoints(cfg, job, model, optimizer)
+    if c.resume == "auto" and not job.is_replacement:
+        from checkpointless.checkpoint import latest
+        found = latest(c.dir)
+        if found:
+            step = ckpt.load(found[1])
+            job.resume_at(step)
+            if job.rank == 0:
+                print(f"[launcher] resumed from checkpoint {found[1]} at step {step}", flush=True)
+    return ckpt if c.interval > 0 else None
 
 
 def export(model, state: dict, tokenizer, path: Path) -> None:
