@@ -247,6 +247,8 @@ class Job:
         if self._unsynced_plan is not None:
             plan, self._unsynced_plan = self._unsynced_plan, None
             self._sync_first(plan)
+            if self.rank == 0 and plan.gen == 0:  # where this run's step records begin
+                self.store.set("first_step", str(self._completed))
         while True:
             if self._membership_moved() and not self._failed:
                 self._failed, self._fail_t = True, time.time()

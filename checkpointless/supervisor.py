@@ -364,7 +364,8 @@ class Supervisor:
 
     def _report(self, t_start: float) -> dict:
         steps = {}
-        for key_step in range(0, 10 ** 9):
+        first = int(self.store.get("first_step")) if self.store.check(["first_step"]) else 0
+        for key_step in range(first, 10 ** 9):
             key = f"steps/{key_step}"
             if not self.store.check([key]):
                 break

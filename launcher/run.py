@@ -56,7 +56,8 @@ def train(cfg) -> dict | None:
         "recipe": cfg.run.name,
         "world_size": run["world_size"],
         "strategy": cfg.distributed.strategy,
-        "steps_completed": run["steps_completed"],
+        "steps_completed": r0.get("steps", run["steps_completed"]),
+        "steps_this_launch": run["steps_completed"],
         "tokens": r0.get("tokens"),
         "wall_s": round(time.time() - t0, 3),
         "final_loss": r0.get("final_loss"),
@@ -71,8 +72,10 @@ def train(cfg) -> dict | None:
     }
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     agree = len(set(report["params_sha256_by_rank"].values())) == 1
+    loss, good = report["final_loss"], report["goodput"]
     print(f"[launcher] done: {report['steps_completed']} steps, final loss "
-          f"{report['final_loss']:.4f}, goodput {report['goodput']:.1%}, "
+          f"{'-' if loss is None else f'{loss:.4f}'}, "
+          f"goodput {'-' if good is None else f'{good:.1%}'}, "
           f"{len(report['recoveries'])} recoveries, replicas "
           f"{'agree' if agree else 'DISAGREE'} (params_sha256 {str(report['params_sha256'])[:16]}), "
           f"report {out / 'report.json'}", flush=True)
