@@ -98,7 +98,7 @@ class Job:
                 detection.beat(self.store, self.worker_id, self._completed, self.gen, "recover")
                 last_beat = time.time()
             # survivors poll fast (they are mid-recovery); an idle spare polls gently
-            time.sleep(0.005 if self.rank >= 0 else 0.02)
+            time.sleep(0.005 if self.rank >= 0 else 0.05)
 
     def _teardown_group(self) -> None:
         if dist.is_initialized():
@@ -326,7 +326,7 @@ class Job:
         the communicator turns that wait into an immediate error that the step scope recovers from.
         """
         store = membership.connect(self._host, self._port)
-        while not self._stop_watch.wait(0.05):
+        while not self._stop_watch.wait(0.1):
             try:
                 g = membership.current_gen(store)
             except Exception:

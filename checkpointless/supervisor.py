@@ -62,7 +62,7 @@ class SupervisorConfig:
     faults: list = field(default_factory=list)
     pg_timeout_s: float = 300.0
     spare_wait_s: float = 600.0
-    poll_s: float = 0.01
+    poll_s: float = 0.02
     enabled: bool = True
 
 
@@ -71,7 +71,9 @@ class JobFailed(RuntimeError):
 
 
 class Supervisor:
-    def __init__(self, cmd: list[str], cfg: SupervisorConfig, env: dict | None = None, log=print):
+    def __init__(self, cmd: list[str], cfg: SupervisorConfig, env: dict | None = None, log=print,
+                 on_start=None):
+        self.on_start = on_start
         self.cmd = cmd
         self.cfg = cfg
         self.env = dict(os.environ if env is None else env)
@@ -108,6 +110,11 @@ class Supervisor:
     def _ready_spares(self) -> list[Worker]:
         return [w for w in self.workers.values()
                 if w.rank < 0 and w.proc.poll() is None and self.store.check([f"ready/{w.wid}"])]
+
+    def active_pids(self) -> dict[int, int]:
+        """rank -> pid of the worker holding it now."""
+        return {w.rank: w.proc.pid for wid, w in list(self.workers.items())
+                if wid in self.ranks and w.proc.poll() is None}
 
     def _live_spares(self) -> list[Worker]:
         return [w for w in self.workers.values() if w.rank < 0 and w.proc.poll() is None]
@@ -235,6 +242,8 @@ class Supervisor:
                 self.ranks[w.wid] = slot
         self.pids_at_start = {w.rank: w.proc.pid for w in self.workers.values() if w.rank >= 0}
         self._publish()
+        if self.on_start:
+            self.on_start(self)
         reported = set()
         errors_seen = 0
         next_slow = 0.0

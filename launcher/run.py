@@ -30,7 +30,9 @@ def _log(message: str) -> None:
     print(("\n" if sys.stdout.isatty() else "") + message, flush=True)
 
 
-def train(cfg) -> dict | None:
+def train(cfg, on_start=None) -> dict | None:
+    """Run a resolved recipe under the supervisor; `on_start(supervisor)` is called once the
+    workers are spawned (the benchmark uses it to inject failures from outside)."""
     out = Path(cfg.run.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     recipe_file = out / "recipe.yaml"
@@ -43,7 +45,7 @@ def train(cfg) -> dict | None:
           flush=True)
     sup = Supervisor([sys.executable, "-m", "launcher.train", str(recipe_file)],
                      supervisor_config(cfg),
-                     log=_log)
+                     log=_log, on_start=on_start)
     t0 = time.time()
     try:
         run = sup.run()
