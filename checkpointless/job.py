@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from . import detection, membership, transfer
 from .faults import FaultInjector, InjectedFault, parse_faults
+from .redundancy import ShardReplicas, pick_holders, restorable_step
 
 
 class Evicted(RuntimeError):
@@ -75,6 +76,8 @@ class Job:
         self._injector = FaultInjector(parse_faults(spec.get("faults", [])), store, worker_id)
         self.last_recovery: dict | None = None
         self._unsynced_plan: membership.Plan | None = None
+        self._replicas: ShardReplicas | None = None
+        self._fallback = None
 
     # ---- membership ----------------------------------------------------------------------
     def _wait_plan(self, after_gen: int, timeout_s: float | None) -> membership.Plan:
@@ -176,6 +179,8 @@ class Job:
         return 4 * self.heartbeat_timeout_s + 60
 
     def _agree_and_transfer(self) -> dict:
+        if self._replicas is not None:
+            return self._agree_and_restore_shards()
         mine = self._completed if self._has_state else -1
         steps = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
         dist.all_gather(steps, torch.tensor([mine], dtype=torch.int64))
@@ -203,6 +208,77 @@ class Job:
                 "bytes_sent": sent, "bytes_received": received, "transfer_s": time.time() - t0,
                 "source": pairs.get(self.rank)}
 
+    def _agree_and_restore_shards(self) -> dict:
+        """Sharded state: roll every rank back to the newest step all slices exist for.
+
+        Survivors restore their own snapshot (if they went past it), each spare receives its
+        rank's slice from a peer holding a copy; if no peer holds some slice, every rank loads
+        the newest durable checkpoint instead.
+        """
+        t0 = time.time()
+        mine = {"completed": self._completed if self._has_state else -1,
+                **self._replicas.summary()}
+        infos = [None] * self.world_size
+        dist.all_gather_object(infos, mine)
+        newest = max(i["completed"] for i in infos)
+        step = restorable_step(infos)
+        info = {"steps_by_rank": [i["completed"] for i in infos], "bytes_sent": 0,
+                "bytes_received": 0, "pairs": {}, "source": None}
+        if step is None or (step < newest and self._fallback_only_newer(step)):
+            return self._restore_from_disk(info, newest, t0)
+        holders = pick_holders(infos, step)
+        if self._has_state and self._completed != step:
+            skel, flat = self._replicas.own[step]
+            self._load(transfer.unflatten_state(skel, flat))
+        for f, h in holders.items():
+            if self.rank == h:
+                skel, flat = self._replicas.held[f][step]
+                info["bytes_sent"] += transfer.send_state(transfer.unflatten_state(skel, flat), f)
+            elif self.rank == f:
+                state, info["bytes_received"] = transfer.recv_state(h)
+                self._load(state)
+                info["source"] = h
+        self._completed = step
+        self._has_state = True
+        self._zero_grads()
+        info.update(resumed_step=step, pairs=holders, restored_from="peer_memory",
+                    steps_redone=max(0, newest - step), transfer_s=time.time() - t0)
+        return info
+
+    def _fallback_only_newer(self, step: int) -> bool:
+        return False  # a peer-memory step is always preferred to disk when one exists
+
+    def _restore_from_disk(self, info: dict, newest: int, t0: float) -> dict:
+        if self._fallback is None:
+            raise RuntimeError("a lost slice has no copy in any peer's memory and no durable "
+                               "checkpoint is configured (set checkpoint.interval)")
+        newest_step, load_step = self._fallback
+        mine = newest_step()
+        found = [None] * self.world_size
+        dist.all_gather_object(found, mine)  # every rank must load the same checkpoint
+        step = None if None in found else min(found)
+        if step is not None:
+            load_step(step)
+        if step is None:
+            raise RuntimeError("a lost slice has no copy in any peer's memory and no durable "
+                               "checkpoint has been written yet")
+        if self.rank == 0:
+            print(f"[checkpointless] no peer holds every lost slice: all ranks resume from the "
+                  f"durable checkpoint at step {step} ({newest - step} steps to redo)", flush=True)
+        self._completed = step
+        self._has_state = True
+        self._replicas.own.clear()
+        self._replicas.held.clear()
+        self._zero_grads()
+        info.update(resumed_step=step, restored_from="durable_checkpoint",
+                    steps_redone=max(0, newest - step), transfer_s=time.time() - t0)
+        return info
+
+    def _zero_grads(self) -> None:
+        for obj in self._objects.values():
+            if isinstance(obj, torch.nn.Module):
+                obj.zero_grad(set_to_none=True)
+
     # ---- state ---------------------------------------------------------------------------
     def protect(self, **objects) -> None:
         """Register what a replacement needs: anything with state_dict() / load_state_dict()."""
@@ -212,6 +288,36 @@ class Job:
             if isinstance(obj, torch.optim.Optimizer):
                 obj.register_step_post_hook(self._on_optimizer_step)
         self._objects.update(objects)
+        sharded = any(_is_dtensor(p) for o in objects.values() if isinstance(o, torch.nn.Module)
+                      for p in o.parameters())
+        if sharded and self._replicas is None:
+            rep = self.spec.get("replication", {})
+            self._replicas = ShardReplicas(int(rep.get("factor", 2)), int(rep.get("interval", 1)),
+                                           int(rep.get("offset", 1)))
+            self._check_host_memory()
+
+    def set_fallback(self, newest_step, load_step) -> None:
+        """Durable checkpoints, used when no peer holds a lost slice: `newest_step()` gives the
+        newest step on disk (None if none, finishing any write in flight first) and
+        `load_step(step)` loads that checkpoint into the live objects."""
+        self._fallback = (newest_step, load_step)
+
+    def _check_host_memory(self) -> None:
+        """Refuse to start when the peer copies would not fit in this node's memory."""
+        local = sum(_local(p).numel() * _local(p).element_size() for o in self._objects.values()
+                    if isinstance(o, torch.nn.Module) for p in o.parameters())
+        need = local * 3 * self._replicas.factor * 2  # params + 2 Adam moments, 2 versions each
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            return
+        per_worker = avail / max(1, int(self.spec.get("workers_per_node", 1)))
+        if need > per_worker:
+            raise RuntimeError(
+                f"checkpointless.replication.factor={self._replicas.factor} needs about "
+                f"{need / 1e9:.1f} GB of host memory per worker for peer copies, but this node "
+                f"has {per_worker / 1e9:.1f} GB available per worker. Lower the factor, raise "
+                "checkpointless.replication.interval (same memory, fewer copies) or add nodes")
 
     def _on_optimizer_step(self, *_):
         self._applied = True
@@ -221,7 +327,10 @@ class Job:
 
     def _load(self, state: dict) -> None:
         for name, obj in self._objects.items():
-            obj.load_state_dict(state[name])
+            value = state[name]
+            if self._replicas is not None:  # plain local shards -> DTensors shaped like the live ones
+                value = _as_sharded(obj, value)
+            obj.load_state_dict(value)
 
     # ---- the loop ------------------------------------------------------------------------
     @property
@@ -259,6 +368,14 @@ class Job:
             step = self._completed
             detection.beat(self.store, self.worker_id, step, self.gen, "step")
             self._injector.before_step(self.rank, step)
+            if self._replicas is not None and self._replicas.due(step):
+                try:
+                    self._replicas.replicate(step, self._state(), self.rank, self.world_size)
+                except Exception as exc:
+                    if not detection.is_peer_failure(exc):
+                        raise
+                    self._failed, self._fail_t = True, time.time()
+                    continue
             self._scope_used = False
             self._step_t0 = time.time()
             yield step
@@ -473,3 +590,37 @@ def join(seed: int | None = None, backend: str | None = None):
     job._enter_generation(plan, sync=False)
     job._start_watch()
     return job
+
+
+def _is_dtensor(t) -> bool:
+    return hasattr(t, "device_mesh") and hasattr(t, "to_local")
+
+
+def _local(t):
+    return t.to_local() if _is_dtensor(t) else t
+
+
+def _like(local: torch.Tensor, ref):
+    """`local` (a shard) as a DTensor placed like `ref`, or as is when `ref` is not sharded."""
+    if not _is_dtensor(ref):
+        return local
+    from torch.distributed.tensor import DTensor
+    return DTensor.from_local(local.to(ref.device), ref.device_mesh, ref.placements,
+                              shape=ref.shape, stride=ref.stride(), run_check=False)
+
+
+def _as_sharded(obj, value):
+    if isinstance(obj, torch.nn.Module):
+        live = obj.state_dict()
+        return {k: _like(v, live[k]) if k in live else v for k, v in value.items()}
+    if isinstance(obj, torch.optim.Optimizer):
+        params = [p for g in obj.param_groups for p in g["params"]]
+        order = [i for g in value["param_groups"] for i in g["params"]]
+        by_id = dict(zip(order, params))
+        state = {}
+        for idx, st in value["state"].items():
+            p = by_id[idx]
+            state[idx] = {k: (_like(v, p) if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
+                          for k, v in st.items()}
+        return {"state": state, "param_groups": value["param_groups"]}
+    return value

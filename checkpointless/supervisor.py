@@ -64,6 +64,7 @@ class SupervisorConfig:
     spare_wait_s: float = 600.0
     poll_s: float = 0.02
     enabled: bool = True
+    replication: dict = field(default_factory=lambda: {"factor": 2, "interval": 1, "offset": 1})
 
 
 class JobFailed(RuntimeError):
@@ -232,7 +233,8 @@ class Supervisor:
                                    timeout=timedelta(seconds=60))
         self.port = self.store.port
         spec = {"backend": cfg.backend, "heartbeat_timeout_s": cfg.heartbeat_timeout_s,
-                "seed": cfg.seed, "faults": cfg.faults, "pg_timeout_s": cfg.pg_timeout_s}
+                "seed": cfg.seed, "faults": cfg.faults, "pg_timeout_s": cfg.pg_timeout_s,
+                "replication": cfg.replication, "workers_per_node": cfg.nproc + cfg.spares}
         self.store.set("spec", json.dumps(spec))
         t_start = time.time()
         for slot in range(cfg.nproc + cfg.spares):
@@ -353,6 +355,8 @@ class Supervisor:
             "source_ranks": sorted({int(s) for r in recs for s in r["pairs"].values()}),
             "served": {str(k): v for k, v in recs[0]["pairs"].items()},
             "resumed_step": recs[0]["resumed_step"],
+            "restored_from": recs[0].get("restored_from", "peer_memory"),
+            "steps_redone": recs[0].get("steps_redone", 0),
         }
 
     def _say_recoveries(self, reported: set) -> None:

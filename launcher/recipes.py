@@ -226,6 +226,12 @@ def validate(cfg: DictConfig) -> None:
              f"must be a rank in 0..{d.num_processes - 1}")
         need(0 <= f.step < t.max_steps, f"faults[{i}].step", f.step,
              f"must be a step in 0..{t.max_steps - 1}")
+    rep = c.replication
+    need(rep.factor >= 1, "checkpointless.replication.factor", rep.factor,
+         "must be >= 1 (1: no peer copies; 2: one copy in a peer's memory)")
+    need(rep.factor <= max(1, d.num_processes), "checkpointless.replication.factor", rep.factor,
+         f"cannot exceed distributed.num_processes={d.num_processes}")
+    need(rep.interval >= 1, "checkpointless.replication.interval", rep.interval, "must be >= 1")
     need(cfg.checkpoint.interval >= 0, "checkpoint.interval", cfg.checkpoint.interval,
          "must be >= 0 (0 disables durable checkpoints)")
     need(cfg.checkpoint.keep >= 1, "checkpoint.keep", cfg.checkpoint.keep, "must be >= 1")

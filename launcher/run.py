@@ -22,6 +22,8 @@ def supervisor_config(cfg) -> SupervisorConfig:
         heartbeat_timeout_s=c.heartbeat_timeout_s, backend=backend, host=d.master_addr,
         port=d.master_port, seed=cfg.run.seed, pg_timeout_s=c.pg_timeout_s,
         spare_wait_s=c.spare_wait_s, enabled=c.enabled,
+        replication={"factor": c.replication.factor, "interval": c.replication.interval,
+                     "offset": 1},  # one launcher per node today: the ring is within the node
         faults=[dict(f) for f in OmegaConf.to_container(cfg.faults)])
 
 

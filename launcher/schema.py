@@ -80,6 +80,13 @@ class DistributedConfig:
 
 
 @dataclass
+class ReplicationConfig:
+    factor: int = 2  # copies of each rank's slice under fsdp (itself + factor-1 peers' memory)
+    interval: int = 1  # steps between peer copies (more steps: less overhead, more to redo)
+    placement: str = "auto"  # auto/ring: next ranks; nodes: a node apart (with several nodes)
+
+
+@dataclass
 class CheckpointlessConfig:
     enabled: bool = True  # recover in-process from worker failures (off: a failure stops the run)
     spares: int = 1  # warm spare workers waiting to take over a failed rank
@@ -87,6 +94,7 @@ class CheckpointlessConfig:
     heartbeat_timeout_s: float = 10.0  # training-loop silence before a lagging worker is hung
     pg_timeout_s: float = 300.0  # last-resort timeout of collectives (hangs are caught sooner)
     spare_wait_s: float = 600.0  # how long to wait for a spare to warm up before giving up
+    replication: ReplicationConfig = field(default_factory=ReplicationConfig)
 
 
 @dataclass
@@ -129,4 +137,5 @@ CHOICES = {
     "distributed.strategy": ("ddp", "fsdp"),
     "distributed.backend": ("auto", "gloo", "nccl"),
     "checkpoint.resume": ("never", "auto"),
+    "checkpointless.replication.placement": ("auto", "ring", "nodes"),
 }

@@ -254,17 +254,32 @@ class DurableCheckpoints:
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=opts)
         return int(state["step"])
 
+    def newest_step(self):
+        from checkpointless.checkpoint import latest
+        if self.writer:
+            self.writer.wait()  # a write in flight finishes first: it may be the newest
+        found = latest(self.cfg.checkpoint.dir)
+        return found[0] if found else None
+
+    def load_step(self, step: int) -> int:
+        return self.load(Path(self.cfg.checkpoint.dir) / f"step-{step:08d}.pt")
+
     def close(self) -> None:
         if self.writer:
             self.writer.wait()
 
 
 def durable_checkpoints(cfg, job, model, optimizer):
-    """Set up checkpoints and, with checkpoint.resume=auto, continue from the newest one."""
+    """Set up checkpoints and, with checkpoint.resume=auto, continue from the newest one.
+
+    The newest checkpoint is also the job's fallback when a lost slice has no copy in any
+    peer's memory (a rank and all its replica holders lost together)."""
     c = cfg.checkpoint
     if c.interval <= 0 and c.resume == "never":
         return None
     ckpt = DurableCheckpoints(cfg, job, model, optimizer)
+    if hasattr(job, "set_fallback"):
+        job.set_fallback(ckpt.newest_step, ckpt.load_step)
     if c.resume == "auto" and not job.is_replacement:
         from checkpointless.checkpoint import latest
         found = latest(c.dir)
