@@ -126,11 +126,32 @@ class Job:
             rank=self.rank, world_size=self.world_size,
             timeout=timedelta(seconds=self.pg_timeout_s))
         self._t_group = time.time()
+        self._rebind_sharded_modules()
         got = dist.get_world_size()
         if got != self.world_size:
             raise RuntimeError(f"process group has world size {got}, the plan asked for "
                                f"{self.world_size}")
         return True
+
+    def _rebind_sharded_modules(self) -> None:
+        """Point FSDP2 modules at the new process group.
+
+        FSDP keeps the group object it was built with; after a regroup that object is dead.
+        The new default group gets the old one's name, so DTensor's mesh resolves to it; only
+        FSDP's cached handles need replacing, no parameter moves.
+        """
+        world = dist.group.WORLD
+        for obj in self._objects.values():
+            if not isinstance(obj, torch.nn.Module):
+                continue
+            for module in obj.modules():
+                get_state = getattr(module, "_get_fsdp_state", None)
+                group = get_state()._fsdp_param_group if get_state else None
+                if group is None:
+                    continue
+                for info in (group.mesh_info, getattr(group, "post_forward_mesh_info", None)):
+                    if info is not None and hasattr(info, "shard_process_group"):
+                        info.shard_process_group = world
 
     def _enter_generation(self, first_plan: membership.Plan, sync: bool = True) -> None:
         """Build the group for a plan (or a newer one) and bring every member to one state.
@@ -216,6 +237,11 @@ class Job:
         the newest durable checkpoint instead.
         """
         t0 = time.time()
+        for obj in self._objects.values():  # a step cut short may leave FSDP params gathered
+            if isinstance(obj, torch.nn.Module):
+                for module in obj.modules():
+                    if hasattr(module, "reshard") and hasattr(module, "_get_fsdp_state"):
+                        module.reshard()
         mine = {"completed": self._completed if self._has_state else -1,
                 **self._replicas.summary()}
         infos = [None] * self.world_size

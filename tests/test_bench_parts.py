@@ -21,7 +21,9 @@ def test_schedule_is_seeded_and_has_the_asked_mean():
     from launcher.bench import BenchConfig
     a = schedule(BenchConfig(mtbf_s=10, seed=1), horizon_s=10000)
     b = schedule(BenchConfig(mtbf_s=10, seed=1), horizon_s=10000)
-    assert a == b and 800 < len(a) < 1200  # ~1000 failures in 10000 s at MTBF 10 s
+    assert a == b and 950 < len(a) < 1050  # ~1000 failures in 10000 s at MTBF 10 s
+    gaps = [y[0] - x[0] for x, y in zip(a, a[1:])]
+    assert min(gaps) >= 5 and max(gaps) <= 15
 
 
 def test_summary_counts_final_attempts_redone_steps_and_recovery():

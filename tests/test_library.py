@@ -199,3 +199,29 @@ def test_the_library_does_not_import_transformers():
             "print('transformers' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.stdout.strip() == "False"
+
+
+def test_watch_thread_aborts_the_communicator_when_membership_moves_mid_step(monkeypatch):
+    """The NCCL release path: a survivor stuck in a collective is freed by aborting its
+    communicator as soon as the supervisor publishes a new generation (no NCCL here, so the
+    abort call itself is observed)."""
+    from checkpointless.job import Job
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store.set("gen", "0")
+    calls = []
+    monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group",
+                        lambda *a, **k: calls.append(time.time()))
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    job = Job(store, 0, {"backend": "nccl", "heartbeat_timeout_s": 5}, "127.0.0.1", store.port)
+    job.gen, job.rank, job._in_step = 0, 0, True
+    job._start_watch()
+    time.sleep(0.3)
+    assert calls == [] and not job._membership_moved()
+    t0 = time.time()
+    store.set("gen", "1")
+    deadline = time.time() + 3
+    while not calls and time.time() < deadline:
+        time.sleep(0.01)
+    job._stop_watch.set()
+    assert calls and calls[0] - t0 < 1.0  # released within one poll, not a collective timeout
+    assert job._membership_moved()
