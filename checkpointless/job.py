@@ -17,6 +17,7 @@ state from a source. No disk, no restart, no model rebuild.
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -32,6 +33,7 @@ import torch.distributed as dist
 from . import detection, membership, transfer
 from .faults import FaultInjector, InjectedFault, parse_faults
 from .redundancy import ShardReplicas, pick_holders, restorable_step
+from .release import sever_peer_connections
 
 
 class Evicted(RuntimeError):
@@ -104,6 +106,9 @@ class Job:
             time.sleep(0.005 if self.rank >= 0 else 0.05)
 
     def _teardown_group(self) -> None:
+        # Drop FSDP's handles on the old group first: while anything references it, its
+        # sockets stay open and a peer blocked on us would wait for the timeout.
+        self._rebind_sharded_modules(None)
         if dist.is_initialized():
             try:
                 dist.distributed_c10d._abort_process_group()
@@ -113,10 +118,14 @@ class Job:
                 dist.destroy_process_group()
             except Exception:
                 pass
+            gc.collect()
+            if self.backend == "gloo":  # peers blocked on us get an error now, not at timeout
+                sever_peer_connections({self._port})
 
     def _form_group(self, plan: membership.Plan) -> bool:
         self._teardown_group()
         self.gen = plan.gen
+        self._replications_this_gen = 0
         self.rank = plan.ranks[self.worker_id]
         self.world_size = plan.world_size
         if not membership.barrier(self.store, plan.gen, plan.world_size):
@@ -133,14 +142,14 @@ class Job:
                                f"{self.world_size}")
         return True
 
-    def _rebind_sharded_modules(self) -> None:
+    def _rebind_sharded_modules(self, group="world") -> None:
         """Point FSDP2 modules at the new process group.
 
         FSDP keeps the group object it was built with; after a regroup that object is dead.
         The new default group gets the old one's name, so DTensor's mesh resolves to it; only
         FSDP's cached handles need replacing, no parameter moves.
         """
-        world = dist.group.WORLD
+        world = dist.group.WORLD if group == "world" else group
         for obj in self._objects.values():
             if not isinstance(obj, torch.nn.Module):
                 continue
@@ -396,7 +405,12 @@ class Job:
             self._injector.before_step(self.rank, step)
             if self._replicas is not None and self._replicas.due(step):
                 try:
-                    self._replicas.replicate(step, self._state(), self.rank, self.world_size)
+                    # message sizes are exchanged on the first two copies of each generation
+                    # (the optimizer state appears after the first step), then reused
+                    known = self._replications_this_gen >= 2
+                    self._replicas.replicate(step, self._state(), self.rank, self.world_size,
+                                             moved=self._membership_moved, sizes_known=known)
+                    self._replications_this_gen += 1
                 except Exception as exc:
                     if not detection.is_peer_failure(exc):
                         raise

@@ -11,6 +11,8 @@ previous version complete everywhere.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -27,6 +29,7 @@ class ShardReplicas:
         self.own: dict[int, tuple[bytes, torch.Tensor]] = {}  # step -> my slice
         self.held: dict[int, dict[int, tuple[bytes, torch.Tensor]]] = {}  # rank -> step -> slice
         self.bytes_per_copy = 0
+        self._sizes: dict[int, int] = {}  # source rank -> bytes of its last message
 
     def holders_of(self, rank: int, world: int) -> list[int]:
         return [(rank + i * self.offset) % world for i in range(1, self.factor)
@@ -44,33 +47,35 @@ class ShardReplicas:
     def due(self, step: int) -> bool:
         return self.factor > 1 and step % self.interval == 0
 
-    def replicate(self, step: int, state, rank: int, world: int) -> int:
+    def replicate(self, step: int, state, rank: int, world: int, moved=None,
+                  sizes_known: bool = False) -> int:
         """Snapshot my slice (the state after `step` steps) and swap copies with my peers.
 
         A collective over the members: all ranks call it at the same step. Returns bytes sent.
+        In steady state (`sizes_known`, the same on every rank) each rank sends one message per
+        holder, sized as last time: a peer that fails cannot leave another waiting for a second
+        message that will never come. Otherwise sizes go first, in their own exchange.
         """
         skel, flat = flatten_state(state)
-        flat = flat.clone()  # flatten may alias a single tensor: own the bytes
-        self.own[step] = (skel, flat)
+        self.own[step] = (skel, flat.clone())  # flatten may alias a single tensor: own the bytes
         self._trim(self.own)
         self.bytes_per_copy = len(skel) + flat.numel()
-        skel_t = torch.frombuffer(bytearray(skel), dtype=torch.uint8)
+        payload = torch.cat([torch.tensor([len(skel)], dtype=torch.int64).view(torch.uint8),
+                             torch.frombuffer(bytearray(skel), dtype=torch.uint8), flat])
         holders, sources = self.holders_of(rank, world), self.sources_for(rank, world)
-        mine = torch.tensor([len(skel), flat.numel()], dtype=torch.int64)
-        sizes = {s: torch.empty(2, dtype=torch.int64) for s in sources}
-        ops = [dist.P2POp(dist.isend, mine, h) for h in holders]
-        ops += [dist.P2POp(dist.irecv, sizes[s], s) for s in sources]
-        _run(ops)
-        bufs = {s: (torch.empty(int(sizes[s][0]), dtype=torch.uint8),
-                    torch.empty(int(sizes[s][1]), dtype=torch.uint8)) for s in sources}
-        ops = [op for h in holders for op in (dist.P2POp(dist.isend, skel_t, h),
-                                              dist.P2POp(dist.isend, flat, h))]
-        ops += [op for s in sources for op in (dist.P2POp(dist.irecv, bufs[s][0], s),
-                                               dist.P2POp(dist.irecv, bufs[s][1], s))]
-        _run(ops)
+        if not (sizes_known and all(s in self._sizes for s in sources)):
+            mine = torch.tensor([payload.numel()], dtype=torch.int64)
+            got = {s: torch.empty(1, dtype=torch.int64) for s in sources}
+            _run([dist.P2POp(dist.isend, mine, h) for h in holders] +
+                 [dist.P2POp(dist.irecv, got[s], s) for s in sources], moved)
+            self._sizes.update({s: int(got[s]) for s in sources})
+        bufs = {s: torch.empty(self._sizes[s], dtype=torch.uint8) for s in sources}
+        _run([dist.P2POp(dist.isend, payload, h) for h in holders] +
+             [dist.P2POp(dist.irecv, bufs[s], s) for s in sources], moved)
         for s in sources:  # only complete copies are kept
+            n = int(bufs[s][:8].view(torch.int64))
             versions = self.held.setdefault(s, {})
-            versions[step] = (bufs[s][0].numpy().tobytes(), bufs[s][1])
+            versions[step] = (bufs[s][8:8 + n].numpy().tobytes(), bufs[s][8 + n:].clone())
             self._trim(versions)
         return self.bytes_per_copy * len(holders)
 
@@ -83,10 +88,21 @@ class ShardReplicas:
         return own + held
 
 
-def _run(ops) -> None:
-    if ops:
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
+class MembershipMoved(RuntimeError):
+    """Raised instead of waiting on a peer that has gone into recovery."""
+
+
+def _run(ops, moved=None) -> None:
+    """Run point-to-point ops and wait for them.
+
+    (Gloo's send/recv work reports completion only through wait(), so this cannot poll; a peer
+    that leaves for recovery releases us by tearing its group down, which closes the sockets.)"""
+    if not ops:
+        return
+    for r in dist.batch_isend_irecv(ops):
+        r.wait()
+    if moved is not None and moved():
+        raise MembershipMoved("peer failure: the membership moved during a replica exchange")
 
 
 def restorable_step(infos: list[dict]) -> int | None:
