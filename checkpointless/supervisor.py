@@ -142,7 +142,17 @@ class Supervisor:
         return b["step"] if b else 0
 
     def _handle(self, lost: list[tuple[Worker, bool]]) -> None:
-        now = time.time()
+        # failures often come together (a node, a switch): give the others a moment to show,
+        # so that one new generation replaces them all
+        t_seen = time.time()
+        time.sleep(0.05)
+        seen = {w.wid for w, _ in lost}
+        for wid in list(self.ranks):
+            w = self.workers[wid]
+            if wid not in seen and w.proc.poll() is not None \
+                    and not self.store.check([f"done/{wid}"]):
+                lost.append((w, False))
+        now = t_seen
         for w, _ in lost:
             if not self.store.check([f"ready/{w.wid}"]):
                 raise JobFailed(f"worker {w.wid} (rank {w.rank}) exited with code "
@@ -321,10 +331,14 @@ class Supervisor:
     def _recovery_entry(self, f: Failure) -> dict | None:
         members = range(self.cfg.nproc)
         recs = []
-        for r in members:
-            key = f"rec/{f.gen}/{r}"
-            if self.store.check([key]):
-                recs.append(json.loads(self.store.get(key)))
+        for g in range(f.gen, self.gen + 1):  # a generation cut short by another failure is
+            recs = []                          # superseded by the next one that completed
+            for r in members:
+                key = f"rec/{g}/{r}"
+                if self.store.check([key]):
+                    recs.append(json.loads(self.store.get(key)))
+            if len(recs) == self.cfg.nproc:
+                break
         firsts = []
         for g in range(f.gen, self.gen + 1):
             for r in members:
