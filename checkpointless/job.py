@@ -550,7 +550,15 @@ class PlainJob:
     """
 
     def __init__(self, backend: str, seed: int):
-        dist.init_process_group(backend)
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        # torchrun keeps one rendezvous store across restarts; keys left by the previous
+        # round (old gloo addresses) make a plain env:// init connect to dead peers and fail
+        # again (pytorch#135712). A prefix per restart round keeps each round's keys apart.
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              is_master=False, timeout=timedelta(seconds=300))
+        prefix = f"plainjob/restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank,
+                                world_size=world)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.worker_id, self.gen, self.seed = self.rank, 0, seed
         self.backend = backend

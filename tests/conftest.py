@@ -8,3 +8,21 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+
+def spawn_gloo(target, world: int, *args, timeout: float = 60.0) -> list:
+    """Run target(rank, store_port, queue, *args) in `world` real processes; return what they
+    put on the queue, sorted. Each process sets up its own gloo group on the store."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, store.port, q, *args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        return sorted((q.get(timeout=timeout) for _ in range(world)), key=repr)
+    finally:
+        for p in procs:
+            p.join(timeout=30)

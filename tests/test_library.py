@@ -10,11 +10,11 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from checkpointless import detection, faults, goodput, membership, transfer
 from checkpointless.grads import all_reduce_grads
 from checkpointless.job import step_seed
+from tests.conftest import spawn_gloo
 
 
 def _state():
@@ -43,12 +43,13 @@ def test_flatten_roundtrip_keeps_every_bit_and_dtype():
     assert _equal(transfer.unflatten_state(skeleton, flat), s)
 
 
-def _pair(rank, port, tamper, q):
+def _pair(rank, port, q, tamper):
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
                             timeout=timedelta(seconds=30))
     try:
         if rank == 0:
+            q.put(None)
             if tamper:
                 skel, flat = transfer.flatten_state(_state())
                 dist.send(torch.tensor([len(skel), flat.numel()]), 1)
@@ -69,13 +70,9 @@ def _pair(rank, port, tamper, q):
 
 @pytest.mark.parametrize("tamper", [False, True])
 def test_state_transfer_over_gloo_is_exact_and_checked(tamper):
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    ps = [ctx.Process(target=_pair, args=(r, store.port, tamper, q)) for r in range(2)]
-    [p.start() for p in ps]
-    kind, value, n = q.get(timeout=60)
-    [p.join(timeout=30) for p in ps]
+    # only the receiver (rank 1) reports
+    (got,) = [x for x in spawn_gloo(_pair, 2, tamper) if x is not None]
+    kind, value, n = got
     if tamper:
         assert kind == "integrity" and "SHA-256" in value
     else:
@@ -184,14 +181,7 @@ def _reduce(rank, port, q):
 
 
 def test_flat_gradient_average_matches_per_tensor_and_carries_the_loss():
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    ps = [ctx.Process(target=_reduce, args=(r, store.port, q)) for r in range(2)]
-    [p.start() for p in ps]
-    got = sorted(q.get(timeout=60) for _ in range(2))
-    [p.join(timeout=30) for p in ps]
-    assert got == [(0, True, 3.0), (1, True, 3.0)]
+    assert spawn_gloo(_reduce, 2) == [(0, True, 3.0), (1, True, 3.0)]
 
 
 def test_the_library_does_not_import_transformers():

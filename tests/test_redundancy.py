@@ -2,9 +2,9 @@
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from checkpointless.redundancy import ShardReplicas, pick_holders, restorable_step
+from tests.conftest import spawn_gloo
 
 
 def info(completed, own, held):
@@ -63,13 +63,7 @@ def _exchange(rank, port, q):
 
 
 def test_replicas_are_exchanged_over_gloo_and_two_versions_kept():
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    ps = [ctx.Process(target=_exchange, args=(r, store.port, q)) for r in range(3)]
-    [p.start() for p in ps]
-    got = sorted(q.get(timeout=60) for _ in range(3))
-    [p.join(timeout=30) for p in ps]
+    got = spawn_gloo(_exchange, 3)
     # rank r holds rank r-1's slice (uneven sizes), versions 5 and 6
     assert got[0] == (0, [5, 6], [5, 6], [26.0] * 4)
     assert got[1] == (1, [5, 6], [5, 6], [6.0] * 2)
