@@ -17,7 +17,6 @@ state from a source. No disk, no restart, no model rebuild.
 """
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 import os
@@ -118,7 +117,6 @@ class Job:
                 dist.destroy_process_group()
             except Exception:
                 pass
-            gc.collect()
             if self.backend == "gloo":  # peers blocked on us get an error now, not at timeout
                 sever_peer_connections({self._port})
 

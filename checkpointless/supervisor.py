@@ -84,6 +84,7 @@ class Supervisor:
         self.gen = -1
         self.ranks: dict[int, int] = {}  # active worker id -> rank
         self._next_wid = 0
+        self._refills: list[tuple[float, int]] = []  # (when, device slot) of delayed refills
         self.store = None
 
     # ---- processes -----------------------------------------------------------------------
@@ -145,7 +146,7 @@ class Supervisor:
         # failures often come together (a node, a switch): give the others a moment to show,
         # so that one new generation replaces them all
         t_seen = time.time()
-        time.sleep(0.05)
+        time.sleep(0.02)
         seen = {w.wid for w, _ in lost}
         for wid in list(self.ranks):
             w = self.workers[wid]
@@ -189,10 +190,16 @@ class Supervisor:
     def _replace(self, pending: list[Failure]) -> None:
         """Give each lost rank to a ready spare, waiting for one (the refill) if none is ready."""
         if self.cfg.refill:
+            # With spares enough for now, the refill starts a little later: its imports would
+            # otherwise compete for CPU with the recovery itself.
+            later = len(self._ready_spares()) >= len(pending)
             for f in pending:
                 if not getattr(f, "_refilled", False):
                     f._refilled = True
-                    self._spawn(self.workers[f.wid].slot, background=True)
+                    if later:
+                        self._refills.append((time.time() + 3.0, self.workers[f.wid].slot))
+                    else:
+                        self._spawn(self.workers[f.wid].slot, background=True)
         deadline = time.time() + self.cfg.spare_wait_s
         said = False
         while True:
@@ -293,6 +300,10 @@ class Supervisor:
                     continue
                 self._say_recoveries(reported)
                 self._refill_dead_spares()
+                due = [r for r in self._refills if r[0] <= time.time()]
+                for r in due:
+                    self._refills.remove(r)
+                    self._spawn(r[1], background=True)
                 if membership.counter(self.store, "done") >= len(self.ranks) and all(
                         self.store.check([f"done/{wid}"]) for wid in self.ranks):
                     for wid in self.ranks:
