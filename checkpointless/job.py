@@ -101,8 +101,11 @@ class Job:
             if self.rank >= 0 and time.time() - last_beat > 0.5:
                 detection.beat(self.store, self.worker_id, self._completed, self.gen, "recover")
                 last_beat = time.time()
-            # survivors poll fast (they are mid-recovery); an idle spare polls gently
-            time.sleep(0.005 if self.rank >= 0 else 0.05)
+            # block in the store until the next plan is published: no polling, no delay
+            try:
+                self.store.wait([f"plan/{max(g, after_gen) + 1}"], timedelta(seconds=0.5))
+            except Exception:  # the wait timed out: look again (shutdown, heartbeat)
+                pass
 
     def _teardown_group(self) -> None:
         # Drop FSDP's handles on the old group first: while anything references it, its
@@ -481,7 +484,7 @@ class Job:
         the communicator turns that wait into an immediate error that the step scope recovers from.
         """
         store = membership.connect(self._host, self._port)
-        while not self._stop_watch.wait(0.1):
+        while not self._stop_watch.wait(0.25):
             try:
                 g = membership.current_gen(store)
             except Exception:

@@ -265,7 +265,7 @@ class Supervisor:
             self.on_start(self)
         reported = set()
         errors_seen = 0
-        next_slow = 0.0
+        next_slow = next_beats = 0.0
         try:
             while True:
                 time.sleep(cfg.poll_s)
@@ -273,7 +273,8 @@ class Supervisor:
                 lost = [(self.workers[wid], False) for wid in list(self.ranks)
                         if self.workers[wid].proc.poll() is not None
                         and not self.store.check([f"done/{wid}"])]
-                errors = membership.counter(self.store, "errors")
+                slow = time.time() >= next_slow
+                errors = membership.counter(self.store, "errors") if slow else errors_seen
                 if errors != errors_seen:
                     errors_seen = errors
                     for wid in list(self.ranks):
@@ -281,10 +282,12 @@ class Supervisor:
                         if self.store.check([f"error/{wid}"]) and all(w is not x for x, _ in lost):
                             self._kill(w)  # it reported its exception: no need to wait its exit
                             lost.append((w, False))
-                slow = time.time() >= next_slow
                 if slow:
-                    next_slow = time.time() + 0.25
-                if not lost and slow and cfg.enabled:
+                    next_slow = time.time() + 0.1
+                beats_due = slow and time.time() >= next_beats
+                if beats_due:
+                    next_beats = time.time() + 0.5
+                if not lost and beats_due and cfg.enabled:
                     active = {wid: self.workers[wid] for wid in self.ranks}
                     beats = {wid: detection.read_beat(self.store, wid) for wid in active}
                     pids = {wid: w.proc.pid for wid, w in active.items()}
