@@ -404,6 +404,7 @@ class Job:
             step = self._completed
             detection.beat(self.store, self.worker_id, step, self.gen, "step")
             self._injector.before_step(self.rank, step)
+            self._step_t0 = time.time()  # the replica exchange is part of the step's cost
             if self._replicas is not None and self._replicas.due(step):
                 try:
                     # message sizes are exchanged on the first two copies of each generation
@@ -418,7 +419,6 @@ class Job:
                     self._failed, self._fail_t = True, time.time()
                     continue
             self._scope_used = False
-            self._step_t0 = time.time()
             yield step
             if not self._scope_used and not self._failed:
                 self._commit()

@@ -36,7 +36,7 @@ from omegaconf import OmegaConf
 
 from .recipes import RecipeError, load
 
-MODES = ("off", "on", "checkpointless", "restart")
+MODES = ("off", "on", "checkpointless", "restart", "fsdp", "fsdp-replicated")
 
 
 @dataclass
@@ -216,6 +216,10 @@ def mode_recipe(cfg: BenchConfig, overrides: list[str], mode: str, tau_steps: in
              "trainer.save_model=false", "~faults", "trainer.log_every=50"]
     if mode in ("off", "restart"):
         extra += ["checkpointless.enabled=false", "checkpointless.spares=0"]
+    elif mode.startswith("fsdp"):  # sharded: replication off (factor 1) against the recipe's
+        extra += ["distributed.strategy=fsdp", "checkpointless.spares=0"]
+        if mode == "fsdp":
+            extra += ["checkpointless.replication.factor=1"]
     else:
         extra += [f"checkpointless.spares={cfg.spares}"]
     if mode == "restart":
@@ -370,6 +374,9 @@ def bench(args: list[str]) -> int:
             rc, kills, elapsed, _ = run_supervised(rc_cfg, out, cfg, killer_plan)
         records = read_records(out)
         summary = summarize(records, kills)
+        hosts = [json.loads(f.read_text()).get("replica_host_bytes") for f in
+                 sorted((out / "results").glob("rank*.json"))] if (out / "results").exists() else []
+        summary["replica_host_bytes"] = max([h for h in hosts if h] or [0]) or None
         summary.update(params_sha256=run_digest(out), exit_code=rc,
                        total_s_with_startup=round(elapsed, 1))
         if mode == "restart":
@@ -413,6 +420,12 @@ def report(cfg: BenchConfig, results: dict, save_cost: float, out_root: Path) ->
         print(f"goodput: checkpointless {s['checkpointless']['goodput']:.1%} vs restart "
               f"{s['restart']['goodput']:.1%}")
     same = None
+    if "fsdp" in s and "fsdp-replicated" in s:
+        rep_over = round(s["fsdp-replicated"]["step_s_median"] / s["fsdp"]["step_s_median"] - 1, 4)
+        s["fsdp-replicated"]["replication_overhead"] = rep_over
+        print(f"fsdp peer replication (factor and interval from the recipe) per-step overhead: "
+              f"{rep_over:+.1%}; replica host memory per worker: "
+              f"{(s['fsdp-replicated'].get('replica_host_bytes') or 0) / 1e6:.1f} MB")
     if "checkpointless" in s and "off" in s:
         same = s["checkpointless"]["params_sha256"] == s["off"]["params_sha256"] is not None
         print(f"final bits: checkpointless {'EQUAL to' if same else 'DIFFER from'} the "
