@@ -260,7 +260,7 @@ class Job:
         step = restorable_step(infos)
         info = {"steps_by_rank": [i["completed"] for i in infos], "bytes_sent": 0,
                 "bytes_received": 0, "pairs": {}, "source": None}
-        if step is None or (step < newest and self._fallback_only_newer(step)):
+        if step is None:  # a peer-memory step is always preferred to disk when one exists
             return self._restore_from_disk(info, newest, t0)
         holders = pick_holders(infos, step)
         if self._has_state and self._completed != step:
@@ -281,9 +281,6 @@ class Job:
                     steps_redone=max(0, newest - step), transfer_s=time.time() - t0)
         return info
 
-    def _fallback_only_newer(self, step: int) -> bool:
-        return False  # a peer-memory step is always preferred to disk when one exists
-
     def _restore_from_disk(self, info: dict, newest: int, t0: float) -> dict:
         if self._fallback is None:
             raise RuntimeError("a lost slice has no copy in any peer's memory and no durable "
@@ -292,12 +289,11 @@ class Job:
         mine = newest_step()
         found = [None] * self.world_size
         dist.all_gather_object(found, mine)  # every rank must load the same checkpoint
-        step = None if None in found else min(found)
-        if step is not None:
-            load_step(step)
-        if step is None:
+        if None in found:
             raise RuntimeError("a lost slice has no copy in any peer's memory and no durable "
                                "checkpoint has been written yet")
+        step = min(found)
+        load_step(step)
         if self.rank == 0:
             print(f"[checkpointless] no peer holds every lost slice: all ranks resume from the "
                   f"durable checkpoint at step {step} ({newest - step} steps to redo)", flush=True)

@@ -163,20 +163,25 @@ class Supervisor:
         for w, hung in lost:
             if hung:
                 self._kill(w)  # also releases the peers blocked in a collective with it
-            f = Failure(wid=w.wid, rank=w.rank, cause=self._cause(w, hung),
-                        t_fail=self._fault_time(w, now), t_detect=now, step=self._last_step(w))
-            self.failures.append(f)
-            self.log(f"[checkpointless] rank {w.rank} lost ({f.cause}, worker {w.wid}, "
-                     f"exit code {w.proc.returncode}) at step {f.step}; detected "
-                     f"{f.t_detect - f.t_fail:.2f} s after the failure")
-            del self.ranks[w.wid]
-            w.rank = -2
-            self._escalate(f)
+            self._record_failure(w, hung, now)
+        self._replace([f for f in self.failures if f.gen < 0])
+
+    def _record_failure(self, w: Worker, hung: bool, now: float) -> Failure:
+        """Take a lost worker out of the membership, say so, and stop if nothing is left."""
+        f = Failure(wid=w.wid, rank=w.rank, cause=self._cause(w, hung),
+                    t_fail=self._fault_time(w, now), t_detect=now, step=self._last_step(w))
+        self.failures.append(f)
+        self.log(f"[checkpointless] rank {w.rank} lost ({f.cause}, worker {w.wid}, "
+                 f"exit code {w.proc.returncode}) at step {f.step}; detected "
+                 f"{f.t_detect - f.t_fail:.2f} s after the failure")
+        del self.ranks[w.wid]
+        w.rank = -2
+        self._escalate(f)
         if not self.ranks:
             raise JobFailed("every active worker failed at once: no healthy peer holds the "
                             "training state, so there is nothing to recover from (see the "
                             "workers' errors above)")
-        self._replace([f for f in self.failures if f.gen < 0])
+        return f
 
     def _escalate(self, f: Failure) -> None:
         """An error that strikes again at the same step is a bug, not a fault: stop."""
@@ -233,12 +238,7 @@ class Supervisor:
         for wid in list(self.ranks):
             w = self.workers[wid]
             if w.proc.poll() is not None and not self.store.check([f"done/{wid}"]):
-                f = Failure(wid=wid, rank=w.rank, cause=self._cause(w, False),
-                            t_fail=self._fault_time(w, time.time()), t_detect=time.time(),
-                            step=self._last_step(w))
-                self.failures.append(f)
-                del self.ranks[wid]
-                w.rank = -2
+                f = self._record_failure(w, False, time.time())
                 if self.cfg.refill:
                     f._refilled = True
                     self._spawn(w.slot, background=True)

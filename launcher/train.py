@@ -295,10 +295,9 @@ def durable_checkpoints(cfg, job, model, optimizer):
 
 def export(model, state: dict, tokenizer, path: Path) -> None:
     """save_pretrained with the full (gathered) state, loadable by AutoModelForCausalLM."""
-    inner = model
     state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
              for k, v in state.items()}
-    inner.save_pretrained(str(path), state_dict=state, safe_serialization=True)
+    model.save_pretrained(str(path), state_dict=state, safe_serialization=True)
     tokenizer.save_pretrained(str(path))
 
 
