@@ -4,6 +4,10 @@ DDP regroups its buckets after the first iteration, so a DDP wrapped anew after 
 a different order and the result differs in the last bit. One flat buffer in parameter order,
 all-reduced once, reduces the same way in every generation: a recovered run keeps the failure-free
 bits. It is also one collective per step, the cheapest shape for gloo.
+
+The gradients are written back only once every collective has succeeded: when a peer dies in the
+middle, each `.grad` still holds this rank's own local gradient, which a survivor can reuse when
+the step is redone (see `Job.grads_kept`).
 """
 from __future__ import annotations
 
@@ -18,18 +22,24 @@ def all_reduce_grads(params, world_size: int, extra: torch.Tensor | None = None,
     returned summed, so no other collective is needed in the step.
     """
     params = [p for p in params if p.grad is not None]
-    grads = [p.grad for p in params]
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    summed_extra = None
+    for p in params:
+        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    rides = extra is not None and torch.float32 in by_dtype
+    reduced = []
     for dtype, gs in by_dtype.items():
         pieces = [g.reshape(-1) for g in gs]
-        if extra is not None and summed_extra is None and dtype == torch.float32:
+        if rides and dtype == torch.float32:
             pieces.append(extra.reshape(-1).to(dtype))
-        flat = torch.cat(pieces)
+        flat = torch.cat(pieces)  # a copy: the .grad tensors are untouched until the end
         dist.all_reduce(flat, group=group)
-        if extra is not None and summed_extra is None and dtype == torch.float32:
+        reduced.append((dtype, gs, flat))
+    summed_extra = None
+    if extra is not None and not rides:
+        summed_extra = extra.detach().clone().float()
+        dist.all_reduce(summed_extra, group=group)
+    for dtype, gs, flat in reduced:
+        if rides and dtype == torch.float32:
             summed_extra = flat[-extra.numel():].clone()
             flat = flat[:-extra.numel()]
         flat.div_(world_size)
@@ -38,7 +48,4 @@ def all_reduce_grads(params, world_size: int, extra: torch.Tensor | None = None,
             n = g.numel()
             g.copy_(flat[offset:offset + n].view_as(g))
             offset += n
-    if extra is not None and summed_extra is None:
-        summed_extra = extra.clone().float()
-        dist.all_reduce(summed_extra, group=group)
     return summed_extra

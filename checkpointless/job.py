@@ -79,6 +79,8 @@ class Job:
         self._unsynced_plan: membership.Plan | None = None
         self._replicas: ShardReplicas | None = None
         self._fallback = None
+        # this rank's own gradients of a step whose all-reduce a peer's failure cut short
+        self._kept: dict | None = None
 
     # ---- membership ----------------------------------------------------------------------
     def _wait_plan(self, after_gen: int, timeout_s: float | None) -> membership.Plan:
@@ -101,9 +103,12 @@ class Job:
             if self.rank >= 0 and time.time() - last_beat > 0.5:
                 detection.beat(self.store, self.worker_id, self._completed, self.gen, "recover")
                 last_beat = time.time()
-            # block in the store until the next plan is published: no polling, no delay
+            # block in the store until the next plan is published: no polling, no delay. A rank
+            # wakes twice a second to keep its heartbeat; a spare has none to keep and sleeps
+            # long (the store logs a warning at every timeout). The supervisor ends spares.
             try:
-                self.store.wait([f"plan/{max(g, after_gen) + 1}"], timedelta(seconds=0.5))
+                self.store.wait([f"plan/{max(g, after_gen) + 1}"],
+                                timedelta(seconds=0.5 if self.rank >= 0 else 60.0))
             except Exception:  # the wait timed out: look again (shutdown, heartbeat)
                 pass
 
@@ -181,7 +186,7 @@ class Job:
                     return
                 info = self._agree_and_transfer()
                 info.update(t_plan=plan.t_published, t_group=t_group, t_ready=time.time(),
-                            worker_id=self.worker_id)
+                            worker_id=self.worker_id, grads_kept=self.grads_kept)
                 self.store.set(f"rec/{plan.gen}/{self.rank}", json.dumps(info))
                 self.last_recovery = info
                 self._pending_first = plan.gen
@@ -230,11 +235,10 @@ class Job:
             elif self.rank == dst:
                 state, received = transfer.recv_state(src)
                 self._load(state)
+                self._kept = None  # gradients of a state this rank no longer holds
         self._completed = resume
         self._has_state = True
-        for obj in self._objects.values():
-            if isinstance(obj, torch.nn.Module):
-                obj.zero_grad(set_to_none=True)
+        self._zero_grads()  # a loop that recomputes the step starts clean; kept ones are aside
         return {"resumed_step": resume, "steps_by_rank": steps, "pairs": pairs,
                 "bytes_sent": sent, "bytes_received": received, "transfer_s": time.time() - t0,
                 "source": pairs.get(self.rank)}
@@ -247,6 +251,7 @@ class Job:
         the newest durable checkpoint instead.
         """
         t0 = time.time()
+        self._kept = None  # sharded gradients are reduced inside backward: nothing to keep
         for obj in self._objects.values():  # a step cut short may leave FSDP params gathered
             if isinstance(obj, torch.nn.Module):
                 for module in obj.modules():
@@ -433,9 +438,36 @@ class Job:
             pass
         return s
 
+    @property
+    def grads_kept(self) -> bool:
+        """True when this rank redoes a step whose all-reduce a peer's failure cut short and it
+        still holds its own gradients of that step (same state, rank and world size).
+
+        The loop may then skip forward and backward (and zero_grad): `all_reduce_grads` puts the
+        kept gradients back and reuses the `extra` given with them. Only the replacement computes,
+        so a recovery costs one rank's share of a step, not a whole step on every rank. A loop
+        that ignores this and recomputes gets the same result, at the full cost.
+        """
+        k = self._kept
+        return (k is not None and k["step"] == self._completed and k["rank"] == self.rank
+                and k["world"] == self.world_size)
+
     def all_reduce_grads(self, params, extra: torch.Tensor | None = None):
+        """Average the gradients of `params` over the ranks in one fixed-order collective and
+        return `extra` summed over the ranks (see `grads.all_reduce_grads`)."""
         from .grads import all_reduce_grads
-        return all_reduce_grads(params, self.world_size, extra)
+        params = list(params)
+        if self.grads_kept and all(p.grad is None for p in params):
+            for p, g in self._kept["grads"]:  # the loop skipped the compute: reuse ours
+                p.grad = g
+            extra = self._kept["extra"]
+        else:  # keep references (no copy): a failed collective leaves every .grad untouched
+            self._kept = {"step": self._completed, "rank": self.rank, "world": self.world_size,
+                          "grads": [(p, p.grad) for p in params if p.grad is not None],
+                          "extra": None if extra is None else extra.detach().clone()}
+        out = all_reduce_grads(params, self.world_size, extra)
+        self._kept = None
+        return out
 
     def _commit(self) -> None:
         t1 = time.time()
@@ -561,6 +593,7 @@ class PlainJob:
         self.backend = backend
         self.device_slot = int(os.environ.get("LOCAL_RANK", "0"))
         self.is_replacement = False
+        self.grads_kept = False  # a failure ends the job: no step is ever redone in-process
         self._completed = 0
         self._step_t0 = 0.0
 
@@ -568,7 +601,10 @@ class PlainJob:
     step_started_at = Job.step_started_at
     resume_at = Job.resume_at
     seed_step = Job.seed_step
-    all_reduce_grads = Job.all_reduce_grads
+
+    def all_reduce_grads(self, params, extra: torch.Tensor | None = None):
+        from .grads import all_reduce_grads
+        return all_reduce_grads(params, self.world_size, extra)
 
     def protect(self, **objects) -> None:
         pass  # nothing to protect: a failure ends the job

@@ -350,7 +350,7 @@ class Supervisor:
             for r in members:
                 key = f"rec/{g}/{r}"
                 if self.store.check([key]):
-                    recs.append(json.loads(self.store.get(key)))
+                    recs.append({**json.loads(self.store.get(key)), "rank": r})
             if len(recs) == self.cfg.nproc:
                 break
         firsts = []
@@ -385,6 +385,8 @@ class Supervisor:
             "resumed_step": recs[0]["resumed_step"],
             "restored_from": recs[0].get("restored_from", "peer_memory"),
             "steps_redone": recs[0].get("steps_redone", 0),
+            # survivors that redo the interrupted step from the gradients they kept
+            "ranks_reusing_grads": sorted(r["rank"] for r in recs if r.get("grads_kept")),
         }
 
     def _say_recoveries(self, reported: set) -> None:

@@ -171,7 +171,8 @@ def main(recipe_file: str) -> None:
             for group in optimizer.param_groups:
                 group["lr"] = lr
             loss_sum = torch.zeros(1, device=device)
-            for micro in range(t.grad_accum_steps):
+            # a survivor redoing a step cut short by a peer's failure still holds its gradients
+            for micro in range(0 if job.grads_kept else t.grad_accum_steps):
                 job.seed_step(step, micro)
                 ids = sampler.batch(step, job.rank, job.world_size, micro).to(device)
                 if d.strategy == "fsdp" and t.grad_accum_steps > 1:
