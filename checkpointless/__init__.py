@@ -2,6 +2,7 @@
 
 Depends on torch only. The public API:
     join()                    -> Job: join a job started by the supervisor (spares wait here)
+    started_as_spare()        True in a hot spare before it takes a rank (time to warm up)
     Job.protect(**objects)    register model, optimizer, ... that a replacement must receive
     Job.steps(max_steps)      iterate over step numbers, resuming after a recovery
     Job.step()                context manager around one step; a peer failure inside is recovered
@@ -12,8 +13,8 @@ Run a script under it with `python -m checkpointless --nproc N --spares S script
 """
 from .digest import model_sha256, state_sha256
 from .faults import Fault, InjectedFault, parse_faults
-from .job import Evicted, Job, join, step_seed
+from .job import Evicted, Job, join, started_as_spare, step_seed
 from .supervisor import JobFailed, Supervisor, SupervisorConfig
 
-__all__ = ["join", "Job", "Evicted", "step_seed", "Supervisor", "SupervisorConfig", "JobFailed",
+__all__ = ["join", "started_as_spare", "Job", "Evicted", "step_seed", "Supervisor", "SupervisorConfig", "JobFailed",
            "Fault", "InjectedFault", "parse_faults", "model_sha256", "state_sha256"]

@@ -81,6 +81,7 @@ class Job:
         self._fallback = None
         # this rank's own gradients of a step whose all-reduce a peer's failure cut short
         self._kept: dict | None = None
+        self._catching_up = 0
 
     # ---- membership ----------------------------------------------------------------------
     def _wait_plan(self, after_gen: int, timeout_s: float | None) -> membership.Plan:
@@ -217,15 +218,19 @@ class Job:
     def _agree_and_transfer(self) -> dict:
         if self._replicas is not None:
             return self._agree_and_restore_shards()
-        mine = self._completed if self._has_state else -1
-        steps = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        dist.all_gather(steps, torch.tensor([mine], dtype=torch.int64))
-        steps = [int(s) for s in steps]
+        mine = [self._completed if self._has_state else -1, int(self.grads_kept)]
+        got = [torch.zeros(2, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(got, torch.tensor(mine, dtype=torch.int64))
+        steps = [int(g[0]) for g in got]
+        kept = [bool(g[1]) for g in got]
         resume = max(steps)
         if resume < 0:
             raise RuntimeError("no member of the new generation holds training state")
         sources = [r for r, s in enumerate(steps) if s == resume]
         receivers = [r for r, s in enumerate(steps) if s != resume]
+        # when every source redoes the step from kept gradients, it only waits for the receivers
+        if self.rank in receivers and all(kept[r] for r in sources):
+            self._catching_up = len(receivers)
         pairs = transfer.assign_sources(receivers, sources)
         sent = received = 0
         t0 = time.time()
@@ -452,6 +457,16 @@ class Job:
         return (k is not None and k["step"] == self._completed and k["rank"] == self.rank
                 and k["world"] == self.world_size)
 
+    @property
+    def catching_up(self) -> int:
+        """How many ranks compute this step while every other rank waits on them, if this rank
+        is one of them; else 0.
+
+        That is a replacement's first step when the survivors redo it from kept gradients: the
+        job waits on the replacement alone, so on CPU it may use the idle cores (if that gives the
+        same bits, see launcher/train.py)."""
+        return self._catching_up
+
     def all_reduce_grads(self, params, extra: torch.Tensor | None = None):
         """Average the gradients of `params` over the ranks in one fixed-order collective and
         return `extra` summed over the ranks (see `grads.all_reduce_grads`)."""
@@ -471,6 +486,7 @@ class Job:
 
     def _commit(self) -> None:
         t1 = time.time()
+        self._catching_up = 0
         step = self._completed
         self._completed += 1
         if self.rank == 0:
@@ -483,6 +499,7 @@ class Job:
         return self._latest_gen > self.gen
 
     def _recover(self) -> None:
+        self._catching_up = 0
         self._teardown_group()
         plan = self._wait_plan(self.gen, self._recovery_timeout())
         self._enter_generation(plan)
@@ -594,6 +611,7 @@ class PlainJob:
         self.device_slot = int(os.environ.get("LOCAL_RANK", "0"))
         self.is_replacement = False
         self.grads_kept = False  # a failure ends the job: no step is ever redone in-process
+        self.catching_up = 0
         self._completed = 0
         self._step_t0 = 0.0
 
@@ -635,6 +653,15 @@ class PlainJob:
     def finish(self, result: dict | None = None) -> None:
         dist.barrier()
         dist.destroy_process_group()
+
+
+def started_as_spare() -> bool:
+    """True in a process the supervisor started as a hot spare, before `join()` returns.
+
+    A spare has time while it waits: a loop can use it to run one forward and backward off the
+    books (kernels chosen, memory pools grown), so the first step it trains after taking over a
+    rank, which every other rank waits for, runs at full speed."""
+    return os.environ.get("CL_SPARE") == "1"
 
 
 def join(seed: int | None = None, backend: str | None = None):

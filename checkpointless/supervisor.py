@@ -63,6 +63,10 @@ class SupervisorConfig:
     pg_timeout_s: float = 300.0
     spare_wait_s: float = 600.0
     poll_s: float = 0.02
+    # niceness of a refill while it warms up. Lockstep workers lose the same CPU time to a
+    # warm-up whatever its priority; a low one only stretches it (nice 10 behind 4 busy workers
+    # on 2 cores: minutes), leaving the job without a spare for longer. So none by default.
+    refill_nice: int = 0
     enabled: bool = True
     replication: dict = field(default_factory=lambda: {"factor": 2, "interval": 1, "offset": 1})
 
@@ -89,14 +93,17 @@ class Supervisor:
 
     # ---- processes -----------------------------------------------------------------------
     def _spawn(self, slot: int, background: bool = False) -> Worker:
-        """Start a worker. A background refill runs at low CPU priority while it warms up, so
-        it does not slow the training workers; it takes normal priority when given a rank."""
+        """Start a worker. A background refill warms up at `refill_nice` and takes normal
+        priority when given a rank.
+        Every process but the first generation's ranks starts as a spare (CL_SPARE=1)."""
         wid = self._next_wid
         self._next_wid += 1
         env = dict(self.env, CL_STORE_HOST=self.cfg.host, CL_STORE_PORT=str(self.port),
-                   CL_WORKER_ID=str(wid), CL_DEVICE_SLOT=str(slot))
+                   CL_WORKER_ID=str(wid), CL_DEVICE_SLOT=str(slot),
+                   CL_SPARE="1" if background or slot >= self.cfg.nproc else "0")
         proc = subprocess.Popen(self.cmd, env=env,
-                                preexec_fn=(lambda: os.nice(10)) if background else None)
+                                preexec_fn=(lambda: os.nice(self.cfg.refill_nice))
+                                if background and self.cfg.refill_nice else None)
         w = Worker(wid=wid, proc=proc, slot=slot, started=time.time())
         self.workers[wid] = w
         return w

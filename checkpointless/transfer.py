@@ -23,8 +23,9 @@ class _TensorRef:
         self.index, self.dtype, self.shape = index, dtype, shape
 
 
-def flatten_state(obj) -> tuple[bytes, torch.Tensor]:
-    """(pickled skeleton, uint8 buffer with every tensor's bytes in traversal order)."""
+def flatten_state(obj, tail: int = 0) -> tuple[bytes, torch.Tensor]:
+    """(pickled skeleton, uint8 buffer with every tensor's bytes in traversal order), plus `tail`
+    spare bytes at the end of the buffer (room for a digest, so it needs no second copy)."""
     tensors: list[torch.Tensor] = []
 
     def strip(x):
@@ -43,6 +44,8 @@ def flatten_state(obj) -> tuple[bytes, torch.Tensor]:
 
     skeleton = strip(obj)
     parts = [t.reshape(-1).view(torch.uint8) for t in tensors if t.numel() > 0]
+    if tail:
+        parts.append(torch.zeros(tail, dtype=torch.uint8))
     flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
     return pickle.dumps(skeleton), flat
 
@@ -84,19 +87,21 @@ def unflatten_state(skeleton_bytes: bytes, flat: torch.Tensor):
 
 def _digest(skeleton: bytes, flat: torch.Tensor) -> bytes:
     h = hashlib.sha256(skeleton)
-    h.update(flat.numpy().tobytes() if flat.numel() else b"")
+    if flat.numel():
+        h.update(flat.numpy())  # hashed in place through the buffer protocol: no copy
     return h.digest()
 
 
 def send_state(obj, dst: int, group=None) -> int:
     """Send `obj` to rank `dst`; returns the number of bytes sent."""
-    skeleton, flat = flatten_state(obj)
-    digest = torch.frombuffer(bytearray(_digest(skeleton, flat)), dtype=torch.uint8)
+    skeleton, payload = flatten_state(obj, tail=32)  # the digest goes in the last 32 bytes
+    flat = payload[:-32]
+    payload[-32:] = torch.frombuffer(bytearray(_digest(skeleton, flat)), dtype=torch.uint8)
     sizes = torch.tensor([len(skeleton), flat.numel()], dtype=torch.int64)
     dist.send(sizes, dst, group=group)
     dist.send(torch.frombuffer(bytearray(skeleton), dtype=torch.uint8), dst, group=group)
-    dist.send(torch.cat([flat, digest]), dst, group=group)
-    return len(skeleton) + flat.numel() + 32
+    dist.send(payload, dst, group=group)
+    return len(skeleton) + payload.numel()
 
 
 def recv_state(src: int, group=None):

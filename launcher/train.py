@@ -149,6 +149,10 @@ def main(recipe_file: str) -> None:
     sampler = StepSampler(prepare(cfg, tokenizer), cfg.run.seed, t.micro_batch_size,
                           t.grad_accum_steps)
 
+    catch_up_threads = torch.get_num_threads()
+    if checkpointless.started_as_spare() and d.strategy == "ddp":
+        catch_up_threads = warm_up(model, sampler, cfg, device)
+
     # --- join: a spare blocks here until it is handed a failed rank -------------------------
     job = checkpointless.join(seed=cfg.run.seed)
     if dist.get_world_size() != d.num_processes:
@@ -171,16 +175,18 @@ def main(recipe_file: str) -> None:
             for group in optimizer.param_groups:
                 group["lr"] = lr
             loss_sum = torch.zeros(1, device=device)
-            # a survivor redoing a step cut short by a peer's failure still holds its gradients
-            for micro in range(0 if job.grads_kept else t.grad_accum_steps):
-                job.seed_step(step, micro)
-                ids = sampler.batch(step, job.rank, job.world_size, micro).to(device)
-                if d.strategy == "fsdp" and t.grad_accum_steps > 1:
-                    model.set_requires_gradient_sync(micro == t.grad_accum_steps - 1)
-                with autocast:
-                    loss = model(input_ids=ids, labels=ids).loss
-                (loss / t.grad_accum_steps).backward()
-                loss_sum += loss.detach().float()
+            # a survivor redoing a step cut short by a peer's failure still holds its gradients;
+            # the replacement they all wait on may use their idle cores (same bits, verified)
+            with cpu_threads(catch_up_threads // job.catching_up if job.catching_up else None):
+                for micro in range(0 if job.grads_kept else t.grad_accum_steps):
+                    job.seed_step(step, micro)
+                    ids = sampler.batch(step, job.rank, job.world_size, micro).to(device)
+                    if d.strategy == "fsdp" and t.grad_accum_steps > 1:
+                        model.set_requires_gradient_sync(micro == t.grad_accum_steps - 1)
+                    with autocast:
+                        loss = model(input_ids=ids, labels=ids).loss
+                    (loss / t.grad_accum_steps).backward()
+                    loss_sum += loss.detach().float()
             if d.strategy == "ddp":
                 loss_total = job.all_reduce_grads(model.parameters(), extra=loss_sum)
             else:  # FSDP already averaged the gradients; the loss needs its own collective
@@ -222,6 +228,55 @@ def main(recipe_file: str) -> None:
     job.finish({"params_sha256": digest, "local_params": local,
                 "full_params": sum(v.numel() for v in state.values()), "final_loss": loss_value, "tokens": tokens,
                 "steps": job.completed_steps, "worker_id": job.worker_id, "pid": os.getpid()})
+
+
+def warm_up(model, sampler, cfg, device) -> int:
+    """Forward and backward off the books, in a spare before it waits; returns the CPU threads
+    its catch-up step may use.
+
+    A fresh process runs its first step about a quarter slower (kernels picked, allocator pools
+    grown). After a failure the other ranks wait on the replacement's first step, so it should
+    run at full speed. On CPU the waiting ranks' cores are idle during that step: the spare may
+    use them all if, on two batches of the recipe's shape, the gradients come out bit for bit
+    the same as with its usual thread count (kernels that split a sum by thread would not).
+    Nothing is kept: gradients are dropped and the random state is restored.
+    """
+    base, wide = torch.get_num_threads(), len(os.sched_getaffinity(0))
+
+    def grads(step: int, threads: int) -> torch.Tensor:
+        with cpu_threads(threads), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(step)
+            ids = sampler.batch(step, 0, cfg.distributed.num_processes, 0).to(device)
+            with torch.autocast(device.type, dtype=torch.bfloat16,
+                                enabled=cfg.trainer.precision == "bf16"):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+        model.zero_grad(set_to_none=True)
+        return flat
+
+    if device.type != "cpu" or wide <= base:
+        grads(0, base)
+        return base
+    same = all(torch.equal(grads(s, base), grads(s, wide)) for s in (0, 1))
+    return wide if same else base
+
+
+class cpu_threads:
+    """Run a block with `n` torch CPU threads (None: unchanged), then restore the count."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __enter__(self):
+        self.before = torch.get_num_threads()
+        if self.n and self.n != self.before:
+            torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc):
+        if torch.get_num_threads() != self.before:
+            torch.set_num_threads(self.before)
+        return False
 
 
 class DurableCheckpoints:
