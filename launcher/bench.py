@@ -52,6 +52,9 @@ class BenchConfig:
     max_restarts: int = 100  # torchrun --max-restarts for the restart mode
     output_dir: str = "bench_out"  # bench.json, timeline.png and one folder per mode
     modes: str = "off,on,checkpointless,restart"  # modes to run, comma-separated
+    # steps of a second on/off pair run at the end in reverse order (ABBA), so a machine whose
+    # speed drifts during the benchmark does not bias the overhead; 0: one pair only
+    recheck_steps: int = 80
     mode_timeout_s: float = 900.0  # a mode still running after this is stopped and reported
 
 
@@ -79,8 +82,11 @@ def parse(args: list[str]) -> tuple[BenchConfig, list[str]]:
     if cfg.mtbf_s <= 0 or cfg.workers < 1:
         raise RecipeError("bench.mtbf_s must be > 0 and bench.workers >= 1")
     if cfg.steps is None:
-        # off and on take ~1x each, the failure modes ~1.2x and ~2x, plus start-up per run
-        cfg.steps = max(40, int((cfg.duration_s - 100) / (4.2 * cfg.step_s_estimate)))
+        # off and on take ~1x each, the failure modes ~1.2x and ~2x, plus start-up per run and
+        # the second on/off pair
+        spare_s = 100 + (2 * (15 + cfg.recheck_steps * cfg.step_s_estimate)
+                         if cfg.recheck_steps else 0)
+        cfg.steps = max(40, int((cfg.duration_s - spare_s) / (4.2 * cfg.step_s_estimate)))
     return cfg, overrides
 
 
@@ -209,9 +215,10 @@ def torchrun_workers(agent_pid: int) -> dict[int, int]:
 
 
 # ---- the modes ---------------------------------------------------------------------------
-def mode_recipe(cfg: BenchConfig, overrides: list[str], mode: str, tau_steps: int = 0):
-    out = Path(cfg.output_dir) / mode
-    extra = [f"run.output_dir={out}", f"trainer.max_steps={cfg.steps}",
+def mode_recipe(cfg: BenchConfig, overrides: list[str], mode: str, tau_steps: int = 0,
+                name: str | None = None, steps: int | None = None):
+    out = Path(cfg.output_dir) / (name or mode)
+    extra = [f"run.output_dir={out}", f"trainer.max_steps={steps or cfg.steps}",
              f"distributed.num_processes={cfg.workers}", "trainer.progress_bar=false",
              "trainer.save_model=false", "~faults", "trainer.log_every=50"]
     if mode in ("off", "restart"):
@@ -233,7 +240,8 @@ def mode_recipe(cfg: BenchConfig, overrides: list[str], mode: str, tau_steps: in
     return rc, out
 
 
-def run_torchrun(cfg: BenchConfig, out: Path, killer_plan=None) -> tuple[int, list[dict], float]:
+def run_torchrun(cfg: BenchConfig, out: Path, killer_plan=None,
+                 steps: int = 0) -> tuple[int, list[dict], float]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc_per_node", str(cfg.workers), "--max-restarts",
            str(cfg.max_restarts if killer_plan else 0), "--monitor-interval", "0.1",
@@ -243,7 +251,8 @@ def run_torchrun(cfg: BenchConfig, out: Path, killer_plan=None) -> tuple[int, li
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         killer = None
         if killer_plan:
-            killer = Killer(out, lambda: torchrun_workers(proc.pid), killer_plan, cfg.steps)
+            killer = Killer(out, lambda: torchrun_workers(proc.pid), killer_plan,
+                            steps or cfg.steps)
             killer.start()
         try:
             rc = proc.wait(timeout=cfg.mode_timeout_s)
@@ -262,14 +271,14 @@ def run_torchrun(cfg: BenchConfig, out: Path, killer_plan=None) -> tuple[int, li
     return rc, (killer.kills if killer else []), time.time() - t0
 
 
-def run_supervised(rc_cfg, out: Path, cfg: BenchConfig, killer_plan=None):
+def run_supervised(rc_cfg, out: Path, cfg: BenchConfig, killer_plan=None, steps: int = 0):
     from .run import train
     killer = None
 
     def on_start(sup):
         nonlocal killer
         if killer_plan:
-            killer = Killer(out, sup.active_pids, killer_plan, cfg.steps)
+            killer = Killer(out, sup.active_pids, killer_plan, steps or cfg.steps)
             killer.start()
 
     t0 = time.time()
@@ -316,6 +325,20 @@ def table(rows: list[list], header: list[str]) -> str:
     return "\n".join(lines)
 
 
+def overhead_abba(s: dict) -> tuple[Optional[float], list[float]]:
+    """on/off median step-time ratio minus 1, from the pair (off, on) and, when run, the pair
+    (on-2, off-2) at the end of the benchmark: with the pairs in ABBA order a linear drift of
+    the machine's speed raises one ratio as much as it lowers the other, and the geometric mean
+    of the two cancels it."""
+    ratios = [s[b]["step_s_median"] / s[a]["step_s_median"]
+              for a, b in (("off", "on"), ("off-2", "on-2"))
+              if a in s and b in s and s[a].get("step_s_median") and s[b].get("step_s_median")]
+    if not ratios:
+        return None, []
+    mean = math.prod(ratios) ** (1 / len(ratios))
+    return round(mean - 1, 4), [round(r - 1, 4) for r in ratios]
+
+
 def plot(results: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -357,7 +380,10 @@ def bench(args: list[str]) -> int:
     save_cost = measure_save_cost(base)
     step_s = cfg.step_s_estimate
     results: dict = {}
-    for mode in modes:
+    runs = [(m, m, cfg.steps) for m in modes]
+    if cfg.recheck_steps and "off" in modes and "on" in modes:
+        runs += [("on", "on-2", cfg.recheck_steps), ("off", "off-2", cfg.recheck_steps)]
+    for mode, name, steps in runs:
         tau_steps = 0
         if mode == "restart":
             ref = results.get("off") or results.get("on")
@@ -365,13 +391,13 @@ def bench(args: list[str]) -> int:
                 step_s = ref["summary"]["step_s_median"]
             tau_s = math.sqrt(2 * save_cost * cfg.mtbf_s)  # Young's optimal interval
             tau_steps = max(1, round(tau_s / step_s))
-        rc_cfg, out = mode_recipe(cfg, overrides, mode, tau_steps)
-        print(f"[bench] mode {mode} -> {out}", flush=True)
+        rc_cfg, out = mode_recipe(cfg, overrides, mode, tau_steps, name=name, steps=steps)
+        print(f"[bench] mode {name} -> {out}", flush=True)
         killer_plan = plan if mode in ("checkpointless", "restart") else None
         if mode in ("off", "restart"):
-            rc, kills, elapsed = run_torchrun(cfg, out, killer_plan)
+            rc, kills, elapsed = run_torchrun(cfg, out, killer_plan, steps)
         else:
-            rc, kills, elapsed, _ = run_supervised(rc_cfg, out, cfg, killer_plan)
+            rc, kills, elapsed, _ = run_supervised(rc_cfg, out, cfg, killer_plan, steps)
         records = read_records(out)
         summary = summarize(records, kills)
         hosts = [json.loads(f.read_text()).get("replica_host_bytes") for f in
@@ -381,8 +407,8 @@ def bench(args: list[str]) -> int:
                        total_s_with_startup=round(elapsed, 1))
         if mode == "restart":
             summary.update(checkpoint_every_steps=tau_steps, checkpoint_save_s=round(save_cost, 4))
-        results[mode] = {"summary": summary, "records": records, "kills": kills}
-        print(f"[bench] {mode}: {json.dumps({k: v for k, v in summary.items() if k not in ('t0', 'recovery_s_all')})}",
+        results[name] = {"summary": summary, "records": records, "kills": kills}
+        print(f"[bench] {name}: {json.dumps({k: v for k, v in summary.items() if k not in ('t0', 'recovery_s_all')})}",
               flush=True)
     return report(cfg, results, save_cost, out_root)
 
@@ -390,15 +416,13 @@ def bench(args: list[str]) -> int:
 def report(cfg: BenchConfig, results: dict, save_cost: float, out_root: Path) -> int:
     from .goodput_model import model_table
     s = {m: r["summary"] for m, r in results.items()}
-    overhead = None
-    if "on" in s and "off" in s:
-        overhead = round(s["on"]["step_s_median"] / s["off"]["step_s_median"] - 1, 4)
+    overhead, pairs = overhead_abba(s)
     speedup = None
     if s.get("checkpointless", {}).get("recovery_s_median") and \
             s.get("restart", {}).get("recovery_s_median"):
         speedup = round(s["restart"]["recovery_s_median"] / s["checkpointless"]["recovery_s_median"], 1)
     rows = []
-    for m in MODES:
+    for m in [x for m in MODES for x in (m, f"{m}-2")]:
         if m in s:
             x = s[m]
             rows.append([m, x["wall_s"], x["steps"],
@@ -410,8 +434,9 @@ def report(cfg: BenchConfig, results: dict, save_cost: float, out_root: Path) ->
     print(table(rows, ["mode", "wall_s", "steps", "goodput", "failures", "recov_med_s",
                        "recov_max_s", "redone", "step_ms", "params_sha256"]))
     if overhead is not None:
-        print(f"steady-state overhead of checkpointless (on vs off, median step time): "
-              f"{overhead:+.1%}")
+        print(f"steady-state overhead of checkpointless (on vs off, median step time"
+              + (f"; pairs in ABBA order {', '.join(f'{p:+.1%}' for p in pairs)}, "
+                 "geometric mean" if len(pairs) > 1 else "") + f"): {overhead:+.1%}")
     if speedup is not None:
         print(f"median recovery: restart {s['restart']['recovery_s_median']:.2f} s vs "
               f"checkpointless {s['checkpointless']['recovery_s_median']:.2f} s "
@@ -437,7 +462,8 @@ def report(cfg: BenchConfig, results: dict, save_cost: float, out_root: Path) ->
         "machine": f"{os.cpu_count()} CPU cores, {sys.platform}",
         "config": asdict(cfg),
         "modes": {m: {k: v for k, v in x.items() if k != "t0"} for m, x in s.items()},
-        "overhead": overhead, "recovery_speedup": speedup, "same_bits_as_off": same,
+        "overhead": overhead, "overhead_pairs": pairs, "recovery_speedup": speedup,
+        "same_bits_as_off": same,
         "failures": {m: r["kills"] for m, r in results.items() if r["kills"]},
         "checkpoint_save_s": round(save_cost, 4),
         "model": model_rows,

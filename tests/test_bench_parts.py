@@ -42,3 +42,16 @@ def test_goodput_model_favours_checkpointless_at_scale_and_shows_inputs():
     assert "not a measurement" in text and "MTBF sources" in text
     big = rows[-1]
     assert big["goodput_checkpointless"] > big["goodput_restart"]
+
+
+def test_overhead_pairs_in_abba_order_cancel_a_steady_drift():
+    from launcher.bench import overhead_abba
+    # the machine slows 2% per run; on is truly 1% slower than off. Run order: off, on, ..., on-2,
+    # off-2 (runs 0, 1, 4, 5)
+    speed = [1.0 + 0.02 * i for i in range(6)]
+    s = {"off": {"step_s_median": 0.5 * speed[0]}, "on": {"step_s_median": 0.505 * speed[1]},
+         "on-2": {"step_s_median": 0.505 * speed[4]}, "off-2": {"step_s_median": 0.5 * speed[5]}}
+    mean, pairs = overhead_abba(s)
+    assert pairs[0] > 0.025 and pairs[1] < -0.005  # each pair alone is off by the drift
+    assert mean == pytest.approx(0.01, abs=0.002)
+    assert overhead_abba({"off": s["off"], "on": s["on"]})[1] == [pairs[0]]
