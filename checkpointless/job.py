@@ -529,11 +529,17 @@ class Job:
         the communicator turns that wait into an immediate error that the step scope recovers from.
         """
         store = membership.connect(self._host, self._port)
-        while not self._stop_watch.wait(0.25):
+        while not self._stop_watch.is_set():
+            # block in the store until the next generation's plan appears: no polling, and the
+            # communicator is aborted the moment it is published
+            g = max(self.gen, self._latest_gen) + 1
+            t0 = time.time()
             try:
-                g = membership.current_gen(store)
+                store.wait([f"plan/{g}"], timedelta(seconds=3600))
             except Exception:
-                return
+                if time.time() - t0 < 3000:  # not a timeout: the store is gone, the job is over
+                    return
+                continue
             if self.gen >= 0 and g > self.gen and g > self._latest_gen:
                 self._latest_gen = g
                 if self._in_step and dist.is_initialized():
