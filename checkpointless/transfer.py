@@ -50,7 +50,9 @@ def flatten_state(obj, tail: int = 0) -> tuple[bytes, torch.Tensor]:
     return pickle.dumps(skeleton), flat
 
 
-def unflatten_state(skeleton_bytes: bytes, flat: torch.Tensor):
+def unflatten_state(skeleton_bytes: bytes, flat: torch.Tensor, copy: bool = True):
+    """The object `flatten_state` took apart. With copy=False the tensors are views into `flat`
+    where alignment allows (for a buffer that is not reused, such as one just received)."""
     skeleton = pickle.loads(skeleton_bytes)
     offset = 0
     refs: list[_TensorRef] = []
@@ -68,8 +70,11 @@ def unflatten_state(skeleton_bytes: bytes, flat: torch.Tensor):
     collect(skeleton)
     tensors = {}
     for ref in sorted(refs, key=lambda r: r.index):
-        n = torch.Size(ref.shape).numel() * torch.empty(0, dtype=ref.dtype).element_size()
-        chunk = flat[offset:offset + n].clone()
+        size = torch.empty(0, dtype=ref.dtype).element_size()
+        n = torch.Size(ref.shape).numel() * size
+        chunk = flat[offset:offset + n]
+        if copy or (flat.storage_offset() + offset) % size:  # a misaligned view is refused
+            chunk = chunk.clone()
         offset += n
         tensors[ref.index] = chunk.view(ref.dtype).reshape(ref.shape)
 
@@ -117,7 +122,7 @@ def recv_state(src: int, group=None):
     flat, digest = payload[:n_flat], payload[n_flat:].numpy().tobytes()
     if _digest(skeleton, flat) != digest:
         raise IntegrityError(f"state received from rank {src} failed its SHA-256 check")
-    return unflatten_state(skeleton, flat), n_skel + n_flat + 32
+    return unflatten_state(skeleton, flat, copy=False), n_skel + n_flat + 32
 
 
 class IntegrityError(RuntimeError):

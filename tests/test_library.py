@@ -215,3 +215,13 @@ def test_watch_thread_aborts_the_communicator_when_membership_moves_mid_step(mon
     job._stop_watch.set()
     assert calls and calls[0] - t0 < 0.2  # released at once, not at a poll or a timeout
     assert job._membership_moved()
+
+
+def test_unflatten_without_copy_views_aligned_tensors_and_copies_misaligned_ones():
+    s = {"a": torch.arange(3, dtype=torch.int8), "b": torch.randn(5), "c": torch.arange(4.0)}
+    skeleton, flat = transfer.flatten_state(s)
+    got = transfer.unflatten_state(skeleton, flat, copy=False)
+    assert _equal(got, s)
+    assert got["a"].data_ptr() == flat.data_ptr()  # a view: no copy of a received buffer
+    assert got["b"].data_ptr() != flat.data_ptr() + 3  # float32 at byte 3 cannot be a view
+    assert _equal(transfer.unflatten_state(skeleton, flat), s)
