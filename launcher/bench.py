@@ -10,6 +10,10 @@ Four modes train the same recipe, seed and step count:
   restart         torchrun with --max-restarts: every failure restarts all workers, which resume
                   from the newest disk checkpoint, saved every tau steps (Young's optimum)
 
+With both off and on asked for, a shorter second pair runs at the end in reverse order (on-2,
+off-2): the overhead is the geometric mean of the two on/off ratios, which cancels a steady drift in
+the machine's speed over the benchmark (ABBA order).
+
 Failures come from outside the workers, at seeded wall-clock times after the first step (mean
 time between failures `bench.mtbf_s`, gaps uniform in 0.5-1.5 x MTBF), on a seeded random rank: they land at a
 random point inside a step, as real failures do. Every figure is computed the same way for every
