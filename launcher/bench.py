@@ -10,9 +10,10 @@ Four modes train the same recipe, seed and step count:
   restart         torchrun with --max-restarts: every failure restarts all workers, which resume
                   from the newest disk checkpoint, saved every tau steps (Young's optimum)
 
-With both off and on asked for, a shorter second pair runs at the end in reverse order (on-2,
-off-2): the overhead is the geometric mean of the two on/off ratios, which cancels a steady drift in
-the machine's speed over the benchmark (ABBA order).
+The steady-state overhead comes from one more pair, off and on run at the same time and taking
+turns on the machine every `bench.turn_s` seconds (the other one stopped meanwhile): both see the
+same machine, minute by minute, so its drifting speed (+-10% over tens of seconds on a small
+shared box) does not land on one side only, as it does for runs one after the other.
 
 Failures come from outside the workers, at seeded wall-clock times after the first step (mean
 time between failures `bench.mtbf_s`, gaps uniform in 0.5-1.5 x MTBF), on a seeded random rank: they land at a
@@ -56,9 +57,10 @@ class BenchConfig:
     max_restarts: int = 100  # torchrun --max-restarts for the restart mode
     output_dir: str = "bench_out"  # bench.json, timeline.png and one folder per mode
     modes: str = "off,on,checkpointless,restart"  # modes to run, comma-separated
-    # steps of a second on/off pair run at the end in reverse order (ABBA), so a machine whose
-    # speed drifts during the benchmark does not bias the overhead; 0: one pair only
-    recheck_steps: int = 80
+    # steps of the off/on pair run side by side, taking turns every turn_s seconds, from which
+    # the steady-state overhead is measured (0: overhead from the sequential off and on runs)
+    paired_steps: int = 80
+    turn_s: float = 3.0
     mode_timeout_s: float = 900.0  # a mode still running after this is stopped and reported
 
 
@@ -88,9 +90,12 @@ def parse(args: list[str]) -> tuple[BenchConfig, list[str]]:
     if cfg.steps is None:
         # off and on take ~1x each, the failure modes ~1.2x and ~2x, plus start-up per run and
         # the second on/off pair
-        spare_s = 100 + (2 * (15 + cfg.recheck_steps * cfg.step_s_estimate)
-                         if cfg.recheck_steps else 0)
+        spare_s = 100 + (30 + 2 * cfg.paired_steps * cfg.step_s_estimate
+                         if cfg.paired_steps else 0)
         cfg.steps = max(40, int((cfg.duration_s - spare_s) / (4.2 * cfg.step_s_estimate)))
+        # a failure run lasts at least the longest first gap of the schedule (1.5 x MTBF), so
+        # it sees at least one failure
+        cfg.steps = max(cfg.steps, math.ceil(1.7 * cfg.mtbf_s / cfg.step_s_estimate))
     return cfg, overrides
 
 
@@ -293,6 +298,113 @@ def run_supervised(rc_cfg, out: Path, cfg: BenchConfig, killer_plan=None, steps:
     return (0 if report else 1), (killer.kills if killer else []), time.time() - t0, report
 
 
+def tree_pids(root: int) -> list[int]:
+    """`root` and every process below it."""
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        try:
+            for t in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{t}/children") as f:
+                    todo += [int(x) for x in f.read().split()]
+        except OSError:
+            continue
+    return out
+
+
+class Turns(threading.Thread):
+    """Two jobs take turns on the machine: each runs alone for `turn_s` while the other's
+    processes are stopped (SIGSTOP), until one of them ends. `windows` records (job, start, end)
+    of every turn; a step counts for its job only if it ran entirely inside one of its turns."""
+
+    def __init__(self, jobs, turn_s: float):
+        super().__init__(daemon=True)
+        self.jobs, self.turn_s = jobs, turn_s  # [(run_dir, pids(), finished()), ...]
+        self.windows: list[tuple[int, float, float]] = []
+        self.stop = threading.Event()
+
+    @staticmethod
+    def _signal(pids, sig) -> None:
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def run(self):
+        try:  # both start together; the first to log a step waits (stopped) for the other
+            while True:
+                started = [bool(read_records(d)) for d, _, _ in self.jobs]
+                if all(started):
+                    break
+                for (_, pids, _), go in zip(self.jobs, started):
+                    if go:
+                        self._signal(pids(), signal.SIGSTOP)
+                if self.stop.wait(0.2) or any(done() for _, _, done in self.jobs):
+                    return
+            turn = 0
+            while not self.stop.is_set() and not any(done() for _, _, done in self.jobs):
+                me, other = turn % 2, 1 - turn % 2
+                self._signal(self.jobs[other][1](), signal.SIGSTOP)
+                self._signal(self.jobs[me][1](), signal.SIGCONT)
+                t0 = time.time()
+                self.stop.wait(self.turn_s)
+                self.windows.append((me, t0, time.time()))
+                turn += 1
+        finally:
+            for _, pids, _ in self.jobs:
+                self._signal(pids(), signal.SIGCONT)
+
+
+def steps_in_turns(records: list[dict], windows, job: int) -> list[float]:
+    """Durations of the steps that ran entirely inside one of `job`'s turns."""
+    spans = [(a, b) for j, a, b in windows if j == job]
+    return [r["t_end"] - r["t_start"] for r in records
+            if any(a <= r["t_start"] and r["t_end"] <= b for a, b in spans)]
+
+
+def run_paired(cfg: BenchConfig, overrides: list[str]) -> dict:
+    """off (torchrun) and on (supervisor + spare) at the same time, taking turns on the machine;
+    returns the median step time of each over the steps that ran inside its own turns."""
+    from .run import train
+    steps = cfg.paired_steps
+    _, out_off = mode_recipe(cfg, overrides, "off", name="paired-off", steps=steps)
+    # a stopped turn is a silence of turn_s: the hang detector must not take it for a hang
+    rc_on, out_on = mode_recipe(cfg, overrides + [
+        f"checkpointless.heartbeat_timeout_s={max(120.0, 10 * cfg.turn_s)}"], "on",
+        name="paired-on", steps=steps)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           str(cfg.workers), "--max-restarts", "0", "--monitor-interval", "0.1",
+           "-m", "launcher.train", str(out_off / "recipe.yaml")]
+    turns = None
+    with open(out_off / "torchrun.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+
+        def on_start(sup):
+            nonlocal turns
+            turns = Turns([(out_off, lambda: tree_pids(proc.pid), lambda: proc.poll() is not None),
+                           (out_on, lambda: [w.proc.pid for w in list(sup.workers.values())],
+                            lambda: len(read_records(out_on)) >= steps)], cfg.turn_s)
+            turns.start()
+
+        try:
+            train(rc_on, on_start=on_start)
+        finally:
+            if turns:
+                turns.stop.set()
+                turns.join()
+            proc.wait(timeout=cfg.mode_timeout_s)
+    off = steps_in_turns(read_records(out_off), turns.windows, 0)
+    on = steps_in_turns(read_records(out_on), turns.windows, 1)
+    if len(off) < 5 or len(on) < 5:
+        return {}
+    return {"turns": len(turns.windows), "turn_s": cfg.turn_s, "steps_counted_off": len(off),
+            "steps_counted_on": len(on), "step_s_median_off": round(statistics.median(off), 5),
+            "step_s_median_on": round(statistics.median(on), 5),
+            "same_bits": run_digest(out_off) == run_digest(out_on) is not None}
+
+
 def measure_save_cost(rc_cfg, repeats: int = 5) -> float:
     """Seconds one synchronous checkpoint of this recipe's full state takes (model + AdamW)."""
     import tempfile
@@ -327,20 +439,6 @@ def table(rows: list[list], header: list[str]) -> str:
              for c in cells]
     lines.insert(1, "  ".join("-" * x for x in w))
     return "\n".join(lines)
-
-
-def overhead_abba(s: dict) -> tuple[Optional[float], list[float]]:
-    """on/off median step-time ratio minus 1, from the pair (off, on) and, when run, the pair
-    (on-2, off-2) at the end of the benchmark: with the pairs in ABBA order a linear drift of
-    the machine's speed raises one ratio as much as it lowers the other, and the geometric mean
-    of the two cancels it."""
-    ratios = [s[b]["step_s_median"] / s[a]["step_s_median"]
-              for a, b in (("off", "on"), ("off-2", "on-2"))
-              if a in s and b in s and s[a].get("step_s_median") and s[b].get("step_s_median")]
-    if not ratios:
-        return None, []
-    mean = math.prod(ratios) ** (1 / len(ratios))
-    return round(mean - 1, 4), [round(r - 1, 4) for r in ratios]
 
 
 def plot(results: dict, path: Path) -> None:
@@ -385,8 +483,6 @@ def bench(args: list[str]) -> int:
     step_s = cfg.step_s_estimate
     results: dict = {}
     runs = [(m, m, cfg.steps) for m in modes]
-    if cfg.recheck_steps and "off" in modes and "on" in modes:
-        runs += [("on", "on-2", cfg.recheck_steps), ("off", "off-2", cfg.recheck_steps)]
     for mode, name, steps in runs:
         tau_steps = 0
         if mode == "restart":
@@ -414,19 +510,31 @@ def bench(args: list[str]) -> int:
         results[name] = {"summary": summary, "records": records, "kills": kills}
         print(f"[bench] {name}: {json.dumps({k: v for k, v in summary.items() if k not in ('t0', 'recovery_s_all')})}",
               flush=True)
-    return report(cfg, results, save_cost, out_root)
+    paired = {}
+    if cfg.paired_steps and "off" in modes and "on" in modes:
+        print(f"[bench] off and on side by side, taking turns every {cfg.turn_s:g} s "
+              f"({cfg.paired_steps} steps each)", flush=True)
+        paired = run_paired(cfg, overrides)
+        print(f"[bench] paired: {json.dumps(paired)}", flush=True)
+    return report(cfg, results, save_cost, out_root, paired)
 
 
-def report(cfg: BenchConfig, results: dict, save_cost: float, out_root: Path) -> int:
+def report(cfg: BenchConfig, results: dict, save_cost: float, out_root: Path,
+           paired: Optional[dict] = None) -> int:
     from .goodput_model import model_table
     s = {m: r["summary"] for m, r in results.items()}
-    overhead, pairs = overhead_abba(s)
+    sequential = None
+    if "on" in s and "off" in s:
+        sequential = round(s["on"]["step_s_median"] / s["off"]["step_s_median"] - 1, 4)
+    overhead = sequential
+    if paired:
+        overhead = round(paired["step_s_median_on"] / paired["step_s_median_off"] - 1, 4)
     speedup = None
     if s.get("checkpointless", {}).get("recovery_s_median") and \
             s.get("restart", {}).get("recovery_s_median"):
         speedup = round(s["restart"]["recovery_s_median"] / s["checkpointless"]["recovery_s_median"], 1)
     rows = []
-    for m in [x for m in MODES for x in (m, f"{m}-2")]:
+    for m in MODES:
         if m in s:
             x = s[m]
             rows.append([m, x["wall_s"], x["steps"],
@@ -437,10 +545,14 @@ def report(cfg: BenchConfig, results: dict, save_cost: float, out_root: Path) ->
     print()
     print(table(rows, ["mode", "wall_s", "steps", "goodput", "failures", "recov_med_s",
                        "recov_max_s", "redone", "step_ms", "params_sha256"]))
-    if overhead is not None:
-        print(f"steady-state overhead of checkpointless (on vs off, median step time"
-              + (f"; pairs in ABBA order {', '.join(f'{p:+.1%}' for p in pairs)}, "
-                 "geometric mean" if len(pairs) > 1 else "") + f"): {overhead:+.1%}")
+    if paired:
+        print(f"steady-state overhead of checkpointless (on vs off, median step time, the two "
+              f"taking turns on the machine, {paired['steps_counted_on']} and "
+              f"{paired['steps_counted_off']} steps counted): {overhead:+.1%} "
+              f"(runs one after the other: {sequential:+.1%})")
+    elif overhead is not None:
+        print(f"steady-state overhead of checkpointless (on vs off, median step time): "
+              f"{overhead:+.1%}")
     if speedup is not None:
         print(f"median recovery: restart {s['restart']['recovery_s_median']:.2f} s vs "
               f"checkpointless {s['checkpointless']['recovery_s_median']:.2f} s "
@@ -467,7 +579,8 @@ def report(cfg: BenchConfig, results: dict, save_cost: float, out_root: Path) ->
         "machine": f"{os.cpu_count()} CPU cores, {sys.platform}",
         "config": asdict(cfg),
         "modes": {m: {k: v for k, v in x.items() if k != "t0"} for m, x in s.items()},
-        "overhead": overhead, "overhead_pairs": pairs, "recovery_speedup": speedup,
+        "overhead": overhead, "overhead_sequential": sequential, "overhead_paired": paired,
+        "recovery_speedup": speedup,
         "same_bits_as_off": same,
         "failures": {m: r["kills"] for m, r in results.items() if r["kills"]},
         "checkpoint_save_s": round(save_cost, 4),

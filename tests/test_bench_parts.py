@@ -13,8 +13,10 @@ def test_bench_keys_and_recipe_overrides_are_split():
         parse(["bench.mtbf=30"])
 
 
-def test_default_steps_follow_the_duration_budget():
-    assert parse(["bench.duration_s=600"])[0].steps > parse(["bench.duration_s=300"])[0].steps
+def test_default_steps_follow_the_duration_budget_and_cover_the_first_failure():
+    assert parse(["bench.duration_s=1200"])[0].steps > parse(["bench.duration_s=600"])[0].steps
+    cfg = parse(["bench.duration_s=100", "bench.mtbf_s=60"])[0]
+    assert cfg.steps * cfg.step_s_estimate >= 1.5 * 60  # the latest first failure is inside
 
 
 def test_schedule_is_seeded_and_has_the_asked_mean():
@@ -44,14 +46,13 @@ def test_goodput_model_favours_checkpointless_at_scale_and_shows_inputs():
     assert big["goodput_checkpointless"] > big["goodput_restart"]
 
 
-def test_overhead_pairs_in_abba_order_cancel_a_steady_drift():
-    from launcher.bench import overhead_abba
-    # the machine slows 2% per run; on is truly 1% slower than off. Run order: off, on, ..., on-2,
-    # off-2 (runs 0, 1, 4, 5)
-    speed = [1.0 + 0.02 * i for i in range(6)]
-    s = {"off": {"step_s_median": 0.5 * speed[0]}, "on": {"step_s_median": 0.505 * speed[1]},
-         "on-2": {"step_s_median": 0.505 * speed[4]}, "off-2": {"step_s_median": 0.5 * speed[5]}}
-    mean, pairs = overhead_abba(s)
-    assert pairs[0] > 0.025 and pairs[1] < -0.005  # each pair alone is off by the drift
-    assert mean == pytest.approx(0.01, abs=0.002)
-    assert overhead_abba({"off": s["off"], "on": s["on"]})[1] == [pairs[0]]
+
+def test_only_steps_inside_their_own_turns_count():
+    from launcher.bench import steps_in_turns
+    windows = [(0, 10.0, 13.0), (1, 13.0, 16.0), (0, 16.0, 19.0)]
+    recs = [{"t_start": 10.1, "t_end": 10.6},   # inside job 0's first turn
+            {"t_start": 12.8, "t_end": 16.4},   # stopped across job 1's turn: not counted
+            {"t_start": 16.4, "t_end": 16.9},   # inside job 0's second turn
+            {"t_start": 18.8, "t_end": 19.3}]   # runs past the end of the turn
+    assert steps_in_turns(recs, windows, 0) == [pytest.approx(0.5), pytest.approx(0.5)]
+    assert steps_in_turns(recs, windows, 1) == []
