@@ -249,12 +249,15 @@ def mode_recipe(cfg: BenchConfig, overrides: list[str], mode: str, tau_steps: in
     return rc, out
 
 
+def torchrun_cmd(cfg: BenchConfig, out: Path, max_restarts: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+            str(cfg.workers), "--max-restarts", str(max_restarts), "--monitor-interval", "0.1",
+            "-m", "launcher.train", str(out / "recipe.yaml")]
+
+
 def run_torchrun(cfg: BenchConfig, out: Path, killer_plan=None,
                  steps: int = 0) -> tuple[int, list[dict], float]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc_per_node", str(cfg.workers), "--max-restarts",
-           str(cfg.max_restarts if killer_plan else 0), "--monitor-interval", "0.1",
-           "-m", "launcher.train", str(out / "recipe.yaml")]
+    cmd = torchrun_cmd(cfg, out, cfg.max_restarts if killer_plan else 0)
     t0 = time.time()
     with open(out / "torchrun.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -374,9 +377,7 @@ def run_paired(cfg: BenchConfig, overrides: list[str]) -> dict:
     rc_on, out_on = mode_recipe(cfg, overrides + [
         f"checkpointless.heartbeat_timeout_s={max(120.0, 10 * cfg.turn_s)}"], "on",
         name="paired-on", steps=steps)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           str(cfg.workers), "--max-restarts", "0", "--monitor-interval", "0.1",
-           "-m", "launcher.train", str(out_off / "recipe.yaml")]
+    cmd = torchrun_cmd(cfg, out_off, 0)
     turns = None
     with open(out_off / "torchrun.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
