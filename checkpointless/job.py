@@ -279,7 +279,9 @@ class Job:
         for f, h in holders.items():
             if self.rank == h:
                 skel, flat = self._replicas.held[f][step]
-                info["bytes_sent"] += transfer.send_state(transfer.unflatten_state(skel, flat), f)
+                # views, not copies: send_state packs them into one buffer anyway
+                info["bytes_sent"] += transfer.send_state(
+                    transfer.unflatten_state(skel, flat, copy=False), f)
             elif self.rank == f:
                 state, info["bytes_received"] = transfer.recv_state(h)
                 self._load(state)
@@ -533,11 +535,11 @@ class Job:
             # block in the store until the next generation's plan appears: no polling, and the
             # communicator is aborted the moment it is published
             g = max(self.gen, self._latest_gen) + 1
-            t0 = time.time()
+            t0, wait_s = time.time(), 3600.0
             try:
-                store.wait([f"plan/{g}"], timedelta(seconds=3600))
+                store.wait([f"plan/{g}"], timedelta(seconds=wait_s))
             except Exception:
-                if time.time() - t0 < 3000:  # not a timeout: the store is gone, the job is over
+                if time.time() - t0 < wait_s / 2:  # not a timeout: the store is gone, job over
                     return
                 continue
             if self.gen >= 0 and g > self.gen and g > self._latest_gen:

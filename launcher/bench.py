@@ -198,19 +198,25 @@ class Killer(threading.Thread):
                   flush=True)
 
 
-def torchrun_workers(agent_pid: int) -> dict[int, int]:
-    """rank -> pid of the training workers torchrun's agent is running now."""
-    out, todo = {}, [agent_pid]
+def tree_pids(root: int) -> list[int]:
+    """`root` and every process below it."""
+    out, todo = [], [root]
     while todo:
         pid = todo.pop()
+        out.append(pid)
         try:
-            with open(f"/proc/{pid}/task/{pid}/children") as f:
-                kids = [int(x) for x in f.read().split()]
+            for t in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{t}/children") as f:
+                    todo += [int(x) for x in f.read().split()]
         except OSError:
             continue
-        todo += kids
-        if pid == agent_pid:
-            continue
+    return out
+
+
+def torchrun_workers(agent_pid: int) -> dict[int, int]:
+    """rank -> pid of the training workers torchrun's agent is running now."""
+    out = {}
+    for pid in tree_pids(agent_pid)[1:]:
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -299,21 +305,6 @@ def run_supervised(rc_cfg, out: Path, cfg: BenchConfig, killer_plan=None, steps:
         killer.stop.set()
         killer.join()
     return (0 if report else 1), (killer.kills if killer else []), time.time() - t0, report
-
-
-def tree_pids(root: int) -> list[int]:
-    """`root` and every process below it."""
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        try:
-            for t in os.listdir(f"/proc/{pid}/task"):
-                with open(f"/proc/{pid}/task/{t}/children") as f:
-                    todo += [int(x) for x in f.read().split()]
-        except OSError:
-            continue
-    return out
 
 
 class Turns(threading.Thread):
