@@ -466,7 +466,7 @@ class Job:
 
         That is a replacement's first step when the survivors redo it from kept gradients: the
         job waits on the replacement alone, so on CPU it may use the idle cores (if that gives the
-        same bits, see launcher/train.py)."""
+        same bits, see launcher/loop.py)."""
         return self._catching_up
 
     def all_reduce_grads(self, params, extra: torch.Tensor | None = None):

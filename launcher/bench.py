@@ -222,7 +222,7 @@ def torchrun_workers(agent_pid: int) -> dict[int, int]:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"launcher.train" in cmd:
+        if b"launcher.loop" in cmd:
             for e in env:
                 if e.startswith(b"RANK="):
                     out[int(e[5:])] = pid
@@ -258,7 +258,7 @@ def mode_recipe(cfg: BenchConfig, overrides: list[str], mode: str, tau_steps: in
 def torchrun_cmd(cfg: BenchConfig, out: Path, max_restarts: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
             str(cfg.workers), "--max-restarts", str(max_restarts), "--monitor-interval", "0.1",
-            "-m", "launcher.train", str(out / "recipe.yaml")]
+            "-m", "launcher.loop", str(out / "recipe.yaml")]
 
 
 def run_torchrun(cfg: BenchConfig, out: Path, killer_plan=None,
@@ -290,7 +290,7 @@ def run_torchrun(cfg: BenchConfig, out: Path, killer_plan=None,
 
 
 def run_supervised(rc_cfg, out: Path, cfg: BenchConfig, killer_plan=None, steps: int = 0):
-    from .run import train
+    from .launch import train
     killer = None
 
     def on_start(sup):
@@ -361,7 +361,7 @@ def steps_in_turns(records: list[dict], windows, job: int) -> list[float]:
 def run_paired(cfg: BenchConfig, overrides: list[str]) -> dict:
     """off (torchrun) and on (supervisor + spare) at the same time, taking turns on the machine;
     returns the median step time of each over the steps that ran inside its own turns."""
-    from .run import train
+    from .launch import train
     steps = cfg.paired_steps
     _, out_off = mode_recipe(cfg, overrides, "off", name="paired-off", steps=steps)
     # a stopped turn is a silence of turn_s: the hang detector must not take it for a hang

@@ -54,7 +54,7 @@ def cmd_train(args) -> int:
     if not args:
         raise RecipeError("train needs a recipe: python -m launcher train RECIPE [key=value ...]")
     cfg = load(args[0], args[1:])
-    from .run import train  # imported late: ls/show/validate stay fast
+    from .launch import train  # imported late: ls/show/validate stay fast
     report = train(cfg)
     return 0 if report is not None else 1
 

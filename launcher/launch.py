@@ -45,7 +45,7 @@ def train(cfg, on_start=None) -> dict | None:
           f"{cfg.checkpointless.spares if cfg.checkpointless.enabled else 0} spares, "
           f"strategy {cfg.distributed.strategy}, {cfg.trainer.max_steps} steps -> {out}",
           flush=True)
-    sup = Supervisor([sys.executable, "-m", "launcher.train", str(recipe_file)],
+    sup = Supervisor([sys.executable, "-m", "launcher.loop", str(recipe_file)],
                      supervisor_config(cfg),
                      log=_log, on_start=on_start)
     t0 = time.time()

@@ -1,6 +1,6 @@
 """The training loop each worker runs (a spare runs it too, and waits in `join()`).
 
-    python -m launcher.train RUN_DIR/recipe.yaml      (started by `python -m launcher train`)
+    python -m launcher.loop RUN_DIR/recipe.yaml      (started by `python -m launcher train`)
 
 One readable loop on the public checkpointless API, the same one a custom PyTorch loop uses:
 build everything (imports, tokenizer, model, data cache) *before* joining, so a spare is warm;
