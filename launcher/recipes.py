@@ -2,17 +2,24 @@
 
     load("tiny-llama", ["trainer.max_steps=7", "~model.config.num_hidden_layers"])
 
-A recipe names a base with `extends:` (merged first, so shared defaults live in one file). Overrides
-are OmegaConf dotlist entries; `~key` deletes the key so it falls back to the base or the schema.
+A recipe names a base with `extends:` (merged first, so shared defaults live in one file): NAME.yaml
+beside the recipe, else a shipped one in recipes/. Overrides are OmegaConf dotlist entries; `~key`
+deletes the key so it falls back to the base or the schema. A recipe must choose its model
+(model.name, model.id or model.config, itself or through `extends`); an empty file is refused.
 Every problem raises RecipeError with the key, the value and the fix, before any worker starts.
 """
 from __future__ import annotations
 
 import difflib
+import io
+import math
 import os
+import types
+import typing
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 
+import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -33,6 +40,10 @@ def recipe_names() -> list[str]:
 def recipe_path(name_or_path: str) -> Path:
     p = Path(name_or_path)
     if p.suffix in (".yaml", ".yml") or os.sep in name_or_path:
+        if p.is_dir():
+            raise RecipeError(f"recipe path {name_or_path!r} is a folder, not a recipe file; give "
+                              "a YAML file (e.g. my-recipe.yaml) or a recipe name "
+                              "(`python -m launcher ls` lists them)")
         if not p.is_file():
             raise RecipeError(f"recipe file {name_or_path!r} does not exist")
         return p
@@ -46,25 +57,165 @@ def recipe_path(name_or_path: str) -> Path:
     return p
 
 
-def _read_chain(path: Path, seen=()) -> DictConfig:
-    """The YAML of `path` merged onto the chain of recipes it extends."""
-    if path in seen:
-        raise RecipeError(f"recipe {path.name}: `extends` forms a cycle")
+_HOW_TO_WRITE = ("A recipe needs at least `extends: <recipe>` or a `model:` section, then the keys "
+                 "it changes, e.g.\n    extends: tiny-llama\n    trainer: {max_steps: 50}\nor"
+                 "\n    extends: _tiny\n    model: {name: gpt2, config: {n_layer: 2, n_embd: 64}}"
+                 "\nRun `python -m launcher show tiny-llama` to see a complete one.")
+
+
+def _blank(value) -> bool:
+    """Nothing said: null, '', an empty list or mapping, or a mapping of only such values."""
+    if value is None or value == "" or value == []:
+        return True
+    return isinstance(value, dict) and all(_blank(v) for v in value.values())
+
+
+def _read_yaml(path: Path) -> DictConfig:
+    """The file's own keys; refuses what cannot be read, is not a mapping, or says nothing."""
     try:
-        own = OmegaConf.load(path)
+        text = path.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise RecipeError(f"recipe {path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at "
+                          f"offset {exc.start}); save the file as UTF-8") from None
+    except OSError as exc:
+        raise RecipeError(f"recipe {path}: cannot be read ({exc.strerror or exc}); check the "
+                          "path and its permissions") from None
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        own = OmegaConf.load(io.StringIO(text)) if isinstance(root, yaml.MappingNode) else None
     except Exception as exc:
         raise RecipeError(f"recipe {path}: not valid YAML: {exc}") from None
-    if not isinstance(own, DictConfig):
-        raise RecipeError(f"recipe {path}: the top level must be a mapping of keys")
+    if root is None or (isinstance(root, yaml.ScalarNode) and root.tag.endswith(":null")):
+        raise RecipeError(f"recipe {path} is empty (no keys: only comments, blank lines or "
+                          f"`null`). {_HOW_TO_WRITE}")
+    if own is None:
+        got = "a list" if isinstance(root, yaml.SequenceNode) else \
+            f"the single value {root.value!r}"
+        raise RecipeError(f"recipe {path}: the top level must be a mapping of keys (`key: value` "
+                          f"lines), but it is {got}. {_HOW_TO_WRITE}")
+    raw = OmegaConf.to_container(own, resolve=False)
+    if _blank(raw):
+        raise RecipeError(f"recipe {path} is empty: its keys ({', '.join(map(str, raw))}) have no "
+                          f"values. {_HOW_TO_WRITE}")
+    _check_shape(raw, Recipe, "", f"recipe {path}")
+    return own
+
+
+def _base_path(path: Path, base_name) -> Path:
+    """`extends: NAME` is NAME.yaml beside the recipe, else a shipped recipe or base."""
+    if not isinstance(base_name, str):
+        raise RecipeError(f"recipe {path.name}: extends={base_name!r} must be the name of a recipe "
+                          "or base, e.g. `extends: _tiny` or `extends: tiny-llama`")
+    file = base_name if base_name.endswith((".yaml", ".yml")) else f"{base_name}.yaml"
+    tried = [path.parent / file, RECIPES_DIR / file]
+    for candidate in tried:
+        if candidate.is_file():
+            return candidate
+    known = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+    near = difflib.get_close_matches(base_name, known, n=1)
+    hint = f" Did you mean {near[0]!r}?" if near else ""
+    raise RecipeError(f"recipe {path.name}: extends={base_name!r} but neither "
+                      f"{' nor '.join(str(t) for t in dict.fromkeys(tried))} exists.{hint} "
+                      f"Shipped recipes and bases: {', '.join(known)}")
+
+
+def _read_chain(path: Path, seen=()) -> DictConfig:
+    """The YAML of `path` merged onto the chain of recipes it extends."""
+    if path.resolve() in seen:
+        raise RecipeError(f"recipe {path.name}: `extends` forms a cycle")
+    own = _read_yaml(path)
     base_name = own.get("extends")
-    if not base_name:
+    if base_name is None or base_name == "":
         return own
-    base_path = path.parent / f"{base_name}.yaml"
-    if not base_path.is_file():
-        raise RecipeError(f"recipe {path.name}: extends={base_name!r} but {base_path} does not "
-                          "exist")
-    merged = OmegaConf.merge(_read_chain(base_path, seen + (path,)), own)
+    base_path = _base_path(path, base_name)
+    merged = OmegaConf.merge(_read_chain(base_path, seen + (path.resolve(),)), own)
     return merged
+
+
+def _kind(hint):
+    """(kind, inner, optional) of a schema type: map (a dataclass), dict, list or scalar."""
+    optional = False
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        optional = len(args) < len(typing.get_args(hint))
+        hint = args[0] if len(args) == 1 else typing.Any
+    if is_dataclass(hint):
+        return "map", hint, optional
+    origin = typing.get_origin(hint)
+    if origin in (dict, typing.Dict):
+        return "dict", None, optional
+    if origin in (list, typing.List):
+        return "list", (typing.get_args(hint) or (typing.Any,))[0], optional
+    return "scalar", hint, optional
+
+
+def _describe(value) -> str:
+    kind = "mapping" if isinstance(value, dict) else "list" if isinstance(value, list) else \
+        type(value).__name__
+    return f"{kind} {value!r}"
+
+
+def _check_shape(node, cls, prefix: str, origin: str) -> None:
+    """Mappings where the schema has sections, lists where it has lists, single values elsewhere;
+    named by key and by where they came from (a recipe file or an override)."""
+    hints = typing.get_type_hints(cls)
+    for key, value in node.items():
+        full = f"{prefix}{key}"
+        if not isinstance(key, str) or key not in hints:
+            hint = _suggest(full) if "[" not in full else ""
+            if prefix and (not hint or hint == f" Did you mean '{prefix[:-1]}'?"):
+                hint = f" The keys of {prefix[:-1]} are: {', '.join(hints)}."
+            raise RecipeError(f"unknown recipe key '{full}' in {origin}.{hint} "
+                              "Run `python -m launcher show RECIPE` to see every key.")
+        _check_value(value, hints[key], full, origin)
+
+
+def _check_value(value, hint, full: str, origin: str) -> None:
+    kind, inner, optional = _kind(hint)
+    if isinstance(value, str) and "${" in value:
+        return  # an interpolation; checked once resolved
+    if value is None:
+        if optional:
+            return
+        example = {"map": f"`{full}: {{...}}`", "dict": f"`{full}: {{}}`",
+                   "list": f"`{full}: []`"}.get(kind, f"`{full}: <value>`")
+        raise RecipeError(f"recipe key '{full}' is blank (null) in {origin}; give it a value "
+                          f"(e.g. {example}) or delete it to keep the default")
+    if kind == "map":
+        if not isinstance(value, dict):
+            names = [f.name for f in fields(inner)]
+            first = names[0]
+            raise RecipeError(
+                f"recipe key '{full}' must be a mapping of keys ({', '.join(names)}), "
+                f"not {_describe(value)}, in {origin}. Write e.g. `{full}: {{{first}: ...}}` in "
+                f"YAML or `{full}.{first}=...` on the command line")
+        _check_shape(value, inner, full + ".", origin)
+    elif kind == "dict":
+        if not isinstance(value, dict):
+            raise RecipeError(f"recipe key '{full}' must be a mapping of keys, not "
+                              f"{_describe(value)}, in {origin}. Write e.g. `{full}: "
+                              f"{{hidden_size: 128}}` in YAML or `{full}.hidden_size=128` on the "
+                              "command line")
+    elif kind == "list":
+        if not isinstance(value, list):
+            example = "'faults=[kill:1:5]'" if full == "faults" else f"'{full}=[a.jsonl,b.jsonl]'"
+            raise RecipeError(f"recipe key '{full}' must be a list, not {_describe(value)}, in "
+                              f"{origin}. Write e.g. `{full}: [...]` in YAML or {example} on the "
+                              "command line")
+        for i, item in enumerate(value):
+            if is_dataclass(inner) and isinstance(item, str) and full == "faults":
+                continue  # kind:rank:step shorthand, expanded by _normalize_faults
+            if is_dataclass(inner) and not isinstance(item, dict):
+                names = ", ".join(f.name for f in fields(inner))
+                raise RecipeError(f"recipe key '{full}[{i}]' must be a mapping ({names}) or "
+                                  "kind:rank:step, "
+                                  f"not {_describe(item)}, in {origin}; e.g. "
+                                  "{kind: kill, rank: 1, step: 5} or kill:1:5")
+            _check_value(item, inner, f"{full}[{i}]", origin)
+    elif isinstance(value, (dict, list)):
+        expects = getattr(inner, "__name__", str(inner))
+        raise RecipeError(f"recipe key '{full}' must be a single value ({expects}), not "
+                          f"{_describe(value)}, in {origin}")
 
 
 def _schema_keys(cls=Recipe, prefix="") -> list[str]:
@@ -134,18 +285,27 @@ def _normalize_faults(cfg: DictConfig) -> None:
 
 def load(name_or_path: str, overrides: list[str] = ()) -> DictConfig:
     """The resolved recipe (interpolations done), validated; raises RecipeError."""
-    cfg = _read_chain(recipe_path(name_or_path))
-    sets = [o for o in overrides if not o.startswith("~")]
-    for o in sets:
-        if "=" not in o:
+    path = recipe_path(name_or_path)
+    cfg = _read_chain(path)
+    for o in overrides:
+        key = o.lstrip("~").split("=", 1)[0].strip()
+        if not o.startswith("~") and "=" not in o:
             raise RecipeError(f"override {o!r} is not key=value (use ~key to delete a key)")
-    try:
-        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(sets))
-    except OmegaConfBaseException as exc:
-        raise RecipeError(f"override could not be parsed: {exc}") from None
+        if not key:
+            raise RecipeError(f"override {o!r} names no key; write key=value, e.g. "
+                              "trainer.max_steps=50")
+        if o.startswith("~"):
+            continue
+        try:
+            one = OmegaConf.from_dotlist([o])
+        except OmegaConfBaseException as exc:
+            raise RecipeError(f"override {o!r} could not be parsed: {exc}") from None
+        _check_shape(OmegaConf.to_container(one, resolve=False), Recipe, "", f"override {o!r}")
+        cfg = OmegaConf.merge(cfg, one)
     for o in overrides:
         if o.startswith("~"):
             _delete(cfg, o[1:])
+    _require_model(cfg, path)
     _normalize_faults(cfg)
     try:
         merged = OmegaConf.merge(OmegaConf.structured(Recipe), cfg)
@@ -154,9 +314,53 @@ def load(name_or_path: str, overrides: list[str] = ()) -> DictConfig:
     try:
         OmegaConf.resolve(merged)
     except OmegaConfBaseException as exc:
-        raise RecipeError(f"recipe interpolation failed: {exc}") from None
+        key = getattr(exc, "full_key", None)
+        where = f" in '{key}'" if key else ""
+        raise RecipeError(f"recipe interpolation failed{where}: {str(exc).splitlines()[0]}. A "
+                          "${...} reference must name another key, e.g. ${run.name}, and must "
+                          "not refer to itself") from None
     validate(merged)
     return merged
+
+
+def _require_model(cfg: DictConfig, path: Path) -> None:
+    """The schema's default model is a full-size Llama (7B parameters with transformers' defaults):
+    a recipe must choose its model - model.name, model.id or model.config, set in the file, in a
+    recipe it extends or by an override - rather than fall back to that default."""
+    model = cfg.get("model")
+    raw = OmegaConf.to_container(model, resolve=False) if isinstance(model, DictConfig) else {}
+    if any(not _blank(raw.get(k)) for k in ("name", "id", "config")):
+        return
+    raise RecipeError(
+        f"recipe {path} does not say which model to train: none of model.name, model.id or "
+        "model.config is set (by the file, a recipe it extends or an override), and the "
+        "default is a full-size Llama (~7B parameters) that runs the workers out of memory. "
+        "Set one (e.g. `model: {name: llama, config: {hidden_size: 128, num_hidden_layers: 4}}` "
+        "or `model: {id: openai-community/gpt2}`), or extend a recipe that does "
+        "(`extends: tiny-llama`). Run `python -m launcher show tiny-llama` to see a complete "
+        "recipe.")
+
+
+def _check_dir(key: str, value: str, example: str) -> None:
+    """`value` is a folder that exists or can be created, and written; nothing is created here."""
+    fix = f"choose a folder you can write, e.g. {key}={example}"
+    if not str(value).strip():
+        raise RecipeError(f"{key}={value!r}: must name a folder; {fix}")
+    target = Path(value).absolute()
+    for existing in (target, *target.parents):
+        if os.path.lexists(existing):
+            break
+    if not existing.exists():
+        raise RecipeError(f"{key}={value!r}: {existing} is a broken symbolic link; remove it or "
+                          f"{fix}")
+    if not existing.is_dir():
+        what = "names an existing file, not a folder" if existing == target else \
+            f"cannot be created: {existing} is a file, not a folder"
+        raise RecipeError(f"{key}={value!r} {what}; move the file away or {fix}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "is a folder you cannot write to" if existing == target else \
+            f"cannot be created: {existing} is not writable (permission denied)"
+        raise RecipeError(f"{key}={value!r} {what}; {fix}")
 
 
 def _explain(exc: OmegaConfBaseException, overrides) -> RecipeError:
@@ -192,6 +396,11 @@ def validate(cfg: DictConfig) -> None:
         if not ok:
             raise RecipeError(f"{key}={value!r}: {fix}")
 
+    for key in _schema_keys():
+        v = _get(cfg, key)
+        if isinstance(v, float) and not math.isfinite(v):
+            raise RecipeError(f"{key}={v!r}: must be a finite number")
+
     t, d, c, o = cfg.trainer, cfg.distributed, cfg.checkpointless, cfg.optim
     need(t.max_steps >= 1, "trainer.max_steps", t.max_steps, "must be at least 1")
     need(t.micro_batch_size >= 1, "trainer.micro_batch_size", t.micro_batch_size, "must be >= 1")
@@ -206,6 +415,13 @@ def validate(cfg: DictConfig) -> None:
          "must be > 0 seconds")
     need(o.lr > 0, "optim.lr", o.lr, "must be > 0, e.g. optim.lr=3e-4")
     need(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
+    need(o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "must be >= 0")
+    need(0 <= o.beta1 < 1, "optim.beta1", o.beta1, "must be in [0, 1), e.g. 0.9")
+    need(0 <= o.beta2 < 1, "optim.beta2", o.beta2, "must be in [0, 1), e.g. 0.95")
+    need(o.eps > 0, "optim.eps", o.eps, "must be > 0, e.g. 1e-8")
+    need(o.grad_clip >= 0, "optim.grad_clip", o.grad_clip, "must be >= 0 (0 disables clipping)")
+    need(c.pg_timeout_s > 0, "checkpointless.pg_timeout_s", c.pg_timeout_s, "must be > 0 seconds")
+    need(c.spare_wait_s > 0, "checkpointless.spare_wait_s", c.spare_wait_s, "must be > 0 seconds")
     need(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
     need(cfg.data.seq_len >= 8, "data.seq_len", cfg.data.seq_len, "must be >= 8")
     if cfg.model.init == "pretrained":
@@ -238,6 +454,10 @@ def validate(cfg: DictConfig) -> None:
     if cfg.faults:
         need(c.enabled, "checkpointless.enabled", c.enabled,
              "faults are injected but recovery is off; set checkpointless.enabled=true")
+    _check_dir("run.output_dir", cfg.run.output_dir, f"runs/{cfg.run.name}")
+    _check_dir("data.cache_dir", cfg.data.cache_dir, ".cache/data")
+    if cfg.checkpoint.interval > 0:
+        _check_dir("checkpoint.dir", cfg.checkpoint.dir, f"runs/{cfg.run.name}/checkpoints")
 
 
 def to_yaml(cfg: DictConfig) -> str:

@@ -1,6 +1,8 @@
 """Recipes: loading, overrides, deletion, and an error for every kind of bad input."""
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -91,8 +93,206 @@ def test_unknown_recipe_suggests_the_closest():
 
 def test_recipe_from_a_path(tmp_path):
     p = tmp_path / "mine.yaml"
-    p.write_text("extends: null\nrun: {name: mine}\ntrainer: {max_steps: 3}\n")
+    p.write_text("extends: null\nrun: {name: mine}\ntrainer: {max_steps: 3}\n"
+                 "model: {name: llama, config: {hidden_size: 64}}\n")
     assert load(str(p)).trainer.max_steps == 3
+
+
+def _recipe(tmp_path, text, name="mine.yaml"):
+    p = tmp_path / name
+    p.write_bytes(text) if isinstance(text, bytes) else p.write_text(text)
+    return str(p)
+
+
+def _refused(name_or_path, overrides=(), must_say=()):
+    with pytest.raises(RecipeError) as err:
+        load(name_or_path, list(overrides))
+    for text in must_say:
+        assert text in str(err.value), str(err.value)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("text", ["", "\n\n", "# just a comment\n# and another\n", "null\n", "~\n",
+                                  "description:\n", "description:\nmodel:\ntrainer:\n",
+                                  "faults: []\nmodel: {}\n"])
+def test_an_empty_recipe_file_is_refused_saying_what_a_recipe_needs(tmp_path, text):
+    path = _recipe(tmp_path, text)
+    msg = _refused(path, must_say=[path, "empty", "extends:", "model", "launcher show tiny-llama"])
+    assert "Traceback" not in msg
+
+
+@pytest.mark.parametrize("text", [
+    "extends: _tiny\n",                                 # a base with no model in it
+    "extends: _base\ntrainer: {max_steps: 3}\n",
+    "run: {name: mine}\ntrainer: {max_steps: 3}\n",
+    "extends: _tiny\nmodel: {gradient_checkpointing: true, size: 1M}\n",  # says nothing of which
+])
+def test_a_recipe_that_does_not_choose_a_model_is_refused(tmp_path, text):
+    path = _recipe(tmp_path, text)
+    _refused(path, must_say=[path, "model.name", "model.id", "model.config", "full-size Llama",
+                             "extends: tiny-llama"])
+
+
+def test_a_model_chosen_by_extends_by_the_file_or_by_an_override_is_enough(tmp_path):
+    assert load(_recipe(tmp_path, "extends: tiny-llama\n")).model.config.hidden_size == 128
+    gpt2 = load(_recipe(tmp_path, "extends: _tiny\nmodel: {name: gpt2, config: {n_layer: 2}}\n"))
+    assert gpt2.model.name == "gpt2" and gpt2.trainer.max_steps == 200  # _tiny found in recipes/
+    bare = _recipe(tmp_path, "extends: _tiny\ntrainer: {max_steps: 5}\n")
+    assert load(bare, ["model.name=gpt2"]).model.name == "gpt2"
+    # deleting the model by override leaves nothing chosen
+    _refused("tiny-llama", ["~model"], must_say=["tiny-llama.yaml", "which model"])
+
+
+def test_output_dir_naming_an_existing_file_is_refused(tmp_path):
+    f = tmp_path / "taken"
+    f.write_text("not a folder")
+    _refused("tiny-llama", [f"run.output_dir={f}"],
+             must_say=["run.output_dir", str(f), "existing file", "run.output_dir=runs/"])
+
+
+def test_output_dir_under_an_existing_file_is_refused(tmp_path):
+    f = tmp_path / "taken"
+    f.write_text("not a folder")
+    out = f / "sub" / "run"
+    _refused("tiny-llama", [f"run.output_dir={out}"],
+             must_say=["run.output_dir", str(out), f"{f} is a file", "run.output_dir=runs/"])
+
+
+def test_output_dir_that_is_a_broken_link_is_refused(tmp_path):
+    link = tmp_path / "dangling"
+    link.symlink_to(tmp_path / "gone")
+    _refused("tiny-llama", [f"run.output_dir={link}"],
+             must_say=["run.output_dir", "broken symbolic link"])
+
+
+def test_output_dir_that_cannot_be_created_is_refused_and_nothing_is_created(tmp_path,
+                                                                            monkeypatch):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    out = locked / "a" / "b"
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if Path(p) == locked
+                        else real_access(p, mode, **kw))
+    _refused("tiny-llama", [f"run.output_dir={out}"],
+             must_say=["run.output_dir", str(out), f"{locked} is not writable", "runs/"])
+    _refused("tiny-llama", [f"run.output_dir={locked}"],
+             must_say=["run.output_dir", "cannot write"])
+    assert list(locked.iterdir()) == []
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
+def test_output_dir_in_a_read_only_folder_is_refused(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        _refused("tiny-llama", [f"run.output_dir={locked / 'run'}"],
+                 must_say=["run.output_dir", "not writable"])
+    finally:
+        locked.chmod(0o700)
+
+
+def test_other_folders_are_checked_too(tmp_path):
+    f = tmp_path / "taken"
+    f.write_text("x")
+    _refused("tiny-llama", ["run.output_dir="], must_say=["run.output_dir", "blank"])
+    _refused("tiny-llama", ["run.output_dir=' '"],
+             must_say=["run.output_dir", "must name a folder"])
+    _refused("tiny-llama", [f"data.cache_dir={f}"], must_say=["data.cache_dir", "existing file"])
+    _refused("tiny-llama", ["checkpoint.interval=5", f"checkpoint.dir={f}"],
+             must_say=["checkpoint.dir", "existing file"])
+    ok = load("tiny-llama", [f"run.output_dir={tmp_path / 'new' / 'run'}"])  # creatable: fine
+    assert ok.run.output_dir.endswith("new/run") and not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("text, must_say", [
+    ("- a\n- b\n", ["top level must be a mapping", "a list"]),
+    ("just a string\n", ["top level must be a mapping", "'just a string'"]),
+    ("3\n", ["top level must be a mapping"]),
+    (b"extends: tiny-llama\ndescription: caf\xe9\n", ["not UTF-8", "0xe9"]),
+    ("extends: tiny-llama\nmodel: [1, 2]\n", ["'model' must be a mapping", "list [1, 2]"]),
+    ("extends: tiny-llama\ntrainer: 5\n", ["'trainer' must be a mapping", "int 5"]),
+    ("extends: tiny-llama\nmodel: {config: [1]}\n", ["'model.config' must be a mapping"]),
+    ("extends: tiny-llama\nfaults: {kind: kill}\n", ["'faults' must be a list"]),
+    ("extends: tiny-llama\nfaults: [5]\n", ["'faults[0]' must be a mapping", "kill:1:5"]),
+    ("extends: tiny-llama\nfaults: [{kind: kill, rank: 0, step: 1, x: 2}]\n",
+     ["'faults[0].x'", "kind, rank, step"]),
+    ("extends: tiny-llama\ndata: {files: {a: 1}}\n", ["'data.files' must be a list"]),
+    ("extends: tiny-llama\nrun: {output_dir: [a]}\n", ["'run.output_dir' must be a single value"]),
+    ("extends: tiny-llama\nmodel:\n", ["'model' is blank"]),
+    ("extends: tiny-llama\n1: 2\n", ["unknown recipe key '1'"]),
+    ("extends: [tiny-llama]\n", ["'extends' must be a single value"]),
+    ("extends: 5\n", ["extends=5", "name of a recipe"]),
+    ("extends: tiny-lama\n", ["extends='tiny-lama'", "Did you mean 'tiny-llama'"]),
+    ("extends: mine\nmodel: {name: gpt2}\n", ["cycle"]),
+    ("extends: tiny-llama\nfoo: 1\nfoo: 2\n", ["not valid YAML", "duplicate key"]),
+])
+def test_malformed_recipe_files_are_refused_naming_the_file_and_key(tmp_path, text, must_say):
+    path = _recipe(tmp_path, text)
+    msg = _refused(path, must_say=must_say)
+    assert "mine.yaml" in msg
+
+
+def test_a_folder_given_as_recipe_is_refused(tmp_path):
+    d = tmp_path / "recipes.yaml"
+    d.mkdir()
+    _refused(str(d), must_say=[str(d), "is a folder"])
+    _refused(str(tmp_path) + "/", must_say=["is a folder"])
+
+
+def test_an_unreadable_recipe_is_refused(tmp_path, monkeypatch):
+    path = _recipe(tmp_path, "extends: tiny-llama\n")
+    def deny(self):
+        raise PermissionError(13, "Permission denied", str(self))
+    monkeypatch.setattr(Path, "read_bytes", deny)
+    _refused(path, must_say=[path, "cannot be read", "Permission denied"])
+
+
+def test_a_utf8_bom_is_fine(tmp_path):
+    assert load(_recipe(tmp_path, b"\xef\xbb\xbfextends: tiny-llama\n")).model.name == "llama"
+
+
+@pytest.mark.parametrize("overrides, must_say", [
+    (["trainer.max_steps=-1"], ["trainer.max_steps", "-1", "at least 1"]),
+    (["model.config=[1]"], ["'model.config' must be a mapping", "override 'model.config=[1]'"]),
+    (["faults={a: 1}"], ["'faults' must be a list", "'faults=[kill:1:5]'"]),
+    (["faults=kill:1:5"], ["'faults' must be a list", "'faults=[kill:1:5]'"]),
+    (["trainer=[1]"], ["'trainer' must be a mapping", "trainer.max_steps="]),
+    (["model=5"], ["'model' must be a mapping", "int 5"]),
+    (["data.files={a: 1}"], ["'data.files' must be a list"]),
+    (["trainer.max_steps={a: 1}"], ["'trainer.max_steps' must be a single value (int)"]),
+    (["faults=[{kind: kill, rank: 0, step: 1, x: 2}]"], ["'faults[0].x'", "kind, rank, step"]),
+    (["trainer.nope=1"], ["trainer.nope", "max_steps, micro_batch_size"]),
+    (["=5"], ["'=5'", "names no key"]),
+    (["~"], ["names no key"]),
+    (["optim.lr=inf"], ["optim.lr", "inf", "finite"]),
+    (["optim.weight_decay=nan"], ["optim.weight_decay", "finite"]),
+    (["optim.beta1=1"], ["optim.beta1", "[0, 1)"]),
+    (["optim.eps=0"], ["optim.eps", "> 0"]),
+    (["optim.grad_clip=-1"], ["optim.grad_clip", ">= 0"]),
+    (["checkpointless.pg_timeout_s=0"], ["checkpointless.pg_timeout_s", "> 0"]),
+    (["run.output_dir=${nope}"], ["interpolation failed in 'run.output_dir'", "nope"]),
+    (["trainer.max_steps=${trainer.max_steps}"], ["trainer.max_steps", "must not refer to itself"]),
+])
+def test_more_bad_overrides_are_refused(overrides, must_say):
+    _refused("tiny-llama", overrides, must_say=must_say)
+
+
+def test_cli_validate_reports_an_empty_recipe_without_a_traceback(tmp_path):
+    path = _recipe(tmp_path, "# nothing here yet\n")
+    r = _cli("validate", path)
+    assert r.returncode == 1 and "INVALID" in r.stdout and "is empty" in r.stdout
+    assert "Traceback" not in r.stdout + r.stderr
+    r = _cli("show", "tiny-llama", "model.config=[1]")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "model.config" in r.stderr
+
+
+def test_cli_train_refuses_an_output_dir_that_is_a_file(tmp_path):
+    f = tmp_path / "taken"
+    f.write_text("x")
+    r = _cli("train", "tiny-llama", f"run.output_dir={f}", "trainer.max_steps=2")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "run.output_dir" in r.stderr and "existing file" in r.stderr
 
 
 def _cli(*args):
