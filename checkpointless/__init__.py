@@ -8,13 +8,17 @@ Depends on torch only. The public API:
     Job.step()                context manager around one step; a peer failure inside is recovered
     Job.all_reduce_grads(...) average gradients in one fixed layout (bit-exact across recoveries)
     Job.finish(result)        report this rank's result and leave
+    PeerFailure               what a collective raises when a peer was lost (failures.py)
     Supervisor                start workers and spares, detect failures, hand ranks to spares
 Run a script under it with `python -m checkpointless --nproc N --spares S script.py`.
 """
 from .digest import model_sha256, state_sha256
 from .faults import Fault, InjectedFault, parse_faults
-from .job import Evicted, Job, join, started_as_spare, step_seed
+from .failures import Evicted, PeerFailure
+from .job import Job, join, started_as_spare
+from .seeding import step_seed
 from .supervisor import JobFailed, Supervisor, SupervisorConfig
 
-__all__ = ["join", "started_as_spare", "Job", "Evicted", "step_seed", "Supervisor", "SupervisorConfig", "JobFailed",
-           "Fault", "InjectedFault", "parse_faults", "model_sha256", "state_sha256"]
+__all__ = ["join", "started_as_spare", "Job", "Evicted", "PeerFailure", "step_seed",
+           "Supervisor", "SupervisorConfig", "JobFailed", "Fault", "InjectedFault",
+           "parse_faults", "model_sha256", "state_sha256"]

@@ -12,6 +12,7 @@ import json
 import sys
 
 from .faults import parse_faults
+from .protocol import DEFAULTS
 from .supervisor import JobFailed, Supervisor, SupervisorConfig
 
 
@@ -19,10 +20,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m checkpointless", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, required=True, help="active workers (the world size)")
-    p.add_argument("--spares", type=int, default=1, help="hot spares started beside them")
+    p.add_argument("--spares", type=int, default=DEFAULTS.spares,
+                   help="hot spares started beside them")
     p.add_argument("--no-refill", action="store_true", help="do not replace a used spare")
-    p.add_argument("--heartbeat-timeout", type=float, default=10.0,
+    p.add_argument("--heartbeat-timeout", type=float, default=DEFAULTS.heartbeat_timeout_s,
                    help="seconds of training-loop silence before a lagging worker is hung")
+    p.add_argument("--spare-wait", type=float, default=DEFAULTS.spare_wait_s,
+                   help="seconds a lost rank may wait for a spare to warm up before the run stops")
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     p.add_argument("--host", default="127.0.0.1", help="address of the coordination store")
     p.add_argument("--port", type=int, default=0, help="port of the store (0: any free one)")
@@ -41,18 +45,28 @@ def main(argv=None) -> int:
         p.error(f"--nproc={a.nproc} must be >= 1 and --spares={a.spares} >= 0")
     cfg = SupervisorConfig(nproc=a.nproc, spares=a.spares, refill=not a.no_refill,
                            heartbeat_timeout_s=a.heartbeat_timeout, backend=a.backend,
-                           host=a.host, port=a.port, seed=a.seed, faults=faults)
+                           host=a.host, port=a.port, seed=a.seed, faults=faults,
+                           spare_wait_s=a.spare_wait)
     try:
         report = Supervisor([sys.executable, a.script, *a.args], cfg).run()
     except JobFailed as exc:
         print(f"[checkpointless] job failed: {exc}", file=sys.stderr)
+        if a.report and exc.report is not None:
+            exc.report.pop("step_times", None)
+            with open(a.report, "w") as f:
+                f.write(json.dumps(dict(exc.report, status="failed", error=str(exc)),
+                                   indent=2) + "\n")
         return 1
     report.pop("step_times", None)
-    text = json.dumps(report, indent=2)
+    agree = len({r.get("params_sha256") for r in report["results_by_rank"].values()}) <= 1
+    text = json.dumps(dict(report, status="ok" if agree else "replicas_disagree"), indent=2)
     if a.report:
         with open(a.report, "w") as f:
             f.write(text + "\n")
     print(text)
+    if not agree:  # replicas that drifted apart are never a success
+        print("[checkpointless] ERROR: ranks ended with different params_sha256", file=sys.stderr)
+        return 1
     return 0
 
 

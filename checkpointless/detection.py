@@ -1,8 +1,9 @@
-"""Failure detection: telling a dead or hung peer from a bug of one's own.
+"""Failure detection: telling a dead or hung peer from a slow one.
 
 Three signals, fastest first:
-  * a worker process exits: the supervisor sees it at its next poll (tens of milliseconds);
-  * a survivor's collective fails because a peer vanished: gloo reports it at once;
+  * a worker process exits: the supervisor sees it at once (it sleeps on the processes' pidfds);
+  * a survivor's collective fails because a peer vanished: gloo reports it at once, and the
+    survivor learns from the supervisor's record that a peer was lost (see failures.py);
   * a worker hangs (alive, not progressing): its training-loop heartbeat goes silent. Silence alone
     is not proof, since healthy workers blocked in a collective with the hung one go silent too, so
     a silent worker is declared hung only when it is behind the others or its process is stopped.
@@ -12,34 +13,16 @@ from __future__ import annotations
 import json
 import time
 
-# Text that the gloo and NCCL backends put in the errors raised when a peer vanished or the group
-# was aborted. A collective failing for any of these reasons means "a peer died", not "I am broken".
-_PEER_FAILURE_MARKERS = (
-    "gloo", "nccl", "connection reset", "connection closed", "connection refused", "broken pipe",
-    "socket timeout", "timed out", "abort", "processgroup", "peer",
-)
-
-
-def is_peer_failure(exc: BaseException) -> bool:
-    try:
-        import torch.distributed as dist
-        if isinstance(exc, dist.DistError):
-            return True
-    except Exception:  # pragma: no cover - torch without distributed
-        pass
-    if not isinstance(exc, RuntimeError):
-        return False
-    text = str(exc).lower()
-    return any(m in text for m in _PEER_FAILURE_MARKERS)
+from . import protocol
 
 
 def beat(store, worker_id: int, step: int, gen: int, phase: str) -> None:
-    store.set(f"hb/{worker_id}", json.dumps({"t": time.time(), "step": step, "gen": gen,
-                                             "phase": phase}))
+    store.set(protocol.heartbeat_key(worker_id),
+              json.dumps({"t": time.time(), "step": step, "gen": gen, "phase": phase}))
 
 
 def read_beat(store, worker_id: int):
-    key = f"hb/{worker_id}"
+    key = protocol.heartbeat_key(worker_id)
     return json.loads(store.get(key)) if store.check([key]) else None
 
 

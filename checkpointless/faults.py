@@ -16,6 +16,8 @@ import signal
 import time
 from dataclasses import dataclass
 
+from . import protocol
+
 KINDS = ("kill", "hang", "raise")
 
 
@@ -58,11 +60,11 @@ class FaultInjector:
         self.worker_id = worker_id
 
     def _claim(self, index: int) -> bool:
-        return self.store.add(f"fault/{index}/claimed", 1) == 1
+        return self.store.add(protocol.fault_claim_key(index), 1) == 1
 
     def _record(self, fault: Fault) -> None:
         # The supervisor reads this to time detection from the real moment of failure.
-        self.store.set(f"fault_at/{self.worker_id}",
+        self.store.set(protocol.fault_time_key(self.worker_id),
                        json.dumps({"t": time.time(), "kind": fault.kind, "step": fault.step}))
 
     def before_step(self, rank: int, step: int) -> None:

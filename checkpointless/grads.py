@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .failures import communicating
+
 
 def all_reduce_grads(params, world_size: int, extra: torch.Tensor | None = None, group=None):
     """Average the gradients of `params` across ranks in place.
@@ -32,12 +34,14 @@ def all_reduce_grads(params, world_size: int, extra: torch.Tensor | None = None,
         if rides and dtype == torch.float32:
             pieces.append(extra.reshape(-1).to(dtype))
         flat = torch.cat(pieces)  # a copy: the .grad tensors are untouched until the end
-        dist.all_reduce(flat, group=group)
+        with communicating("gradient all-reduce"):
+            dist.all_reduce(flat, group=group)
         reduced.append((dtype, gs, flat))
     summed_extra = None
     if extra is not None and not rides:
         summed_extra = extra.detach().clone().float()
-        dist.all_reduce(summed_extra, group=group)
+        with communicating("all-reduce of the step's extra values"):
+            dist.all_reduce(summed_extra, group=group)
     for dtype, gs, flat in reduced:
         if rides and dtype == torch.float32:
             summed_extra = flat[-extra.numel():].clone()
@@ -49,3 +53,39 @@ def all_reduce_grads(params, world_size: int, extra: torch.Tensor | None = None,
             g.copy_(flat[offset:offset + n].view_as(g))
             offset += n
     return summed_extra
+
+
+class KeptGrads:
+    """This rank's own gradients of the step in flight, kept until its all-reduce succeeds.
+
+    When a peer dies in the middle of the all-reduce, a survivor redoing the same step (same
+    state, rank and world size) can reuse them instead of recomputing forward and backward. They
+    are kept by reference, not copied: the all-reduce sums in a copy and writes back only once
+    every collective succeeded.
+    """
+
+    def __init__(self):
+        self._kept: dict | None = None
+
+    def usable(self, step: int, rank: int, world: int) -> bool:
+        k = self._kept
+        return k is not None and (k["step"], k["rank"], k["world"]) == (step, rank, world)
+
+    def drop(self) -> None:
+        self._kept = None
+
+    def all_reduce(self, params, step: int, rank: int, world: int,
+                   extra: torch.Tensor | None = None):
+        """`all_reduce_grads`, reusing the kept gradients when the loop skipped the compute."""
+        params = list(params)
+        if self.usable(step, rank, world) and all(p.grad is None for p in params):
+            for p, g in self._kept["grads"]:
+                p.grad = g
+            extra = self._kept["extra"]
+        else:
+            self._kept = {"step": step, "rank": rank, "world": world,
+                          "grads": [(p, p.grad) for p in params if p.grad is not None],
+                          "extra": None if extra is None else extra.detach().clone()}
+        out = all_reduce_grads(params, world, extra)
+        self._kept = None
+        return out

@@ -15,23 +15,28 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from . import protocol
+
 
 @dataclass
 class Plan:
+    """Who holds which rank in one generation."""
     gen: int
     world_size: int
     ranks: dict[int, int]  # worker id -> rank
     t_published: float = 0.0
+    lost: int = 0  # workers the supervisor had declared lost when it published this plan
 
     def to_json(self) -> str:
         return json.dumps({"gen": self.gen, "world_size": self.world_size, "t": self.t_published,
+                           "lost": self.lost,
                            "ranks": {str(k): v for k, v in self.ranks.items()}})
 
     @classmethod
     def from_json(cls, text) -> "Plan":
         d = json.loads(text)
         return cls(gen=d["gen"], world_size=d["world_size"], t_published=d["t"],
-                   ranks={int(k): int(v) for k, v in d["ranks"].items()})
+                   lost=d.get("lost", 0), ranks={int(k): int(v) for k, v in d["ranks"].items()})
 
 
 def connect(host: str, port: int, timeout_s: float = 120.0) -> dist.TCPStore:
@@ -39,18 +44,18 @@ def connect(host: str, port: int, timeout_s: float = 120.0) -> dist.TCPStore:
 
 
 def current_gen(store) -> int:
-    return int(store.get("gen")) if store.check(["gen"]) else -1
+    return int(store.get(protocol.GEN)) if store.check([protocol.GEN]) else -1
 
 
 def publish(store, plan: Plan) -> None:
     """Write the plan first, then move `gen`: a reader that sees the new gen finds its plan."""
     plan.t_published = time.time()
-    store.set(f"plan/{plan.gen}", plan.to_json())
-    store.set("gen", str(plan.gen))
+    store.set(protocol.plan_key(plan.gen), plan.to_json())
+    store.set(protocol.GEN, str(plan.gen))
 
 
 def read_plan(store, gen: int) -> Plan:
-    return Plan.from_json(store.get(f"plan/{gen}"))
+    return Plan.from_json(store.get(protocol.plan_key(gen)))
 
 
 def counter(store, key: str) -> int:
@@ -63,7 +68,7 @@ def barrier(store, gen: int, world_size: int, poll_s: float = 0.002) -> bool:
     Done on the store, before the process group exists, so a member that died after the plan was
     published cannot block the others inside the process-group constructor.
     """
-    key = f"barrier/{gen}"
+    key = protocol.barrier_key(gen)
     store.add(key, 1)
     while counter(store, key) < world_size:
         if current_gen(store) != gen:

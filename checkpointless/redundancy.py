@@ -16,6 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from .failures import MembershipMoved, communicating
 from .transfer import flatten_state
 
 KEEP = 2
@@ -88,10 +89,6 @@ class ShardReplicas:
         return own + held
 
 
-class MembershipMoved(RuntimeError):
-    """Raised instead of waiting on a peer that has gone into recovery."""
-
-
 def _run(ops, moved=None) -> None:
     """Run point-to-point ops and wait for them.
 
@@ -99,10 +96,11 @@ def _run(ops, moved=None) -> None:
     that leaves for recovery releases us by tearing its group down, which closes the sockets.)"""
     if not ops:
         return
-    for r in dist.batch_isend_irecv(ops):
-        r.wait()
+    with communicating("the replica exchange"):
+        for r in dist.batch_isend_irecv(ops):
+            r.wait()
     if moved is not None and moved():
-        raise MembershipMoved("peer failure: the membership moved during a replica exchange")
+        raise MembershipMoved("the membership moved during a replica exchange")
 
 
 def restorable_step(infos: list[dict]) -> int | None:

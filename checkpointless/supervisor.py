@@ -1,69 +1,48 @@
 """The supervisor: starts workers and hot spares, watches them, hands a failed rank to a spare.
 
 It owns the coordination store (a TCPStore server in this process, not in any training worker), so
-it survives the loss of any worker. Its loop, every few milliseconds:
+it survives the loss of any worker. Its loop:
   1. a worker process that exited is a failure at once (cause `error` if it reported an exception,
      `hang` if the supervisor killed it for silence, else `exit`);
-  2. an active worker whose heartbeat is silent past `heartbeat_timeout_s` while behind the others,
+  2. a worker that reported an exception of its own is killed at once and its traceback printed;
+  3. an active worker whose heartbeat is silent past `heartbeat_timeout_s` while behind the others,
      or whose process is stopped, is hung: it is killed, which also releases peers blocked on it;
-  3. on failure, each lost rank goes to a warm spare and a new membership generation is published;
-     the workers do the rest (regroup, state transfer) and report their timings back here;
-  4. a used spare is replaced in the background (`refill`).
+  4. on failure, the loss is recorded in the store first (survivors' collectives have already
+     failed and wait for that record, failures.py), then each lost rank goes to a warm spare and a
+     new membership generation is published; the workers regroup and move state themselves;
+  5. a used spare is replaced in the background (`refill`).
 """
 from __future__ import annotations
 
 import json
 import os
-import select
-import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch.distributed as dist
 
-from . import detection, membership
-from .goodput import goodput_from_steps
+from . import detection, membership, protocol
+from .processes import Worker, WorkerPool
+from .report import Failure, recovery_entry, recovery_line, run_report
 
-
-@dataclass
-class Worker:
-    wid: int
-    proc: subprocess.Popen
-    slot: int
-    started: float
-    rank: int = -1  # -1 while a spare
-    pidfd: int | None = None  # readable once the process has exited (Linux 5.3+)
-
-
-@dataclass
-class Failure:
-    wid: int
-    rank: int
-    cause: str
-    t_fail: float
-    t_detect: float
-    step: int
-    gen: int = -1  # the generation that replaced it
-    t_spare: float = 0.0  # when a spare was available
-    new_wid: int = -1
+D = protocol.DEFAULTS
 
 
 @dataclass
 class SupervisorConfig:
     nproc: int
-    spares: int = 1
-    refill: bool = True
-    heartbeat_timeout_s: float = 10.0
+    spares: int = D.spares
+    refill: bool = D.refill
+    heartbeat_timeout_s: float = D.heartbeat_timeout_s
     backend: str = "gloo"
     host: str = "127.0.0.1"
     port: int = 0
     seed: int = 0
     faults: list = field(default_factory=list)
-    pg_timeout_s: float = 300.0
-    spare_wait_s: float = 600.0
+    pg_timeout_s: float = D.pg_timeout_s
+    spare_wait_s: float = D.spare_wait_s
+    confirm_s: float = D.confirm_s
     # longest sleep of the monitoring loop; process exits wake it at once (pidfd), so this only
     # paces the store checks (reported errors, heartbeats)
     poll_s: float = 0.1
@@ -72,153 +51,104 @@ class SupervisorConfig:
     # on 2 cores: minutes), leaving the job without a spare for longer. So none by default.
     refill_nice: int = 0
     enabled: bool = True
-    replication: dict = field(default_factory=lambda: {"factor": 2, "interval": 1, "offset": 1})
+    replication: dict = field(default_factory=lambda: {
+        "factor": D.replication_factor, "interval": D.replication_interval, "offset": 1})
 
 
 class JobFailed(RuntimeError):
-    pass
+    """The run stopped; `report` holds what it had done (steps, failures, their errors)."""
+
+    def __init__(self, message: str, report: dict | None = None):
+        super().__init__(message)
+        self.report = report
 
 
 class Supervisor:
+    """Owns the store, the membership (which worker holds which rank, generation by generation)
+    and the failure records; the processes themselves belong to its WorkerPool."""
+
     def __init__(self, cmd: list[str], cfg: SupervisorConfig, env: dict | None = None, log=print,
                  on_start=None):
-        self.on_start = on_start
-        self.cmd = cmd
         self.cfg = cfg
-        self.env = dict(os.environ if env is None else env)
         self.log = log
-        self.workers: dict[int, Worker] = {}
+        self.on_start = on_start
+        self.pool = WorkerPool(cmd, dict(os.environ if env is None else env), cfg.host,
+                               spares_from_slot=cfg.nproc, refill_nice=cfg.refill_nice)
+        self.workers = self.pool.workers
         self.failures: list[Failure] = []
         self.gen = -1
         self.ranks: dict[int, int] = {}  # active worker id -> rank
-        self._next_wid = 0
         self._refills: list[tuple[float, int]] = []  # (when, device slot) of delayed refills
         self.store = None
-
-    # ---- processes -----------------------------------------------------------------------
-    def _spawn(self, slot: int, background: bool = False) -> Worker:
-        """Start a worker. A background refill warms up at `refill_nice` and takes normal
-        priority when given a rank.
-        Every process but the first generation's ranks starts as a spare (CL_SPARE=1)."""
-        wid = self._next_wid
-        self._next_wid += 1
-        env = dict(self.env, CL_STORE_HOST=self.cfg.host, CL_STORE_PORT=str(self.port),
-                   CL_WORKER_ID=str(wid), CL_DEVICE_SLOT=str(slot),
-                   CL_SPARE="1" if background or slot >= self.cfg.nproc else "0")
-        proc = subprocess.Popen(self.cmd, env=env,
-                                preexec_fn=(lambda: os.nice(self.cfg.refill_nice))
-                                if background and self.cfg.refill_nice else None)
-        w = Worker(wid=wid, proc=proc, slot=slot, started=time.time())
-        try:
-            w.pidfd = os.pidfd_open(proc.pid)
-        except (AttributeError, OSError):  # older kernel or Python: the loop polls instead
-            w.pidfd = None
-        self.workers[wid] = w
-        return w
-
-    def _sleep(self, timeout_s: float) -> None:
-        """Sleep until a training worker exits or `timeout_s` passes, whichever comes first.
-
-        Waiting on pidfds costs no CPU and sees an exit the moment it happens; polling every
-        20 ms cost about 1% of a core, which on a small machine is taken from training."""
-        for w in self.workers.values():  # reaped: its descriptor is of no more use
-            if w.pidfd is not None and w.proc.returncode is not None:
-                os.close(w.pidfd)
-                w.pidfd = None
-        live = [self.workers[wid] for wid in self.ranks
-                if self.workers[wid].proc.returncode is None]
-        fds = [w.pidfd for w in live]
-        if None in fds:
-            time.sleep(min(timeout_s, 0.02))
-            return
-        if not fds:
-            time.sleep(timeout_s)
-            return
-        poller = select.poll()
-        for fd in fds:
-            poller.register(fd, select.POLLIN)
-        poller.poll(timeout_s * 1000)
-
-    def _kill(self, w: Worker) -> None:
-        if w.proc.poll() is None:
-            try:
-                w.proc.send_signal(signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            w.proc.wait()
-
-    def _ready_spares(self) -> list[Worker]:
-        return [w for w in self.workers.values()
-                if w.rank < 0 and w.proc.poll() is None and self.store.check([f"ready/{w.wid}"])]
+        self.port = 0
 
     def active_pids(self) -> dict[int, int]:
         """rank -> pid of the worker holding it now."""
         return {w.rank: w.proc.pid for wid, w in list(self.workers.items())
-                if wid in self.ranks and w.proc.poll() is None}
-
-    def _live_spares(self) -> list[Worker]:
-        return [w for w in self.workers.values() if w.rank < 0 and w.proc.poll() is None]
+                if wid in self.ranks and w.alive()}
 
     # ---- membership ----------------------------------------------------------------------
     def _publish(self) -> None:
         self.gen += 1
-        plan = membership.Plan(gen=self.gen, world_size=self.cfg.nproc, ranks=dict(self.ranks))
+        plan = membership.Plan(gen=self.gen, world_size=self.cfg.nproc, ranks=dict(self.ranks),
+                               lost=membership.counter(self.store, protocol.LOST))
         membership.publish(self.store, plan)
 
-    def _cause(self, w: Worker, hung: bool) -> str:
-        if hung:
-            return "hang"
-        if self.store.check([f"error/{w.wid}"]):
-            return "error"
-        return "exit"
-
-    def _fault_time(self, w: Worker, fallback: float) -> float:
-        key = f"fault_at/{w.wid}"
-        return json.loads(self.store.get(key))["t"] if self.store.check([key]) else fallback
-
-    def _last_step(self, w: Worker) -> int:
-        b = detection.read_beat(self.store, w.wid)
-        return b["step"] if b else 0
+    def _exited(self) -> list[Worker]:
+        return [self.workers[wid] for wid in list(self.ranks) if not self.workers[wid].alive()
+                and not self.store.check([protocol.done_key(wid)])]
 
     def _handle(self, lost: list[tuple[Worker, bool]]) -> None:
+        # the record first: survivors whose collective failed are waiting for it (failures.py)
+        self.store.add(protocol.LOST, len(lost))
         # failures often come together (a node, a switch): give the others a moment to show,
         # so that one new generation replaces them all
         t_seen = time.time()
-        time.sleep(0.02)
+        time.sleep(D.gather_window_s)
         seen = {w.wid for w, _ in lost}
-        for wid in list(self.ranks):
-            w = self.workers[wid]
-            if wid not in seen and w.proc.poll() is not None \
-                    and not self.store.check([f"done/{wid}"]):
-                lost.append((w, False))
-        now = t_seen
+        more = [w for w in self._exited() if w.wid not in seen]
+        if more:
+            self.store.add(protocol.LOST, len(more))
+        lost += [(w, False) for w in more]
         for w, _ in lost:
-            if not self.store.check([f"ready/{w.wid}"]):
-                raise JobFailed(f"worker {w.wid} (rank {w.rank}) exited with code "
-                                f"{w.proc.returncode} before it finished starting up; its output "
-                                "above says why. A start-up failure is a bug, not a fault to "
-                                "recover from")
+            if not self.store.check([protocol.ready_key(w.wid)]):
+                self._stop(f"worker {w.wid} (rank {w.rank}) exited with code "
+                           f"{w.proc.returncode} before it finished starting up; its output "
+                           "above says why. A start-up failure is a bug, not a fault to recover "
+                           "from")
         for w, hung in lost:
             if hung:
-                self._kill(w)  # also releases the peers blocked in a collective with it
-            self._record_failure(w, hung, now)
+                self.pool.kill(w)  # also releases the peers blocked in a collective with it
+            self._record_failure(w, hung, t_seen)
         self._replace([f for f in self.failures if f.gen < 0])
 
     def _record_failure(self, w: Worker, hung: bool, now: float) -> Failure:
         """Take a lost worker out of the membership, say so, and stop if nothing is left."""
-        f = Failure(wid=w.wid, rank=w.rank, cause=self._cause(w, hung),
-                    t_fail=self._fault_time(w, now), t_detect=now, step=self._last_step(w))
+        err = self.store.get(protocol.error_key(w.wid)) \
+            if self.store.check([protocol.error_key(w.wid)]) else None
+        fault = self.store.get(protocol.fault_time_key(w.wid)) \
+            if self.store.check([protocol.fault_time_key(w.wid)]) else None
+        beat = detection.read_beat(self.store, w.wid)
+        f = Failure(wid=w.wid, rank=w.rank, cause="hang" if hung else "error" if err else "exit",
+                    t_fail=json.loads(fault)["t"] if fault else now, t_detect=now,
+                    step=beat["step"] if beat else 0,
+                    error=json.loads(err)["error"] if err else None)
         self.failures.append(f)
         self.log(f"[checkpointless] rank {w.rank} lost ({f.cause}, worker {w.wid}, "
                  f"exit code {w.proc.returncode}) at step {f.step}; detected "
                  f"{f.t_detect - f.t_fail:.2f} s after the failure")
+        if f.error:
+            self.log(f"[checkpointless] rank {w.rank} raised:\n{f.error.rstrip()}")
         del self.ranks[w.wid]
         w.rank = -2
+        if not self.cfg.enabled:
+            self._stop(f"rank {f.rank} (worker {w.wid}) failed ({f.cause}, exit code "
+                       f"{w.proc.returncode}) and checkpointless is off: the run stops here")
         self._escalate(f)
         if not self.ranks:
-            raise JobFailed("every active worker failed at once: no healthy peer holds the "
-                            "training state, so there is nothing to recover from (see the "
-                            "workers' errors above)")
+            self._stop("every active worker failed at once: no healthy peer holds the training "
+                       "state, so there is nothing to recover from (see the workers' errors "
+                       "above)")
         return f
 
     def _escalate(self, f: Failure) -> None:
@@ -226,41 +156,42 @@ class Supervisor:
         same = [g for g in self.failures if g is not f and g.cause == "error" == f.cause
                 and g.step == f.step]
         if same:
-            raise JobFailed(f"step {f.step} raised an error again after a recovery (ranks "
-                            f"{same[0].rank} and {f.rank}): this is a bug in the step, not a "
-                            "transient fault; see the traceback above")
+            last = (f.error or "").rstrip().splitlines()[-1:] or ["(no message)"]
+            self._stop(f"step {f.step} raised an error again after a recovery (ranks "
+                       f"{same[0].rank} and {f.rank}): this is a bug in the step, not a "
+                       f"transient fault. The error: {last[0]}")
 
     def _replace(self, pending: list[Failure]) -> None:
         """Give each lost rank to a ready spare, waiting for one (the refill) if none is ready."""
         if self.cfg.refill:
             # With spares enough for now, the refill starts a little later: its imports would
             # otherwise compete for CPU with the recovery itself.
-            later = len(self._ready_spares()) >= len(pending)
+            later = len(self.pool.spares(self.store, ready=True)) >= len(pending)
             for f in pending:
-                if not getattr(f, "_refilled", False):
-                    f._refilled = True
-                    if later:
-                        self._refills.append((time.time() + 3.0, self.workers[f.wid].slot))
-                    else:
-                        self._spawn(self.workers[f.wid].slot, background=True)
+                self._refill(self.workers[f.wid], later)
         deadline = time.time() + self.cfg.spare_wait_s
         said = False
         while True:
-            spares = self._ready_spares()
+            spares = self.pool.spares(self.store, ready=True)
             if len(spares) >= len(pending):
                 break
-            if not self._live_spares():
-                raise JobFailed(
-                    f"{len(pending)} rank(s) lost and no spare left (checkpointless.spares="
-                    f"{self.cfg.spares}, refill={self.cfg.refill}); the run stops here. Raise "
-                    "checkpointless.spares or enable checkpointless.refill")
+            if not self.pool.spares(self.store, ready=False):
+                self._stop(f"{len(pending)} rank(s) lost and no spare left (checkpointless."
+                           f"spares={self.cfg.spares}, refill={self.cfg.refill}); the run stops "
+                           "here. Raise checkpointless.spares or enable checkpointless.refill")
             if not said:
-                self.log(f"[checkpointless] waiting for a spare to warm up "
-                         f"({len(spares)} ready, {len(pending)} needed)")
+                self.log(f"[checkpointless] waiting up to {self.cfg.spare_wait_s:.0f} s for a "
+                         f"spare to warm up ({len(spares)} ready, {len(pending)} needed)")
                 said = True
             if time.time() > deadline:
-                raise JobFailed(f"no spare became ready within {self.cfg.spare_wait_s:.0f} s")
-            self._check_active_alive()
+                self._stop(f"no spare became ready within checkpointless.spare_wait_s="
+                           f"{self.cfg.spare_wait_s:g} s; the run stops here. Raise it if spares "
+                           "start slowly on this machine")
+            for w in self._exited():  # another active worker may fail meanwhile: fold it in
+                self.store.add(protocol.LOST, 1)
+                self._record_failure(w, False, time.time())
+                self._refill(w, later=False)
+                pending = [f for f in self.failures if f.gen < 0]
             time.sleep(0.05)
         t = time.time()
         for f, spare in zip(pending, spares):
@@ -271,29 +202,45 @@ class Supervisor:
         for f in pending:
             f.gen = self.gen
 
-    def _check_active_alive(self) -> None:
-        """While waiting for a spare, another active worker may fail too: fold it in."""
-        for wid in list(self.ranks):
-            w = self.workers[wid]
-            if w.proc.poll() is not None and not self.store.check([f"done/{wid}"]):
-                f = self._record_failure(w, False, time.time())
+    def _refill(self, w: Worker, later: bool) -> None:
+        if not self.cfg.refill or w.refilled:
+            return
+        w.refilled = True
+        if later:
+            self._refills.append((time.time() + D.refill_delay_s, w.slot))
+        else:
+            self.pool.spawn(w.slot, background=True)
+
+    def _refill_dead_spares(self) -> None:
+        """A spare that died while waiting is replaced too."""
+        for w in list(self.workers.values()):
+            if w.rank == -1 and not w.alive() and not w.gone_seen:
+                w.gone_seen = True
+                if self.store.check([protocol.SHUTDOWN]):
+                    continue
+                self.log(f"[checkpointless] spare worker {w.wid} exited (code "
+                         f"{w.proc.returncode})" + ("; starting another" if self.cfg.refill else ""))
                 if self.cfg.refill:
-                    f._refilled = True
-                    self._spawn(w.slot, background=True)
+                    self.pool.spawn(w.slot, background=True)
+        for r in [r for r in self._refills if r[0] <= time.time()]:
+            self._refills.remove(r)
+            self.pool.spawn(r[1], background=True)
 
     # ---- main loop -----------------------------------------------------------------------
     def run(self) -> dict:
         cfg = self.cfg
         self.store = dist.TCPStore(cfg.host, cfg.port, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=60))
-        self.port = self.store.port
-        spec = {"backend": cfg.backend, "heartbeat_timeout_s": cfg.heartbeat_timeout_s,
-                "seed": cfg.seed, "faults": cfg.faults, "pg_timeout_s": cfg.pg_timeout_s,
-                "replication": cfg.replication, "workers_per_node": cfg.nproc + cfg.spares}
-        self.store.set("spec", json.dumps(spec))
-        t_start = time.time()
+        self.port = self.pool.port = self.store.port
+        spec = protocol.Spec(backend=cfg.backend, seed=cfg.seed, faults=cfg.faults,
+                             heartbeat_timeout_s=cfg.heartbeat_timeout_s,
+                             pg_timeout_s=cfg.pg_timeout_s, confirm_s=cfg.confirm_s,
+                             replication=cfg.replication,
+                             workers_per_node=cfg.nproc + cfg.spares)
+        self.store.set(protocol.SPEC, spec.to_json())
+        self.t_start = time.time()
         for slot in range(cfg.nproc + cfg.spares):
-            w = self._spawn(slot)
+            w = self.pool.spawn(slot)
             if slot < cfg.nproc:
                 w.rank = slot
                 self.ranks[w.wid] = slot
@@ -301,174 +248,77 @@ class Supervisor:
         self._publish()
         if self.on_start:
             self.on_start(self)
-        reported = set()
+        self._reported: set[int] = set()
+        try:
+            self._watch()
+        finally:
+            self.store.set(protocol.SHUTDOWN, "1")
+            time.sleep(0.05)
+            self.pool.stop_all()
+        self._say_recoveries()
+        return self._report()
+
+    def _watch(self) -> None:
+        cfg = self.cfg
         errors_seen = 0
         next_slow = next_beats = 0.0
-        try:
-            while True:
-                self._sleep(cfg.poll_s)
-                # fast checks every poll: process exits (a syscall each) and one error counter
-                lost = [(self.workers[wid], False) for wid in list(self.ranks)
-                        if self.workers[wid].proc.poll() is not None
-                        and not self.store.check([f"done/{wid}"])]
-                slow = time.time() >= next_slow
-                errors = membership.counter(self.store, "errors") if slow else errors_seen
+        while True:
+            self.pool.sleep(list(self.ranks), cfg.poll_s)
+            lost = [(w, False) for w in self._exited()]  # a syscall each: every wake-up
+            now = time.time()
+            slow = now >= next_slow  # store checks, ten times a second
+            if slow:
+                next_slow = now + 0.1
+                errors = membership.counter(self.store, protocol.ERRORS)
                 if errors != errors_seen:
                     errors_seen = errors
                     for wid in list(self.ranks):
                         w = self.workers[wid]
-                        if self.store.check([f"error/{wid}"]) and all(w is not x for x, _ in lost):
-                            self._kill(w)  # it reported its exception: no need to wait its exit
+                        if self.store.check([protocol.error_key(wid)]) and \
+                                all(w is not x for x, _ in lost):
+                            self.pool.kill(w)  # it reported its exception: no need to wait
                             lost.append((w, False))
-                if slow:
-                    next_slow = time.time() + 0.1
-                beats_due = slow and time.time() >= next_beats
-                if beats_due:
-                    next_beats = time.time() + 0.5
-                if not lost and beats_due and cfg.enabled:
-                    active = {wid: self.workers[wid] for wid in self.ranks}
-                    beats = {wid: detection.read_beat(self.store, wid) for wid in active}
-                    pids = {wid: w.proc.pid for wid, w in active.items()}
-                    for wid in detection.find_hung(beats, pids, cfg.heartbeat_timeout_s):
-                        lost.append((active[wid], True))
-                if lost:
-                    if not cfg.enabled:
-                        w = lost[0][0]
-                        raise JobFailed(f"rank {w.rank} (worker {w.wid}) failed with exit code "
-                                        f"{w.proc.poll()} and checkpointless is off")
-                    self._handle(lost)
-                if not slow:
-                    continue
-                self._say_recoveries(reported)
-                self._refill_dead_spares()
-                due = [r for r in self._refills if r[0] <= time.time()]
-                for r in due:
-                    self._refills.remove(r)
-                    self._spawn(r[1], background=True)
-                if membership.counter(self.store, "done") >= len(self.ranks) and all(
-                        self.store.check([f"done/{wid}"]) for wid in self.ranks):
-                    for wid in self.ranks:
-                        self.workers[wid].proc.wait()
-                    bad = [wid for wid in self.ranks if self.workers[wid].proc.returncode != 0]
-                    if bad:
-                        raise JobFailed(f"workers {bad} reported done but exited non-zero")
-                    break
-        finally:
-            self.store.set("shutdown", "1")
-            time.sleep(0.05)
-            for w in self.workers.values():
-                if w.proc.poll() is None and w.rank < 0:
-                    w.proc.terminate()
-            for w in self.workers.values():
-                try:
-                    w.proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    self._kill(w)
-        self._say_recoveries(reported)
-        return self._report(t_start)
+            if not lost and slow and now >= next_beats:
+                next_beats = now + 0.5
+                active = {wid: self.workers[wid] for wid in self.ranks}
+                beats = {wid: detection.read_beat(self.store, wid) for wid in active}
+                pids = {wid: w.proc.pid for wid, w in active.items()}
+                for wid in detection.find_hung(beats, pids, cfg.heartbeat_timeout_s):
+                    lost.append((active[wid], True))
+            if lost:
+                self._handle(lost)
+            if not slow:
+                continue
+            self._say_recoveries()
+            self._refill_dead_spares()
+            if membership.counter(self.store, protocol.DONE) >= len(self.ranks) and all(
+                    self.store.check([protocol.done_key(wid)]) for wid in self.ranks):
+                for wid in self.ranks:
+                    self.workers[wid].proc.wait()
+                bad = [wid for wid in self.ranks if self.workers[wid].proc.returncode != 0]
+                if bad:
+                    self._stop(f"workers {bad} reported done but exited non-zero")
+                return
 
-    def _refill_dead_spares(self) -> None:
-        """A spare that died while waiting is replaced too."""
-        for w in list(self.workers.values()):
-            if w.rank == -1 and w.proc.poll() is not None and not getattr(w, "_gone", False):
-                w._gone = True
-                if self.store.check(["shutdown"]):
-                    continue
-                self.log(f"[checkpointless] spare worker {w.wid} exited (code "
-                         f"{w.proc.returncode})" + ("; starting another" if self.cfg.refill else ""))
-                if self.cfg.refill:
-                    self._spawn(w.slot, background=True)
+    def _stop(self, message: str):
+        raise JobFailed(message, self._report())
 
     # ---- reporting -----------------------------------------------------------------------
-    def _recovery_entry(self, f: Failure) -> dict | None:
-        members = range(self.cfg.nproc)
-        recs = []
-        for g in range(f.gen, self.gen + 1):  # a generation cut short by another failure is
-            recs = []                          # superseded by the next one that completed
-            for r in members:
-                key = f"rec/{g}/{r}"
-                if self.store.check([key]):
-                    recs.append({**json.loads(self.store.get(key)), "rank": r})
-            if len(recs) == self.cfg.nproc:
-                break
-        firsts = []
-        for g in range(f.gen, self.gen + 1):
-            for r in members:
-                key = f"recfirst/{g}/{r}"
-                if self.store.check([key]):
-                    firsts.append(float(self.store.get(key)))
-        if len(recs) < self.cfg.nproc or not firsts:
-            return None
-        t_plan = recs[0]["t_plan"]
-        t_group = max(r["t_group"] for r in recs)
-        t_ready = max(r["t_ready"] for r in recs)
-        t_first = min(firsts)
-        mine = [r for r in recs if r["worker_id"] == f.new_wid]
-        src = mine[0]["source"] if mine else None
-        return {
-            "failed_rank": f.rank, "cause": f.cause, "failed_worker": f.wid,
-            "replacement_worker": f.new_wid, "generation": f.gen, "failed_at_step": f.step,
-            "detect_s": round(f.t_detect - f.t_fail, 4),
-            "recovery_s": round(t_first - f.t_fail, 4),
-            "phases_s": {
-                "detection": round(f.t_detect - f.t_fail, 4),
-                "spare_wait": round(max(0.0, f.t_spare - f.t_detect), 4),
-                "regroup": round(t_group - t_plan, 4),
-                "state_transfer": round(t_ready - t_group, 4),
-                "resume": round(t_first - t_ready, 4),
-            },
-            "state_bytes": sum(r["bytes_received"] for r in recs),
-            "source_ranks": sorted({int(s) for r in recs for s in r["pairs"].values()}),
-            "served": {str(k): v for k, v in recs[0]["pairs"].items()},
-            "resumed_step": recs[0]["resumed_step"],
-            "restored_from": recs[0].get("restored_from", "peer_memory"),
-            "steps_redone": recs[0].get("steps_redone", 0),
-            # survivors that redo the interrupted step from the gradients they kept
-            "ranks_reusing_grads": sorted(r["rank"] for r in recs if r.get("grads_kept")),
-        }
-
-    def _say_recoveries(self, reported: set) -> None:
+    def _say_recoveries(self) -> None:
         for i, f in enumerate(self.failures):
-            if i in reported or f.gen < 0:
+            if i in self._reported or f.gen < 0:
                 continue
-            e = self._recovery_entry(f)
-            if e is None:
-                continue
-            reported.add(i)
-            p = e["phases_s"]
-            self.log(f"[checkpointless] recovered rank {e['failed_rank']} ({e['cause']}): spare "
-                     f"worker {e['replacement_worker']} got {e['state_bytes'] / 1e6:.1f} MB from "
-                     f"rank(s) {e['source_ranks']}, resumed at step {e['resumed_step']}, "
-                     f"{e['recovery_s']:.2f} s after the failure (detect {p['detection']:.2f}, "
-                     f"regroup {p['regroup']:.2f}, transfer {p['state_transfer']:.2f}, "
-                     f"resume {p['resume']:.2f})")
+            e = recovery_entry(self.store, f, self.cfg.nproc, self.gen)
+            if e is not None:
+                self._reported.add(i)
+                self.log(recovery_line(e))
 
-    def _report(self, t_start: float) -> dict:
-        steps = {}
-        first = int(self.store.get("first_step")) if self.store.check(["first_step"]) else 0
-        for key_step in range(first, 10 ** 9):
-            key = f"steps/{key_step}"
-            if not self.store.check([key]):
-                break
-            t0, t1 = (float(x) for x in self.store.get(key).decode().split(","))
-            steps[key_step] = (t0, t1)
-        results = {}
-        for r in range(self.cfg.nproc):
-            key = f"result/{r}"
-            if self.store.check([key]):
-                results[r] = json.loads(self.store.get(key))
-        recoveries = [e for f in self.failures if f.gen >= 0
-                      for e in [self._recovery_entry(f)] if e is not None]
-        return {
-            "world_size": self.cfg.nproc,
-            "spares": self.cfg.spares,
-            "steps_completed": len(steps),
-            "wall_s": round(time.time() - t_start, 3),
-            "goodput": goodput_from_steps(steps),
-            "recoveries": recoveries,
-            "results_by_rank": results,
-            "pids_at_start": self.pids_at_start,
-            "pids_at_end": {w.rank: w.proc.pid for w in self.workers.values() if w.rank >= 0},
-            "worker_ids_at_end": {w.rank: w.wid for w in self.workers.values() if w.rank >= 0},
-            "step_times": steps,
-        }
+    def _report(self) -> dict:
+        report = run_report(self.store, self.cfg.nproc, self.cfg.spares,
+                            time.time() - self.t_start, self.failures, self.gen,
+                            list(self.workers.values()))
+        report["pids_at_start"] = self.pids_at_start
+        return report
+
+
+__all__ = ["Supervisor", "SupervisorConfig", "JobFailed", "Failure"]

@@ -15,6 +15,8 @@ import pickle
 import torch
 import torch.distributed as dist
 
+from .failures import communicating
+
 
 class _TensorRef:
     __slots__ = ("index", "dtype", "shape")
@@ -103,21 +105,23 @@ def send_state(obj, dst: int, group=None) -> int:
     flat = payload[:-32]
     payload[-32:] = torch.frombuffer(bytearray(_digest(skeleton, flat)), dtype=torch.uint8)
     sizes = torch.tensor([len(skeleton), flat.numel()], dtype=torch.int64)
-    dist.send(sizes, dst, group=group)
-    dist.send(torch.frombuffer(bytearray(skeleton), dtype=torch.uint8), dst, group=group)
-    dist.send(payload, dst, group=group)
+    with communicating(f"sending the state to rank {dst}"):
+        dist.send(sizes, dst, group=group)
+        dist.send(torch.frombuffer(bytearray(skeleton), dtype=torch.uint8), dst, group=group)
+        dist.send(payload, dst, group=group)
     return len(skeleton) + payload.numel()
 
 
 def recv_state(src: int, group=None):
     """Receive a state sent by `send_state` from `src`; returns (state, bytes received)."""
     sizes = torch.empty(2, dtype=torch.int64)
-    dist.recv(sizes, src, group=group)
-    n_skel, n_flat = (int(v) for v in sizes)
-    skel = torch.empty(n_skel, dtype=torch.uint8)
-    dist.recv(skel, src, group=group)
-    payload = torch.empty(n_flat + 32, dtype=torch.uint8)
-    dist.recv(payload, src, group=group)
+    with communicating(f"receiving the state from rank {src}"):
+        dist.recv(sizes, src, group=group)
+        n_skel, n_flat = (int(v) for v in sizes)
+        skel = torch.empty(n_skel, dtype=torch.uint8)
+        dist.recv(skel, src, group=group)
+        payload = torch.empty(n_flat + 32, dtype=torch.uint8)
+        dist.recv(payload, src, group=group)
     skeleton = skel.numpy().tobytes()
     flat, digest = payload[:n_flat], payload[n_flat:].numpy().tobytes()
     if _digest(skeleton, flat) != digest:

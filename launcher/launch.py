@@ -8,7 +8,10 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from checkpointless.protocol import replica_offset
 from checkpointless.supervisor import JobFailed, Supervisor, SupervisorConfig
+
+from .recipes import RecipeError
 
 
 def supervisor_config(cfg) -> SupervisorConfig:
@@ -17,13 +20,18 @@ def supervisor_config(cfg) -> SupervisorConfig:
     if backend == "auto":
         import torch
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if c.replication.placement == "nodes":
+        # every worker of this run lives on this machine: copies a node apart cannot exist
+        raise RecipeError("checkpointless.replication.placement=nodes puts each shard's copies "
+                          "on another node, but this run has one node (all "
+                          f"{d.num_processes} workers here). Use placement=ring")
     return SupervisorConfig(
         nproc=d.num_processes, spares=c.spares if c.enabled else 0, refill=c.refill,
         heartbeat_timeout_s=c.heartbeat_timeout_s, backend=backend, host=d.master_addr,
         port=d.master_port, seed=cfg.run.seed, pg_timeout_s=c.pg_timeout_s,
-        spare_wait_s=c.spare_wait_s, enabled=c.enabled,
+        spare_wait_s=c.spare_wait_s, confirm_s=c.confirm_s, enabled=c.enabled,
         replication={"factor": c.replication.factor, "interval": c.replication.interval,
-                     "offset": 1},  # one launcher per node today: the ring is within the node
+                     "offset": replica_offset(c.replication.placement, d.num_processes)},
         faults=[dict(f) for f in OmegaConf.to_container(cfg.faults)])
 
 
@@ -35,6 +43,7 @@ def _log(message: str) -> None:
 def train(cfg, on_start=None) -> dict | None:
     """Run a resolved recipe under the supervisor; `on_start(supervisor)` is called once the
     workers are spawned (the benchmark uses it to inject failures from outside)."""
+    sup_cfg = supervisor_config(cfg)  # refuses bad settings before anything is written
     out = Path(cfg.run.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     recipe_file = out / "recipe.yaml"
@@ -45,18 +54,41 @@ def train(cfg, on_start=None) -> dict | None:
           f"{cfg.checkpointless.spares if cfg.checkpointless.enabled else 0} spares, "
           f"strategy {cfg.distributed.strategy}, {cfg.trainer.max_steps} steps -> {out}",
           flush=True)
-    sup = Supervisor([sys.executable, "-m", "launcher.loop", str(recipe_file)],
-                     supervisor_config(cfg),
+    sup = Supervisor([sys.executable, "-m", "launcher.loop", str(recipe_file)], sup_cfg,
                      log=_log, on_start=on_start)
     t0 = time.time()
     try:
         run = sup.run()
     except JobFailed as exc:
         print(f"[launcher] run failed: {exc}", file=sys.stderr, flush=True)
+        if exc.report is not None:  # what was done, and why it stopped, stays on record
+            report = _report(cfg, exc.report, t0, status="failed", error=str(exc))
+            (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+            print(f"[launcher] report {out / 'report.json'}", file=sys.stderr, flush=True)
         return None
+    report = _report(cfg, run, t0, status="ok")
+    agree = len(set(report["params_sha256_by_rank"].values())) == 1
+    if not agree:  # replicas that drifted apart are never a success
+        report.update(status="failed", error="ranks ended with different params_sha256")
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    loss, good = report["final_loss"], report["goodput"]
+    print(f"[launcher] done: {report['steps_completed']} steps, final loss "
+          f"{'-' if loss is None else f'{loss:.4f}'}, "
+          f"goodput {'-' if good is None else f'{good:.1%}'}, "
+          f"{len(report['recoveries'])} recoveries, replicas "
+          f"{'agree' if agree else 'DISAGREE'} (params_sha256 {str(report['params_sha256'])[:16]}), "
+          f"report {out / 'report.json'}", flush=True)
+    if not agree:
+        print("[launcher] ERROR: ranks ended with different parameters", file=sys.stderr)
+        return None
+    return report
+
+
+def _report(cfg, run: dict, t0: float, **extra) -> dict:
     results = run["results_by_rank"]
     r0 = results.get(0, {})
-    report = {
+    return {
+        **extra,
         "recipe": cfg.run.name,
         "world_size": run["world_size"],
         "strategy": cfg.distributed.strategy,
@@ -69,21 +101,9 @@ def train(cfg, on_start=None) -> dict | None:
         "params_sha256_by_rank": {str(r): v.get("params_sha256") for r, v in results.items()},
         "goodput": run["goodput"],
         "recoveries": run["recoveries"],
+        "failures": run["failures"],
         "pids_at_start": {str(r): p for r, p in run["pids_at_start"].items()},
         "pids_at_end": {str(r): p for r, p in run["pids_at_end"].items()},
         "local_params_by_rank": {str(r): v.get("local_params") for r, v in results.items()},
         "full_params": r0.get("full_params"),
     }
-    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    agree = len(set(report["params_sha256_by_rank"].values())) == 1
-    loss, good = report["final_loss"], report["goodput"]
-    print(f"[launcher] done: {report['steps_completed']} steps, final loss "
-          f"{'-' if loss is None else f'{loss:.4f}'}, "
-          f"goodput {'-' if good is None else f'{good:.1%}'}, "
-          f"{len(report['recoveries'])} recoveries, replicas "
-          f"{'agree' if agree else 'DISAGREE'} (params_sha256 {str(report['params_sha256'])[:16]}), "
-          f"report {out / 'report.json'}", flush=True)
-    if not agree:
-        print("[launcher] ERROR: ranks ended with different parameters", file=sys.stderr)
-        return None
-    return report

@@ -218,9 +218,8 @@ def main(recipe_file: str) -> None:
         if t.save_model:
             export(model, state, tokenizer, out_dir / "model")
     local = sum(getattr(p, "_local_tensor", p).numel() for p in model.parameters())
-    replicas = getattr(job, "_replicas", None)
     result = {"params_sha256": digest, "local_params": local, "rank": job.rank,
-              "replica_host_bytes": replicas.host_bytes() if replicas else None,
+              "replica_host_bytes": getattr(job, "replica_host_bytes", lambda: None)(),
               "full_params": sum(v.numel() for v in state.values()),
               "final_loss": loss_value, "steps": job.completed_steps}
     (out_dir / "results").mkdir(exist_ok=True)

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from checkpointless.protocol import DEFAULTS as CL
+
 
 @dataclass
 class RunConfig:
@@ -81,19 +83,20 @@ class DistributedConfig:
 
 @dataclass
 class ReplicationConfig:
-    factor: int = 2  # copies of each rank's slice under fsdp (itself + factor-1 peers' memory)
-    interval: int = 1  # steps between peer copies (more steps: less overhead, more to redo)
-    placement: str = "auto"  # auto/ring: next ranks; nodes: a node apart (with several nodes)
+    factor: int = CL.replication_factor  # copies of each rank's slice under fsdp (own + peers)
+    interval: int = CL.replication_interval  # steps between peer copies (fewer: less to redo)
+    placement: str = CL.replication_placement  # ring: next ranks; nodes: a node apart (N nodes)
 
 
 @dataclass
 class CheckpointlessConfig:
     enabled: bool = True  # recover in-process from worker failures (off: a failure stops the run)
-    spares: int = 1  # warm spare workers waiting to take over a failed rank
-    refill: bool = True  # start a new spare in the background after one is used
-    heartbeat_timeout_s: float = 10.0  # training-loop silence before a lagging worker is hung
-    pg_timeout_s: float = 300.0  # last-resort timeout of collectives (hangs are caught sooner)
-    spare_wait_s: float = 600.0  # how long to wait for a spare to warm up before giving up
+    spares: int = CL.spares  # warm spare workers waiting to take over a failed rank
+    refill: bool = CL.refill  # start a new spare in the background after one is used
+    heartbeat_timeout_s: float = CL.heartbeat_timeout_s  # loop silence before a lagging worker is hung
+    pg_timeout_s: float = CL.pg_timeout_s  # last-resort timeout of collectives (hangs caught sooner)
+    spare_wait_s: float = CL.spare_wait_s  # how long to wait for a spare to warm up before giving up
+    confirm_s: float = CL.confirm_s  # how long a failed collective waits for a peer's loss to be confirmed
     replication: ReplicationConfig = field(default_factory=ReplicationConfig)
 
 
@@ -137,5 +140,5 @@ CHOICES = {
     "distributed.strategy": ("ddp", "fsdp"),
     "distributed.backend": ("auto", "gloo", "nccl"),
     "checkpoint.resume": ("never", "auto"),
-    "checkpointless.replication.placement": ("auto", "ring", "nodes"),
+    "checkpointless.replication.placement": ("ring", "nodes"),
 }

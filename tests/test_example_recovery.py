@@ -108,7 +108,7 @@ def test_without_a_spare_the_run_waits_for_the_refill(tmp_path, plain_digest):
     assert rep["digest"] == plain_digest
     (rec,) = rep["recoveries"]
     assert rec["phases_s"]["spare_wait"] > 0.5  # a fresh spare had to start
-    assert "waiting for a spare" in rep["stdout"]
+    assert "for a spare to warm up" in rep["stdout"]
 
 
 def test_without_spare_or_refill_the_run_stops_loudly(tmp_path):

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from checkpointless import detection, faults, goodput, membership, transfer
+from checkpointless import detection, failures, faults, goodput, membership, protocol, transfer
 from checkpointless.grads import all_reduce_grads
-from checkpointless.job import step_seed
+from checkpointless.seeding import step_seed
 from tests.conftest import spawn_gloo
 
 
@@ -43,21 +43,27 @@ def test_flatten_roundtrip_keeps_every_bit_and_dtype():
     assert _equal(transfer.unflatten_state(skeleton, flat), s)
 
 
-def _pair(rank, port, q, tamper):
+def _pair(rank, port, q, flip):
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
                             timeout=timedelta(seconds=30))
     try:
         if rank == 0:
             q.put(None)
-            if tamper:
-                skel, flat = transfer.flatten_state(_state())
-                dist.send(torch.tensor([len(skel), flat.numel()]), 1)
-                dist.send(torch.frombuffer(bytearray(skel), dtype=torch.uint8), 1)
-                flat[3] ^= 1  # one flipped bit after the digest was taken
-                dist.send(torch.cat([flat, torch.zeros(32, dtype=torch.uint8)]), 1)
-            else:
+            if flip is None:
                 transfer.send_state(_state(), 1)
+                return
+            # what send_state sends, with the true digest, and then (flip) one bit of the
+            # payload changed in flight: only the digest check can catch it
+            skel, payload = transfer.flatten_state(_state(), tail=32)
+            flat = payload[:-32]
+            payload[-32:] = torch.frombuffer(bytearray(transfer._digest(skel, flat)),
+                                             dtype=torch.uint8)
+            if flip:
+                flat[len(flat) // 2] ^= 1 << 3
+            dist.send(torch.tensor([len(skel), flat.numel()]), 1)
+            dist.send(torch.frombuffer(bytearray(skel), dtype=torch.uint8), 1)
+            dist.send(payload, 1)
         else:
             try:
                 got, n = transfer.recv_state(0)
@@ -68,14 +74,14 @@ def _pair(rank, port, q, tamper):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("tamper", [False, True])
-def test_state_transfer_over_gloo_is_exact_and_checked(tamper):
+@pytest.mark.parametrize("flip", [None, False, True])
+def test_state_transfer_over_gloo_is_exact_and_a_flipped_bit_is_refused(flip):
     # only the receiver (rank 1) reports
-    (got,) = [x for x in spawn_gloo(_pair, 2, tamper) if x is not None]
+    (got,) = [x for x in spawn_gloo(_pair, 2, flip) if x is not None]
     kind, value, n = got
-    if tamper:
+    if flip:
         assert kind == "integrity" and "SHA-256" in value
-    else:
+    else:  # send_state itself, and the hand-built message with its true digest, are accepted
         assert kind == "ok" and value is True and n > 0
 
 
@@ -87,13 +93,43 @@ def test_sources_are_load_balanced():
         transfer.assign_sources([1], [])
 
 
-def test_peer_failure_is_told_from_own_bug():
-    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
-                        "[127.0.0.1]:4242: Connection reset by peer")
-    assert detection.is_peer_failure(gloo)
-    assert not detection.is_peer_failure(faults.InjectedFault("injected fault: raise"))
-    assert not detection.is_peer_failure(ValueError("shape mismatch"))
-    assert not detection.is_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+def _raise_inside_torch_distributed():
+    try:
+        dist.all_reduce(torch.zeros(1))  # no process group: torch.distributed itself raises
+    except Exception as exc:
+        return exc
+    raise AssertionError("expected torch.distributed to raise")
+
+
+def test_a_peer_failure_is_a_recorded_loss_never_words_in_the_message():
+    mine = RuntimeError("timed out reading shard 7 of my own dataset: connection reset by peer")
+    t0 = time.time()
+    assert not failures.is_peer_failure(mine, lambda: False, confirm_s=5.0)
+    assert time.time() - t0 < 0.05  # the user's own error is not held back
+    assert failures.is_peer_failure(mine, lambda: True, confirm_s=5.0)  # a loss was recorded
+    assert not failures.is_peer_failure(KeyboardInterrupt(), lambda: True, confirm_s=5.0)
+
+    # an error of torch.distributed's own (or of this library's calls to peers) waits for the
+    # supervisor's record, which may come a little after the survivors' error
+    comm = _raise_inside_torch_distributed()
+    assert failures.raised_in_torch_distributed(comm)
+    assert not failures.raised_in_torch_distributed(mine)
+    t0 = time.time()
+    assert failures.is_peer_failure(comm, lambda: time.time() - t0 > 0.1, confirm_s=5.0)
+    t0 = time.time()
+    assert not failures.is_peer_failure(comm, lambda: False, confirm_s=0.3)  # never confirmed
+    assert 0.3 <= time.time() - t0 < 1.0
+
+
+def test_this_librarys_own_calls_to_peers_raise_a_typed_failure():
+    with pytest.raises(failures.PeerLost) as info:
+        with failures.communicating("the gradient all-reduce"):
+            raise RuntimeError("Connection closed by peer")
+    assert isinstance(info.value, failures.PeerFailure)
+    assert "the gradient all-reduce" in str(info.value)
+    with pytest.raises(ValueError):  # not a communication failure: passes through untouched
+        with failures.communicating("x"):
+            raise ValueError("bad shape")
 
 
 def test_hung_worker_is_the_silent_one_behind_not_its_blocked_peers():
@@ -152,7 +188,7 @@ def test_a_fault_fires_once_even_when_the_step_is_redone():
         inj.raise_due(1, 3)
     replacement = faults.FaultInjector([faults.Fault("raise", 1, 3)], store, worker_id=5)
     replacement.raise_due(1, 3)  # the spare redoing step 3 does not fail again
-    assert json.loads(store.get("fault_at/0"))["kind"] == "raise"
+    assert json.loads(store.get(protocol.fault_time_key(0)))["kind"] == "raise"
 
 
 def test_plans_roundtrip_and_the_barrier_gives_way_to_a_newer_generation():
@@ -191,30 +227,32 @@ def test_the_library_does_not_import_transformers():
     assert r.stdout.strip() == "False"
 
 
-def test_watch_thread_aborts_the_communicator_when_membership_moves_mid_step(monkeypatch):
+def test_watch_thread_aborts_the_communicator_when_membership_moves_mid_step():
     """The NCCL release path: a survivor stuck in a collective is freed by aborting its
     communicator as soon as the supervisor publishes a new generation (no NCCL here, so the
     abort call itself is observed)."""
-    from checkpointless.job import Job
+    from checkpointless.watch import Watch
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    store.set("gen", "0")
+    store.set(protocol.GEN, "0")
     calls = []
-    monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group",
-                        lambda *a, **k: calls.append(time.time()))
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    job = Job(store, 0, {"backend": "nccl", "heartbeat_timeout_s": 5}, "127.0.0.1", store.port)
-    job.gen, job.rank, job._in_step = 0, 0, True
-    job._start_watch()
+    in_step = [False]
+    watch = Watch("127.0.0.1", store.port, lambda: 0, lambda: in_step[0],
+                  lambda: calls.append(time.time()))
+    watch.start()
     time.sleep(0.3)
-    assert calls == [] and not job._membership_moved()
-    t0 = time.time()
+    assert calls == [] and not watch.moved(0)
     membership.publish(store, membership.Plan(gen=1, world_size=1, ranks={0: 0}))
     deadline = time.time() + 3
-    while not calls and time.time() < deadline:
+    while not watch.moved(0) and time.time() < deadline:
         time.sleep(0.01)
-    job._stop_watch.set()
+    assert watch.moved(0) and calls == []  # between steps: nothing to abort
+    in_step[0] = True
+    t0 = time.time()
+    membership.publish(store, membership.Plan(gen=2, world_size=1, ranks={0: 0}))
+    while not calls and time.time() < deadline + 3:
+        time.sleep(0.01)
+    watch.stop()
     assert calls and calls[0] - t0 < 0.2  # released at once, not at a poll or a timeout
-    assert job._membership_moved()
 
 
 def test_unflatten_without_copy_views_aligned_tensors_and_copies_misaligned_ones():

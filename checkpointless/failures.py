@@ -1,0 +1,89 @@
+"""Typed failures: a peer's loss is a fact the supervisor records, never words in an error.
+
+Gloo raises a plain RuntimeError when a peer's connection closes, the same type a user's own bug
+raises, so an exception's type or text cannot say whose fault it is. Two rules decide instead:
+
+  * Where this library communicates (gradient all-reduce, state transfer, replica exchange, the
+    agreement), a failed call is wrapped at the call site in a `PeerFailure` subclass.
+  * Any other exception in a step (the user's code, FSDP's collectives inside backward) counts as
+    a peer failure only if the supervisor has declared a worker lost since this generation began,
+    or publishes a newer plan. An error raised from inside torch.distributed waits up to
+    `confirm_s` for that record, since the survivors' error can beat the supervisor's notice by a
+    few milliseconds; every other error is the worker's own and is reported at once.
+
+A `PeerFailure` that the supervisor never confirms is not swallowed either: it is reported as the
+worker's own error, with its traceback, within `confirm_s`.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+
+class PeerFailure(RuntimeError):
+    """A collective or transfer failed because the membership changed under it."""
+
+
+class PeerLost(PeerFailure):
+    """A call to a peer failed (connection closed or reset): the peer died or left."""
+
+
+class GroupAborted(PeerFailure):
+    """The watch thread aborted the process group because a newer generation was published."""
+
+
+class MembershipMoved(PeerFailure):
+    """Raised instead of waiting on a peer that has already gone into recovery."""
+
+
+class Evicted(RuntimeError):
+    """This worker was left out of the new membership (the supervisor declared it failed)."""
+
+
+@contextlib.contextmanager
+def communicating(what: str):
+    """Around this library's own calls to peers: any error of theirs is a `PeerLost`.
+
+    Inside, the only thing that can fail is the communication itself (buffers are allocated and
+    checked before), so the call site, not the message, says what kind of failure it is."""
+    try:
+        yield
+    except PeerFailure:
+        raise
+    except RuntimeError as exc:
+        raise PeerLost(f"{what} failed: {exc}") from exc
+
+
+def raised_in_torch_distributed(exc: BaseException) -> bool:
+    """True when the innermost frame of the traceback lies in torch.distributed: a collective
+    (called by the user's code or by FSDP inside backward) raised it, not the user's own code."""
+    tb, last = exc.__traceback__, None
+    while tb is not None:
+        last = tb
+        tb = tb.tb_next
+    if last is None:
+        return False
+    name = last.tb_frame.f_globals.get("__name__", "")
+    return name.startswith("torch.distributed")
+
+
+def is_peer_failure(exc: BaseException, loss_seen, confirm_s: float) -> bool:
+    """Whether `exc`, raised on this worker, is the consequence of a peer's loss.
+
+    `loss_seen()` is True once the supervisor has declared a worker lost in this generation (or
+    moved on to a newer one). An error of torch.distributed's own may wait up to `confirm_s`
+    for it; no other error waits."""
+    if not isinstance(exc, Exception):
+        return False  # KeyboardInterrupt, SystemExit: never recovered
+    if loss_seen():
+        return True
+    if not (isinstance(exc, PeerFailure) or raised_in_torch_distributed(exc)):
+        return False
+    deadline = time.time() + confirm_s
+    pause = 0.002
+    while time.time() < deadline:
+        time.sleep(pause)
+        if loss_seen():
+            return True
+        pause = min(0.05, pause * 2)
+    return False

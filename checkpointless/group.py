@@ -1,0 +1,103 @@
+"""The process group of one generation: built on the store, torn down, and handed to FSDP.
+
+Each generation gets a fresh group on its own store prefix. Before it is built, the members meet
+at a barrier on the store, so a member that died after the plan was published cannot block the
+others inside the group's constructor. Tearing a group down must release any peer still blocked
+on it: gloo's abort does not, so a leaving worker also shuts its group's sockets (release.py).
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from . import membership, protocol
+from .failures import communicating
+from .release import sever_peer_connections
+
+
+class Group:
+    """Owns this worker's process group: forming one per plan, tearing it down, aborting it, and
+    keeping FSDP2 modules pointed at the live one."""
+
+    def __init__(self, store, backend: str, pg_timeout_s: float, store_port: int, modules):
+        self.store = store
+        self.backend = backend
+        self.pg_timeout_s = pg_timeout_s
+        self.store_port = store_port
+        self.modules = modules  # () -> the protected nn.Modules, for FSDP's cached group handles
+
+    def form(self, plan: membership.Plan, rank: int) -> bool:
+        """Build generation `plan.gen`'s group; False when a newer plan replaced it meanwhile."""
+        self.teardown()
+        if not membership.barrier(self.store, plan.gen, plan.world_size):
+            return False
+        with communicating(f"forming the process group of generation {plan.gen}"):
+            dist.init_process_group(
+                self.backend, store=dist.PrefixStore(protocol.group_prefix(plan.gen), self.store),
+                rank=rank, world_size=plan.world_size,
+                timeout=timedelta(seconds=self.pg_timeout_s))
+        self.rebind_sharded_modules(dist.group.WORLD)
+        got = dist.get_world_size()
+        if got != plan.world_size:
+            raise RuntimeError(f"process group has world size {got}, the plan asked for "
+                               f"{plan.world_size}")
+        return True
+
+    def teardown(self) -> None:
+        # Drop FSDP's handles on the old group first: while anything references it, its
+        # sockets stay open and a peer blocked on us would wait for the timeout.
+        self.rebind_sharded_modules(None)
+        if not dist.is_initialized():
+            return
+        self.abort()
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+        if self.backend == "gloo":  # peers blocked on us get an error now, not at the timeout
+            sever_peer_connections({self.store_port})
+
+    @staticmethod
+    def abort() -> None:
+        """Make every call blocked on the current group return with an error (NCCL honours this;
+        for gloo the sockets are shut as well, in teardown)."""
+        try:
+            dist.distributed_c10d._abort_process_group()
+        except Exception:
+            pass
+
+    def rebind_sharded_modules(self, group) -> None:
+        """Point FSDP2 modules at `group` (the new default group, or None to drop the old one).
+
+        FSDP keeps the group object it was built with; after a regroup that object is dead. The new
+        default group gets the old one's name, so DTensor's mesh resolves to it; only FSDP's cached
+        handles need replacing, no parameter moves.
+        """
+        for obj in self.modules():
+            for module in obj.modules():
+                get_state = getattr(module, "_get_fsdp_state", None)
+                param_group = get_state()._fsdp_param_group if get_state else None
+                if param_group is None:
+                    continue
+                for info in (param_group.mesh_info,
+                             getattr(param_group, "post_forward_mesh_info", None)):
+                    if info is not None and hasattr(info, "shard_process_group"):
+                        info.shard_process_group = group
+
+
+def reshard_all(modules) -> None:
+    """A step cut short may leave FSDP parameters gathered; put every module back in shards."""
+    for obj in modules:
+        for module in obj.modules():
+            if hasattr(module, "reshard") and hasattr(module, "_get_fsdp_state"):
+                module.reshard()
+
+
+def is_dtensor(t) -> bool:
+    return hasattr(t, "device_mesh") and hasattr(t, "to_local")
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if is_dtensor(t) else t

@@ -1,0 +1,83 @@
+"""The same loop API with no fault tolerance, for a script started by torchrun.
+
+It lets one training script run both ways: under the supervisor (recovering in-process) or under
+torchrun (a failure kills the job; torchrun restarts it and the script resumes from its last disk
+checkpoint), which is the baseline the benchmark measures against.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .grads import all_reduce_grads
+from .seeding import seed_all, step_seed
+
+
+class PlainJob:
+    """Owns a torchrun worker's process group and step count; recovers nothing."""
+
+    grads_kept = False  # a failure ends the job: no step is ever redone in-process
+    catching_up = 0
+    is_replacement = False
+
+    def __init__(self, backend: str, seed: int):
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        # torchrun keeps one rendezvous store across restarts; keys left by the previous round
+        # (old gloo addresses) make a plain env:// init connect to dead peers and fail again
+        # (pytorch#135712). A prefix per restart round keeps each round's keys apart.
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              is_master=False, timeout=timedelta(seconds=300))
+        prefix = f"plainjob/restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank,
+                                world_size=world)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.worker_id, self.gen, self.seed = self.rank, 0, seed
+        self.backend = backend
+        self.device_slot = int(os.environ.get("LOCAL_RANK", "0"))
+        self._completed = 0
+        self._step_t0 = 0.0
+        self._scoped = False
+
+    @property
+    def completed_steps(self) -> int:
+        return self._completed
+
+    @property
+    def step_started_at(self) -> float:
+        return self._step_t0
+
+    def resume_at(self, step: int) -> None:
+        self._completed = step
+
+    def seed_step(self, step: int, micro: int = 0) -> int:
+        return seed_all(step_seed(self.seed, step, self.rank, micro))
+
+    def all_reduce_grads(self, params, extra: torch.Tensor | None = None):
+        return all_reduce_grads(params, self.world_size, extra)
+
+    def protect(self, **objects) -> None:
+        pass  # nothing to protect: a failure ends the job
+
+    def steps(self, max_steps: int):
+        while self._completed < max_steps:
+            self._step_t0 = time.time()
+            self._scoped = False
+            yield self._completed
+            if not self._scoped:
+                self._completed += 1
+
+    @contextlib.contextmanager
+    def step(self):
+        self._scoped = True
+        self.seed_step(self._completed)
+        yield self
+        self._completed += 1
+
+    def finish(self, result: dict | None = None) -> None:
+        dist.barrier()
+        dist.destroy_process_group()

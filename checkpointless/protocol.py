@@ -1,0 +1,172 @@
+"""The supervisor/worker protocol: every store key, environment variable and default, once.
+
+The supervisor and its workers talk through one TCPStore hosted by the supervisor (it outlives any
+worker) and through a few environment variables set when a worker process is started. Everything
+either side reads or writes is named here, so a reader can see the whole conversation in one page:
+
+    supervisor                                   worker
+    ----------                                   ------
+    spec             (job settings, JSON)  --->  read once in join()
+                                           <---  ready/<wid>      warmed up, waiting for a rank
+    plan/<g>, gen    (membership plan g)   --->  build the group of generation g
+                                           <---  barrier/<g>      counter: members arrived
+                                           <---  hb/<wid>         heartbeat {t, step, gen, phase}
+                                           <---  steps/<s>        rank 0: step s ran t0..t1
+                                           <---  rec/<g>/<rank>   how generation g was entered
+                                           <---  recfirst/<g>/<r> first step committed in g
+                                           <---  error/<wid>, errors   an exception of its own
+    lost             (counter)             --->  a worker was declared lost (before its plan)
+                                           <---  result/<rank>, done/<wid>, done
+    shutdown                               --->  the job is over
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+# ---- environment variables the supervisor sets for each process it starts -------------------
+ENV_STORE_HOST = "CL_STORE_HOST"  # address of the coordination store
+ENV_STORE_PORT = "CL_STORE_PORT"  # its port
+ENV_WORKER_ID = "CL_WORKER_ID"  # this process's id, unique over the job (spares included)
+ENV_DEVICE_SLOT = "CL_DEVICE_SLOT"  # local device index; a replacement takes the lost one's slot
+ENV_SPARE = "CL_SPARE"  # "1" in a process started as a hot spare
+
+# ---- store keys ------------------------------------------------------------------------------
+SPEC = "spec"  # the job's Spec, JSON, written before any worker starts
+GEN = "gen"  # newest published generation (a plan is written before gen moves)
+LOST = "lost"  # counter: workers the supervisor declared lost so far
+ERRORS = "errors"  # counter: exceptions workers reported (error/<wid> holds each)
+DONE = "done"  # counter: workers that finished
+FIRST_STEP = "first_step"  # the step this launch's step records start at (resume from disk)
+SHUTDOWN = "shutdown"  # set by the supervisor when the job is over
+
+
+def plan_key(gen: int) -> str:
+    return f"plan/{gen}"
+
+
+def barrier_key(gen: int) -> str:
+    return f"barrier/{gen}"
+
+
+def group_prefix(gen: int) -> str:
+    """Every generation's process group lives under its own prefix: no stale keys (or sockets)
+    from a broken group can leak into the next one."""
+    return f"pg/{gen}"
+
+
+def ready_key(wid: int) -> str:
+    return f"ready/{wid}"
+
+
+def heartbeat_key(wid: int) -> str:
+    return f"hb/{wid}"
+
+
+def error_key(wid: int) -> str:
+    return f"error/{wid}"
+
+
+def done_key(wid: int) -> str:
+    return f"done/{wid}"
+
+
+def result_key(rank: int) -> str:
+    return f"result/{rank}"
+
+
+def entered_key(gen: int, rank: int) -> str:
+    return f"rec/{gen}/{rank}"
+
+
+def first_commit_key(gen: int, rank: int) -> str:
+    return f"recfirst/{gen}/{rank}"
+
+
+def step_key(step: int) -> str:
+    return f"steps/{step}"
+
+
+def fault_claim_key(index: int) -> str:
+    return f"fault/{index}/claimed"
+
+
+def fault_time_key(wid: int) -> str:
+    return f"fault_at/{wid}"
+
+
+# ---- defaults (the recipe schema and the CLI take theirs from here) --------------------------
+@dataclass(frozen=True)
+class Defaults:
+    spares: int = 1  # warm spare processes per node
+    refill: bool = True  # start a new spare after one is used
+    heartbeat_timeout_s: float = 10.0  # training-loop silence before a lagging worker is hung
+    pg_timeout_s: float = 300.0  # last-resort timeout of a collective (hangs are caught sooner)
+    spare_wait_s: float = 600.0  # how long a lost rank may wait for a spare to warm up
+    # how long a worker whose collective failed waits for the supervisor to confirm that a peer
+    # was lost; unconfirmed, the error is the worker's own and is reported as such
+    confirm_s: float = 5.0
+    replication_factor: int = 2  # copies of each rank's shard under fsdp (own + peers)
+    replication_interval: int = 1  # steps between peer copies
+    replication_placement: str = "ring"  # ring: next ranks; nodes: a node apart
+    heartbeat_every_s: float = 0.5  # how often a worker waiting in recovery still beats
+    plan_poll_s: float = 0.002  # how often a rank in recovery looks for the next plan
+    gather_window_s: float = 0.02  # failures seen this close together join one generation
+    refill_delay_s: float = 3.0  # a refill waits this long when spares suffice for now
+
+
+DEFAULTS = Defaults()
+
+
+def recovery_timeout_s(heartbeat_timeout_s: float) -> float:
+    """How long a rank waits for the next plan after a failure before it gives up."""
+    return 4 * heartbeat_timeout_s + 60
+
+
+@dataclass
+class Spec:
+    """The job's settings every worker reads from the store in join()."""
+    backend: str = "gloo"
+    seed: int = 0
+    heartbeat_timeout_s: float = DEFAULTS.heartbeat_timeout_s
+    pg_timeout_s: float = DEFAULTS.pg_timeout_s
+    confirm_s: float = DEFAULTS.confirm_s
+    faults: list = field(default_factory=list)
+    replication: dict = field(default_factory=lambda: {
+        "factor": DEFAULTS.replication_factor, "interval": DEFAULTS.replication_interval,
+        "offset": 1})
+    workers_per_node: int = 1  # processes sharing this node's memory (active + spares)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text) -> "Spec":
+        return cls(**json.loads(text))
+
+
+def worker_env(host: str, port: int, wid: int, slot: int, spare: bool) -> dict[str, str]:
+    return {ENV_STORE_HOST: host, ENV_STORE_PORT: str(port), ENV_WORKER_ID: str(wid),
+            ENV_DEVICE_SLOT: str(slot), ENV_SPARE: "1" if spare else "0"}
+
+
+def supervised() -> bool:
+    return ENV_STORE_HOST in os.environ
+
+
+def device_slot() -> int:
+    return int(os.environ.get(ENV_DEVICE_SLOT, "0"))
+
+
+def started_as_spare() -> bool:
+    return os.environ.get(ENV_SPARE) == "1"
+
+
+def replica_offset(placement: str, procs_per_node: int) -> int:
+    """Distance on the rank ring between a shard and its first copy: the next rank (ring), or the
+    same local rank on the next node (nodes), so that losing a node never takes a shard and all
+    its copies at once."""
+    if placement == "nodes":
+        return procs_per_node
+    return 1

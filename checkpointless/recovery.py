@@ -1,0 +1,198 @@
+"""The recovery state machine of one worker: from a failed step to the resumed one.
+
+    TRAINING --step body--> IN_STEP --commit--> TRAINING
+                               |
+                    a peer failure (failures.py)
+                               v
+    FAILED --next steps() turn--> WAITING (for the supervisor's next plan)
+           --> REGROUPING (group.py: barrier on the store, fresh process group)
+           --> RESTORING (restore.py: agree on a step, receive or roll back) --> TRAINING
+
+A spare starts in WAITING, and a worker of the first generation too; either builds its group in
+join() and stops at JOINED until its first `steps()` call, when `protect()` has said what the state
+is and the restore can run. A failure during REGROUPING or RESTORING (a second peer lost) goes back
+to WAITING for the plan that replaces that peer too.
+"""
+from __future__ import annotations
+
+import enum
+import json
+import time
+from datetime import timedelta
+
+from . import detection, membership, protocol, restore
+from .failures import Evicted, is_peer_failure
+from .grads import KeptGrads
+from .group import Group
+from .state import ProtectedState
+from .watch import Watch
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"  # for a plan that includes this worker
+    REGROUPING = "regrouping"  # building the group of a new generation
+    JOINED = "joined"  # group built at join(); state agreed at the first steps() call
+    RESTORING = "restoring"  # agreeing on a step and moving state between members
+    TRAINING = "training"  # between steps
+    IN_STEP = "in_step"  # inside a step's body: the watch thread may abort the group
+    FAILED = "failed"  # a peer failure cut the step short; recovery runs at the next turn
+
+
+class Recovery:
+    """Owns this worker's place in the job and its phase: generation, rank, world size, committed
+    steps, whether it holds the state; waiting for plans, entering a generation, and the records
+    (commits, generation entries) the supervisor reads to time each recovery."""
+
+    def __init__(self, store, worker_id: int, spec: protocol.Spec, host: str, port: int,
+                 state: ProtectedState, kept: KeptGrads):
+        self.store, self.worker_id, self.spec = store, worker_id, spec
+        self.state, self.kept = state, kept
+        self.group = Group(store, spec.backend, spec.pg_timeout_s, port, state.modules)
+        self.watch = Watch(host, port, lambda: self.gen, lambda: self.phase is Phase.IN_STEP,
+                           Group.abort)
+        self.phase = Phase.WAITING
+        self.plan: membership.Plan | None = None
+        self.gen, self.rank, self.world_size = -1, -1, 0
+        self.completed = 0  # committed steps
+        self.holds_state = True
+        self.catching_up = 0
+        self.failed_at = 0.0
+        self.awaiting_first: int | None = None  # generation whose first commit is not yet recorded
+        self.last: dict | None = None  # how the newest generation was entered
+        self.t_group = 0.0
+
+    # ---- waiting ---------------------------------------------------------------------------
+    def wait_plan(self, after_gen: int, timeout_s: float | None) -> membership.Plan:
+        """The newest plan with generation > after_gen that includes this worker.
+
+        A rank polls (quietly: a store wait that times out logs a warning) and keeps beating, so
+        the supervisor does not take a long spare wait for a hang; a spare blocks in the store."""
+        self.phase = Phase.WAITING
+        deadline = None if timeout_s is None else time.time() + timeout_s
+        last_beat, pause = 0.0, protocol.DEFAULTS.plan_poll_s
+        while True:
+            g = membership.current_gen(self.store)
+            if g > after_gen:
+                plan = membership.read_plan(self.store, g)
+                if self.worker_id in plan.ranks:
+                    return plan
+                if self.rank >= 0:
+                    raise Evicted(f"worker {self.worker_id} is not in generation {g}")
+                after_gen = g  # a spare not picked this time keeps waiting
+            if self.store.check([protocol.SHUTDOWN]):
+                raise SystemExit(0)
+            if deadline is not None and time.time() > deadline:
+                raise TimeoutError(f"no new membership within {timeout_s:.0f} s after a failure")
+            if self.rank < 0:
+                self._block_until_plan(max(g, after_gen) + 1)
+                continue
+            if time.time() - last_beat > protocol.DEFAULTS.heartbeat_every_s:
+                detection.beat(self.store, self.worker_id, self.completed, self.gen, "recover")
+                last_beat = time.time()
+            time.sleep(pause)
+            pause = min(0.02, pause * 1.1)
+
+    def _block_until_plan(self, gen: int) -> None:
+        try:
+            self.store.wait([protocol.plan_key(gen)], timedelta(days=1))
+        except Exception:  # the store is gone: the supervisor ended
+            if not self.store_alive():
+                raise SystemExit(0)
+
+    def store_alive(self) -> bool:
+        try:
+            self.store.check([protocol.GEN])
+            return True
+        except Exception:
+            return False
+
+    # ---- entering a generation -------------------------------------------------------------
+    def enter(self, plan: membership.Plan, sync: bool = True) -> None:
+        """Build the group for a plan (or a newer one) and bring every member to one state.
+
+        With sync=False only the group is built (JOINED); the restore waits for `sync_first`."""
+        while True:
+            try:
+                self.plan, self.gen = plan, plan.gen
+                self.rank, self.world_size = plan.ranks[self.worker_id], plan.world_size
+                self.phase = Phase.REGROUPING
+                if not self.group.form(plan, self.rank):
+                    plan = self.wait_plan(plan.gen, None)
+                    continue
+                self.t_group = time.time()
+                if not sync:
+                    self.phase = Phase.JOINED
+                    return
+                self._restore(plan, awaiting=plan.gen)
+                return
+            except Exception as exc:  # a member died during the regroup itself: next plan
+                if not self.is_peer_failure(exc):
+                    raise
+                self.group.teardown()
+                plan = self.wait_plan(plan.gen, self.recovery_timeout())
+
+    def sync_first(self) -> None:
+        """The restore deferred from join(); a failure here is recovered like any other."""
+        plan = self.plan
+        try:
+            self._restore(plan, awaiting=plan.gen if plan.gen > 0 else None)
+        except Exception as exc:
+            if not self.is_peer_failure(exc):
+                raise
+            self.fail()
+
+    def _restore(self, plan: membership.Plan, awaiting: int | None) -> None:
+        self.phase = Phase.RESTORING
+        me = restore.Position(self.rank, self.world_size, self.completed, self.holds_state,
+                              self.kept.usable(self.completed, self.rank, self.world_size))
+        out = restore.restore(self.state, me)
+        if out.drop_kept_grads:
+            self.kept.drop()
+        self.completed, self.holds_state = out.resumed_step, True
+        self.catching_up = out.catching_up
+        info = dict(out.info, t_plan=plan.t_published, t_group=self.t_group, t_ready=time.time(),
+                    worker_id=self.worker_id,
+                    grads_kept=self.kept.usable(self.completed, self.rank, self.world_size))
+        self.store.set(protocol.entered_key(plan.gen, self.rank), json.dumps(info))
+        self.last = info
+        self.awaiting_first = awaiting
+        self.phase = Phase.TRAINING
+
+    # ---- failing and recovering ------------------------------------------------------------
+    def fail(self) -> None:
+        self.phase, self.failed_at = Phase.FAILED, time.time()
+
+    def recover(self) -> None:
+        self.catching_up = 0
+        self.group.teardown()
+        plan = self.wait_plan(self.gen, self.recovery_timeout())
+        self.enter(plan)
+
+    def recovery_timeout(self) -> float:
+        return protocol.recovery_timeout_s(self.spec.heartbeat_timeout_s)
+
+    def loss_seen(self) -> bool:
+        """The supervisor has declared a worker lost since this generation's plan, or moved on."""
+        if self.watch.moved(self.gen):
+            return True
+        try:
+            lost = membership.counter(self.store, protocol.LOST)
+            return lost > (self.plan.lost if self.plan else 0) or \
+                membership.current_gen(self.store) > self.gen
+        except Exception:  # the store itself is gone: nothing will confirm anything
+            return False
+
+    def is_peer_failure(self, exc: BaseException) -> bool:
+        return is_peer_failure(exc, self.loss_seen, self.spec.confirm_s)
+
+    # ---- committing ------------------------------------------------------------------------
+    def commit(self, step_started_at: float) -> None:
+        t1 = time.time()
+        self.catching_up = 0
+        step = self.completed
+        self.completed += 1
+        if self.rank == 0:
+            self.store.set(protocol.step_key(step), f"{step_started_at:.6f},{t1:.6f}")
+        if self.awaiting_first is not None:
+            self.store.set(protocol.first_commit_key(self.awaiting_first, self.rank), f"{t1:.6f}")
+            self.awaiting_first = None

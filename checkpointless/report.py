@@ -1,0 +1,120 @@
+"""What a run tells its user: one entry per recovery, its phases, and the run's report.
+
+Every figure comes from records the workers left in the store (protocol.py): when each generation
+was entered, when its first step committed, which step ran when.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from . import protocol
+from .goodput import goodput_from_steps
+
+
+@dataclass
+class Failure:
+    """One lost worker, as the supervisor saw it."""
+    wid: int
+    rank: int
+    cause: str  # exit, error, hang
+    t_fail: float
+    t_detect: float
+    step: int
+    error: str | None = None  # the worker's own traceback, when it reported one
+    gen: int = -1  # the generation that replaced it
+    t_spare: float = 0.0  # when a spare was available
+    new_wid: int = -1
+
+
+def _json(store, key: str):
+    return json.loads(store.get(key)) if store.check([key]) else None
+
+
+def recovery_entry(store, f: Failure, nproc: int, last_gen: int) -> dict | None:
+    """The recovery of failure `f`, once every member entered its generation and one committed
+    a step there; None until then. A generation cut short by another failure is superseded by
+    the next one that completed."""
+    recs = []
+    for g in range(f.gen, last_gen + 1):
+        recs = [dict(r, rank=rank) for rank in range(nproc)
+                for r in [_json(store, protocol.entered_key(g, rank))] if r is not None]
+        if len(recs) == nproc:
+            break
+    firsts = [float(store.get(k)) for g in range(f.gen, last_gen + 1) for r in range(nproc)
+              for k in [protocol.first_commit_key(g, r)] if store.check([k])]
+    if len(recs) < nproc or not firsts:
+        return None
+    t_plan = recs[0]["t_plan"]
+    t_group = max(r["t_group"] for r in recs)
+    t_ready = max(r["t_ready"] for r in recs)
+    t_first = min(firsts)
+    mine = [r for r in recs if r["worker_id"] == f.new_wid]
+    return {
+        "failed_rank": f.rank, "cause": f.cause, "failed_worker": f.wid,
+        "replacement_worker": f.new_wid, "generation": f.gen, "failed_at_step": f.step,
+        "error": f.error,
+        "detect_s": round(f.t_detect - f.t_fail, 4),
+        "recovery_s": round(t_first - f.t_fail, 4),
+        "phases_s": {
+            "detection": round(f.t_detect - f.t_fail, 4),
+            "spare_wait": round(max(0.0, f.t_spare - f.t_detect), 4),
+            "regroup": round(t_group - t_plan, 4),
+            "state_transfer": round(t_ready - t_group, 4),
+            "resume": round(t_first - t_ready, 4),
+        },
+        "state_bytes": sum(r["bytes_received"] for r in recs),
+        "source_ranks": sorted({int(s) for r in recs for s in r["pairs"].values()}),
+        "source": mine[0]["source"] if mine else None,
+        "served": {str(k): v for k, v in recs[0]["pairs"].items()},
+        "resumed_step": recs[0]["resumed_step"],
+        "restored_from": recs[0].get("restored_from", "peer_memory"),
+        "steps_redone": recs[0].get("steps_redone", 0),
+        # survivors that redo the interrupted step from the gradients they kept
+        "ranks_reusing_grads": sorted(r["rank"] for r in recs if r.get("grads_kept")),
+    }
+
+
+def recovery_line(e: dict) -> str:
+    p = e["phases_s"]
+    return (f"[checkpointless] recovered rank {e['failed_rank']} ({e['cause']}): spare worker "
+            f"{e['replacement_worker']} got {e['state_bytes'] / 1e6:.1f} MB from rank(s) "
+            f"{e['source_ranks']}, resumed at step {e['resumed_step']}, {e['recovery_s']:.2f} s "
+            f"after the failure (detect {p['detection']:.2f}, regroup {p['regroup']:.2f}, "
+            f"transfer {p['state_transfer']:.2f}, resume {p['resume']:.2f})")
+
+
+def step_records(store) -> dict[int, tuple[float, float]]:
+    """step -> (start, end) of every step committed in this launch, as rank 0 recorded them."""
+    first = int(store.get(protocol.FIRST_STEP)) if store.check([protocol.FIRST_STEP]) else 0
+    steps = {}
+    for s in range(first, 10 ** 9):
+        key = protocol.step_key(s)
+        if not store.check([key]):
+            break
+        t0, t1 = (float(x) for x in store.get(key).decode().split(","))
+        steps[s] = (t0, t1)
+    return steps
+
+
+def run_report(store, nproc: int, spares: int, wall_s: float, failures: list[Failure],
+               last_gen: int, workers) -> dict:
+    steps = step_records(store)
+    results = {r: v for r in range(nproc) for v in [_json(store, protocol.result_key(r))]
+               if v is not None}
+    recoveries = [e for f in failures if f.gen >= 0
+                  for e in [recovery_entry(store, f, nproc, last_gen)] if e is not None]
+    return {
+        "world_size": nproc,
+        "spares": spares,
+        "steps_completed": len(steps),
+        "wall_s": round(wall_s, 3),
+        "goodput": goodput_from_steps(steps),
+        "recoveries": recoveries,
+        "failures": [{"rank": f.rank, "worker": f.wid, "cause": f.cause, "step": f.step,
+                      "error": f.error} for f in failures],
+        "results_by_rank": results,
+        "pids_at_end": {w.rank: w.proc.pid for w in workers if w.rank >= 0},
+        "worker_ids_at_end": {w.rank: w.wid for w in workers if w.rank >= 0},
+        "step_times": steps,
+    }

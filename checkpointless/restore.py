@@ -1,0 +1,142 @@
+"""Bringing every member of a new generation to one state: who sends what to whom.
+
+Replicated state (ddp): the members all-gather their last committed step. Every member at the
+newest step is a source; every other member (the spare, or a survivor that had not applied the
+update) receives the whole state from one source, receivers spread evenly over the sources.
+
+Sharded state (fsdp): each rank holds the only live copy of its slice, so the members agree on the
+newest step to which every slice can be brought: a survivor rolls back to its own snapshot, a
+spare receives its rank's slice from a peer that holds a copy (redundancy.py). When some slice has
+no copy left anywhere, every rank loads the newest durable checkpoint instead, and says so.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from . import transfer
+from .failures import communicating
+from .group import reshard_all
+from .redundancy import pick_holders, restorable_step
+from .state import ProtectedState
+
+
+@dataclass
+class Position:
+    """Where this member stands when a generation begins."""
+    rank: int
+    world_size: int
+    completed: int  # steps this member has committed
+    holds_state: bool  # False for a spare that has received nothing yet
+    grads_kept: bool  # it still holds its own gradients of the step in flight
+
+
+@dataclass
+class Outcome:
+    resumed_step: int
+    catching_up: int = 0  # >0: this rank computes while the others wait on it (see Job)
+    drop_kept_grads: bool = False  # the state changed under the kept gradients
+    info: dict = field(default_factory=dict)  # what happened, for the recovery report
+
+
+def restore(state: ProtectedState, me: Position) -> Outcome:
+    if state.replicas is not None:
+        out = _restore_shards(state, me)
+    else:
+        out = _restore_replicated(state, me)
+    state.zero_grads()  # a loop that recomputes the step starts clean; kept ones are aside
+    out.info["resumed_step"] = out.resumed_step
+    return out
+
+
+def _restore_replicated(state: ProtectedState, me: Position) -> Outcome:
+    mine = torch.tensor([me.completed if me.holds_state else -1, int(me.grads_kept)])
+    got = [torch.zeros(2, dtype=torch.int64) for _ in range(me.world_size)]
+    with communicating("agreeing on the newest committed step"):
+        dist.all_gather(got, mine.to(torch.int64))
+    steps = [int(g[0]) for g in got]
+    kept = [bool(g[1]) for g in got]
+    resume = max(steps)
+    if resume < 0:
+        raise RuntimeError("no member of the new generation holds training state")
+    sources = [r for r, s in enumerate(steps) if s == resume]
+    receivers = [r for r, s in enumerate(steps) if s != resume]
+    out = Outcome(resumed_step=resume)
+    # when every source redoes the step from kept gradients, it only waits for the receivers
+    if me.rank in receivers and all(kept[r] for r in sources):
+        out.catching_up = len(receivers)
+    pairs = transfer.assign_sources(receivers, sources)
+    sent = received = 0
+    t0 = time.time()
+    for dst, src in pairs.items():
+        if me.rank == src:
+            sent += transfer.send_state(state.state(), dst)
+        elif me.rank == dst:
+            got_state, received = transfer.recv_state(src)
+            state.load(got_state)
+            out.drop_kept_grads = True  # gradients of a state this rank no longer holds
+    out.info = {"steps_by_rank": steps, "pairs": pairs, "bytes_sent": sent,
+                "bytes_received": received, "transfer_s": time.time() - t0,
+                "source": pairs.get(me.rank)}
+    return out
+
+
+def _restore_shards(state: ProtectedState, me: Position) -> Outcome:
+    t0 = time.time()
+    replicas = state.replicas
+    reshard_all(state.modules())
+    mine = {"completed": me.completed if me.holds_state else -1, **replicas.summary()}
+    infos = [None] * me.world_size
+    with communicating("exchanging which shard copies each member holds"):
+        dist.all_gather_object(infos, mine)
+    newest = max(i["completed"] for i in infos)
+    step = restorable_step(infos)
+    info = {"steps_by_rank": [i["completed"] for i in infos], "bytes_sent": 0,
+            "bytes_received": 0, "pairs": {}, "source": None}
+    # sharded gradients are reduced inside backward: there are none to keep
+    if step is None:  # a peer-memory step is always preferred to disk when one exists
+        return _restore_from_disk(state, me, info, newest, t0)
+    holders = pick_holders(infos, step)
+    if me.holds_state and me.completed != step:
+        skel, flat = replicas.own[step]
+        state.load(transfer.unflatten_state(skel, flat))
+    for f, h in holders.items():
+        if me.rank == h:
+            skel, flat = replicas.held[f][step]
+            # views, not copies: send_state packs them into one buffer anyway
+            info["bytes_sent"] += transfer.send_state(
+                transfer.unflatten_state(skel, flat, copy=False), f)
+        elif me.rank == f:
+            got_state, info["bytes_received"] = transfer.recv_state(h)
+            state.load(got_state)
+            info["source"] = h
+    info.update(pairs=holders, restored_from="peer_memory",
+                steps_redone=max(0, newest - step), transfer_s=time.time() - t0)
+    return Outcome(resumed_step=step, drop_kept_grads=True, info=info)
+
+
+def _restore_from_disk(state: ProtectedState, me: Position, info: dict, newest: int,
+                       t0: float) -> Outcome:
+    if state.fallback is None:
+        raise RuntimeError("a lost slice has no copy in any peer's memory and no durable "
+                           "checkpoint is configured (set checkpoint.interval)")
+    newest_step, load_step = state.fallback
+    found = [None] * me.world_size
+    with communicating("agreeing on the durable checkpoint to load"):
+        dist.all_gather_object(found, newest_step())  # every rank must load the same one
+    if None in found:
+        raise RuntimeError("a lost slice has no copy in any peer's memory and no durable "
+                           "checkpoint has been written yet")
+    step = min(found)
+    load_step(step)
+    if me.rank == 0:
+        print(f"[checkpointless] no peer holds every lost slice: all ranks resume from the "
+              f"durable checkpoint at step {step} ({newest - step} steps to redo)", flush=True)
+    state.replicas.own.clear()
+    state.replicas.held.clear()
+    info.update(restored_from="durable_checkpoint", steps_redone=max(0, newest - step),
+                transfer_s=time.time() - t0)
+    return Outcome(resumed_step=step, drop_kept_grads=True, info=info)

@@ -1,0 +1,100 @@
+"""What a replacement must receive: the objects given to `protect()`, read and loaded as one state."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .group import is_dtensor, local_part
+from .redundancy import ShardReplicas
+
+
+class ProtectedState:
+    """Owns the registry of protected objects (anything with state_dict/load_state_dict), reads
+    them as one nested state, loads one into them (re-placing sharded values like the live ones),
+    and notes whether an optimizer update landed in the step in flight. Under FSDP it also owns
+    the peer replicas of this rank's shard and the durable-checkpoint fallback."""
+
+    def __init__(self, spec):
+        self.spec = spec
+        self.objects: dict = {}
+        self.replicas: ShardReplicas | None = None
+        self.fallback = None  # (newest_step(), load_step(step)) of durable checkpoints
+        self.update_applied = False  # an optimizer step ran in the step in flight
+
+    def protect(self, **objects) -> None:
+        for name, obj in objects.items():
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise TypeError(f"protect({name}=...): needs state_dict() and load_state_dict()")
+            if isinstance(obj, torch.optim.Optimizer):
+                obj.register_step_post_hook(self._on_optimizer_step)
+        self.objects.update(objects)
+        sharded = any(is_dtensor(p) for m in self.modules() for p in m.parameters())
+        if sharded and self.replicas is None:
+            rep = self.spec.replication
+            self.replicas = ShardReplicas(int(rep.get("factor", 2)), int(rep.get("interval", 1)),
+                                          int(rep.get("offset", 1)))
+            self.check_host_memory()
+
+    def _on_optimizer_step(self, *_):
+        self.update_applied = True
+
+    def modules(self) -> list[torch.nn.Module]:
+        return [o for o in self.objects.values() if isinstance(o, torch.nn.Module)]
+
+    def state(self) -> dict:
+        return {name: obj.state_dict() for name, obj in self.objects.items()}
+
+    def load(self, state: dict) -> None:
+        for name, obj in self.objects.items():
+            value = state[name]
+            if self.replicas is not None:  # plain local shards -> DTensors placed like the live ones
+                value = _as_sharded(obj, value)
+            obj.load_state_dict(value)
+
+    def zero_grads(self) -> None:
+        for m in self.modules():
+            m.zero_grad(set_to_none=True)
+
+    def check_host_memory(self) -> None:
+        """Refuse to start when the peer copies would not fit in this node's memory."""
+        local = sum(local_part(p).numel() * local_part(p).element_size()
+                    for m in self.modules() for p in m.parameters())
+        need = local * 3 * self.replicas.factor * 2  # params + 2 Adam moments, 2 versions each
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            return
+        per_worker = avail / max(1, int(self.spec.workers_per_node))
+        if need > per_worker:
+            raise RuntimeError(
+                f"checkpointless.replication.factor={self.replicas.factor} needs about "
+                f"{need / 1e9:.1f} GB of host memory per worker for peer copies, but this node "
+                f"has {per_worker / 1e9:.1f} GB available per worker. Lower the factor, raise "
+                "checkpointless.replication.interval (same memory, fewer copies) or add nodes")
+
+
+def _like(local: torch.Tensor, ref):
+    """`local` (a shard) as a DTensor placed like `ref`, or as is when `ref` is not sharded."""
+    if not is_dtensor(ref):
+        return local
+    from torch.distributed.tensor import DTensor
+    return DTensor.from_local(local.to(ref.device), ref.device_mesh, ref.placements,
+                              shape=ref.shape, stride=ref.stride(), run_check=False)
+
+
+def _as_sharded(obj, value):
+    if isinstance(obj, torch.nn.Module):
+        live = obj.state_dict()
+        return {k: _like(v, live[k]) if k in live else v for k, v in value.items()}
+    if isinstance(obj, torch.optim.Optimizer):
+        params = [p for g in obj.param_groups for p in g["params"]]
+        order = [i for g in value["param_groups"] for i in g["params"]]
+        by_id = dict(zip(order, params))
+        state = {}
+        for idx, st in value["state"].items():
+            p = by_id[idx]
+            state[idx] = {k: (_like(v, p) if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
+                          for k, v in st.items()}
+        return {"state": state, "param_groups": value["param_groups"]}
+    return value
