@@ -38,20 +38,21 @@ def process_stopped(pid: int) -> bool:
 
 def find_hung(beats: dict[int, dict], pids: dict[int, int], timeout_s: float,
               now: float | None = None) -> list[int]:
-    """Workers silent longer than `timeout_s` that are behind the others or stopped.
+    """Workers silent longer than `timeout_s` that are stopped, or behind while the whole job
+    has stalled.
 
     `beats` maps worker id to its last heartbeat ({t, step, ...}); workers with no beat yet are
-    still warming up and are not judged.
+    still warming up and are not judged. A worker beats at the start of each step, so in lockstep
+    one rank may be a beat ahead of another for a whole step: "behind" means something only once
+    every worker has been silent past the timeout (a stalled job), never while a step merely
+    takes longer than the timeout (a large model, a loaded machine).
     """
     now = time.time() if now is None else now
-    live = {w: b for w, b in beats.items() if b is not None}
+    live = {w: b for w, b in beats.items() if b is not None and b.get("phase") != "done"}
     if not live:
         return []
+    silent = {w for w, b in live.items() if now - b["t"] > timeout_s}
+    stalled = silent == set(live)
     lead = max(b["step"] for b in live.values())
-    hung = []
-    for w, b in live.items():
-        if now - b["t"] <= timeout_s or b.get("phase") == "done":
-            continue
-        if b["step"] < lead or process_stopped(pids.get(w, -1)):
-            hung.append(w)
-    return hung
+    return [w for w in sorted(silent)
+            if process_stopped(pids.get(w, -1)) or (stalled and live[w]["step"] < lead)]

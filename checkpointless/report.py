@@ -85,15 +85,20 @@ def recovery_line(e: dict) -> str:
 
 
 def step_records(store) -> dict[int, tuple[float, float]]:
-    """step -> (start, end) of every step committed in this launch, as rank 0 recorded them."""
+    """step -> (start, end) of every step committed in this launch, as rank 0 recorded them.
+
+    A step may lack its record when rank 0 died between the others' commit and its own; the scan
+    goes past such gaps."""
     first = int(store.get(protocol.FIRST_STEP)) if store.check([protocol.FIRST_STEP]) else 0
-    steps = {}
-    for s in range(first, 10 ** 9):
+    steps, misses, s = {}, 0, first
+    while misses < 64:
         key = protocol.step_key(s)
-        if not store.check([key]):
-            break
-        t0, t1 = (float(x) for x in store.get(key).decode().split(","))
-        steps[s] = (t0, t1)
+        if store.check([key]):
+            t0, t1 = (float(x) for x in store.get(key).decode().split(","))
+            steps[s], misses = (t0, t1), 0
+        else:
+            misses += 1
+        s += 1
     return steps
 
 

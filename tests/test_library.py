@@ -137,6 +137,9 @@ def test_hung_worker_is_the_silent_one_behind_not_its_blocked_peers():
     beats = {0: {"t": 95.0, "step": 8}, 1: {"t": 90.0, "step": 7}, 2: {"t": 95.0, "step": 8},
              3: None}
     assert detection.find_hung(beats, {}, timeout_s=3.0, now=now) == [1]
+    # a step longer than the timeout: the rank a beat behind is not hung while others beat
+    slow = {0: {"t": 99.0, "step": 8}, 1: {"t": 90.0, "step": 7}}
+    assert detection.find_hung(slow, {}, timeout_s=3.0, now=now) == []
     # all silent at the same step: nobody is declared hung on heartbeats alone
     same = {0: {"t": 90.0, "step": 8}, 1: {"t": 90.0, "step": 8}}
     assert detection.find_hung(same, {}, timeout_s=3.0, now=now) == []
