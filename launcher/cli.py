@@ -4,7 +4,7 @@
     python -m launcher show RECIPE [key=value ...]     the fully resolved recipe, as YAML
     python -m launcher validate [RECIPE ...]           check recipes (all when none given)
     python -m launcher train RECIPE [key=value ...]    train (workers + spares, supervised)
-    python -m launcher bench [key=value ...]           goodput benchmark (see launcher/bench.py)
+    python -m launcher bench [key=value ...]           goodput benchmark (see launcher/bench/)
 
 RECIPE is a name in recipes/ or a path to a YAML file. Overrides use OmegaConf dotlist syntax
 (`trainer.max_steps=7`, `'faults=[kill:2:5]'`); `~key` deletes a key.

@@ -1,16 +1,32 @@
-"""The benchmark's arithmetic: parsing, the failure schedule, figures from step records."""
+"""The benchmark's parts that need no training: settings, the failure schedule and its killer,
+figures from step records, taking turns, the goodput model and the tables."""
+import json
+import math
+import signal
+import subprocess
+import time
+
 import pytest
 
-from launcher.bench import parse, schedule, summarize
-from launcher.goodput_model import model_table
+from launcher.bench.config import BenchConfig, parse
+from launcher.bench.failures import Killer, schedule
+from launcher.bench.model import scenario, young_interval_s
+from launcher.bench.paired import Turns
+from launcher.bench.records import steps_in_turns, summarize
+from launcher.bench.report import model_table, table
 from launcher.recipes import RecipeError
 
 
-def test_bench_keys_and_recipe_overrides_are_split():
+def test_bench_keys_and_recipe_overrides_are_split_and_typed():
     cfg, overrides = parse(["bench.mtbf_s=30", "bench.steps=50", "optim.lr=1e-3"])
     assert cfg.mtbf_s == 30.0 and cfg.steps == 50 and overrides == ["optim.lr=1e-3"]
+    assert isinstance(cfg.steps, int)
     with pytest.raises(RecipeError, match="bench.mtbf_s"):
         parse(["bench.mtbf=30"])
+    with pytest.raises(RecipeError, match="expected int"):
+        parse(["bench.workers=four"])
+    with pytest.raises(RecipeError, match="restrat"):
+        parse(["bench.modes=off,restrat"])
 
 
 def test_default_steps_follow_the_duration_budget_and_cover_the_first_failure():
@@ -20,12 +36,48 @@ def test_default_steps_follow_the_duration_budget_and_cover_the_first_failure():
 
 
 def test_schedule_is_seeded_and_has_the_asked_mean():
-    from launcher.bench import BenchConfig
     a = schedule(BenchConfig(mtbf_s=10, seed=1), horizon_s=10000)
     b = schedule(BenchConfig(mtbf_s=10, seed=1), horizon_s=10000)
     assert a == b and 950 < len(a) < 1050  # ~1000 failures in 10000 s at MTBF 10 s
+    assert a != schedule(BenchConfig(mtbf_s=10, seed=2), horizon_s=10000)
     gaps = [y[0] - x[0] for x, y in zip(a, a[1:])]
     assert min(gaps) >= 5 and max(gaps) <= 15
+
+
+def write_records(run_dir, *records):
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_killer_kills_the_drawn_rank_once_its_time_after_the_first_step_comes(tmp_path):
+    procs = [subprocess.Popen(["sleep", "60"]) for _ in range(3)]
+    try:
+        t0 = time.time()
+        write_records(tmp_path, {"step": 0, "t_start": t0, "t_end": t0 + 0.1})
+        pids = {r: p.pid for r, p in enumerate(procs)}
+        killer = Killer(tmp_path, lambda: pids, [(0.3, 0.5)], max_steps=100)
+        killer.start()
+        killer.join(10)
+        assert procs[1].wait(5) == -signal.SIGKILL  # draw 0.5 of ranks [0, 1, 2] is rank 1
+        assert procs[0].poll() is None and procs[2].poll() is None
+        assert [k["rank"] for k in killer.kills] == [1] and killer.kills[0]["t"] >= t0 + 0.3
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_killer_spares_a_run_about_to_end(tmp_path):
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        t0 = time.time()
+        write_records(tmp_path, {"step": 97, "t_start": t0, "t_end": t0 + 0.1})
+        killer = Killer(tmp_path, lambda: {0: proc.pid}, [(0.1, 0.0)], max_steps=100)
+        killer.start()
+        killer.join(10)
+        assert not killer.is_alive() and killer.kills == [] and proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_summary_counts_final_attempts_redone_steps_and_recovery():
@@ -35,20 +87,20 @@ def test_summary_counts_final_attempts_redone_steps_and_recovery():
             {"step": 1, "t_start": 10.0, "t_end": 11.0}, {"step": 2, "t_start": 11.0, "t_end": 12.0}]
     s = summarize(recs, [{"t": 3.5}])
     assert s["steps"] == 3 and s["steps_redone"] == 2
-    assert s["wall_s"] == 12.0 and s["goodput"] == pytest.approx(3 / 12)
+    assert s["wall_s"] == 12.0 and s["goodput"] == pytest.approx(3 / 12, abs=1e-4)
     assert s["recovery_s_median"] == pytest.approx(11.0 - 3.5)
 
 
-def test_goodput_model_favours_checkpointless_at_scale_and_shows_inputs():
-    rows, text = model_table({"checkpointless": {"recovery_s_median": 1.0}}, 0.01, 0.05)
-    assert "not a measurement" in text and "MTBF sources" in text
-    big = rows[-1]
-    assert big["goodput_checkpointless"] > big["goodput_restart"]
-
+def test_goodput_counts_time_lost_when_the_first_steps_themselves_were_redone():
+    # a restart that found no checkpoint redoes steps 0 and 1: the first 3 s were still spent
+    recs = [{"step": 0, "t_start": 0.0, "t_end": 1.0}, {"step": 1, "t_start": 1.0, "t_end": 2.0},
+            {"step": 0, "t_start": 10.0, "t_end": 11.0}, {"step": 1, "t_start": 11.0, "t_end": 12.0},
+            {"step": 2, "t_start": 12.0, "t_end": 13.0}]
+    assert summarize(recs, [{"t": 2.5}])["goodput"] == pytest.approx(3 / 13, abs=1e-4)
+    assert summarize([], [])["goodput"] is None
 
 
 def test_only_steps_inside_their_own_turns_count():
-    from launcher.bench import steps_in_turns
     windows = [(0, 10.0, 13.0), (1, 13.0, 16.0), (0, 16.0, 19.0)]
     recs = [{"t_start": 10.1, "t_end": 10.6},   # inside job 0's first turn
             {"t_start": 12.8, "t_end": 16.4},   # stopped across job 1's turn: not counted
@@ -56,3 +108,79 @@ def test_only_steps_inside_their_own_turns_count():
             {"t_start": 18.8, "t_end": 19.3}]   # runs past the end of the turn
     assert steps_in_turns(recs, windows, 0) == [pytest.approx(0.5), pytest.approx(0.5)]
     assert steps_in_turns(recs, windows, 1) == []
+
+
+def proc_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]  # "T" when stopped
+
+
+def test_turns_stop_one_job_while_the_other_runs_and_leave_neither_stopped(tmp_path):
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    procs = [subprocess.Popen(["sleep", "60"]) for _ in dirs]
+    try:
+        for d in dirs:
+            d.mkdir()
+            write_records(d, {"step": 0, "t_start": 0.0, "t_end": 0.1})
+        turns = Turns([(d, lambda p=p: [p.pid], lambda: False) for d, p in zip(dirs, procs)],
+                      turn_s=0.3)
+        turns.start()
+        seen = set()
+        deadline = time.time() + 2.0
+        while time.time() < deadline:
+            seen.add(tuple(proc_state(p.pid) == "T" for p in procs))
+            time.sleep(0.02)
+        turns.stop.set()
+        turns.join(5)
+        assert (True, True) not in seen  # never both stopped
+        assert {(False, True), (True, False)} <= seen  # each had turns, alone
+        jobs = [j for j, _, _ in turns.windows]
+        assert len(jobs) >= 4 and jobs == [i % 2 for i in range(len(jobs))]
+        assert all(b - a == pytest.approx(0.3, abs=0.15) for _, a, b in turns.windows[:-1])
+        assert [proc_state(p.pid) for p in procs].count("T") == 0
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_young_interval_minimises_save_cost_plus_lost_work():
+    c, m = 16.0, 3600.0
+
+    def waste(tau):
+        return c / tau + tau / (2 * m)
+    tau = young_interval_s(c, m)
+    assert waste(tau) < waste(0.9 * tau) and waste(tau) < waste(1.1 * tau)
+
+
+def run_scenario(mtbf_h=10.0, restart_min=15, overhead=0.0):
+    return scenario("s", 70e9, 1024, 8, 4e6, mtbf_h, "src", restart_min, 2.0,
+                    detect_s=0.1, overhead=overhead)
+
+
+def test_model_goodput_moves_as_its_inputs_say():
+    base = run_scenario()
+    # steady overhead costs checkpointless one for one; a measured speed-up is not credited
+    assert run_scenario(overhead=0.02)["goodput_checkpointless"] == \
+        pytest.approx(base["goodput_checkpointless"] - 0.02, abs=1e-4)
+    assert run_scenario(overhead=-0.02)["goodput_checkpointless"] == base["goodput_checkpointless"]
+    # five more restart minutes per failure cost restart 300 s / MTBF
+    assert base["goodput_restart"] - run_scenario(restart_min=20)["goodput_restart"] == \
+        pytest.approx(300 / (10 * 3600), abs=1e-4)
+    assert run_scenario(mtbf_h=1)["goodput_restart"] < base["goodput_restart"]
+    assert base["young_tau_min"] == pytest.approx(
+        math.sqrt(2 * base["checkpoint_s"] * 36000) / 60, rel=0.02)
+
+
+def test_model_text_names_the_measured_inputs():
+    rows, text = model_table({"checkpointless": {"recovery_s_median": 0.58}}, 0.025, 0.052)
+    assert "steady overhead +2.5%" in text and "recovery median 0.58 s" in text
+    assert "save 52 ms" in text
+    assert all(r["scenario"] in text for r in rows)
+    rows_none, text_none = model_table({}, None, 0.052)  # no overhead measured: taken as 0
+    assert "steady overhead +0.0%" in text_none
+
+
+def test_table_pads_columns_and_prints_missing_values_as_dash():
+    assert table([["a", None], ["bbb", 12]], ["x", "y"]).splitlines() == [
+        "x     y", "---  --", "a     -", "bbb  12"]

@@ -1,5 +1,6 @@
 """A goodput model at cluster scale, fed with what the benchmark measured. A model, not a
-measurement: every input is printed beside the result, and the assumed ones say so.
+measurement: arithmetic only; report.py prints every input beside the result, and the assumed
+ones say so.
 
     restart:        waste = C/tau + (R_restart + tau/2)/M,   tau = sqrt(2*C*M) (Young)
     checkpointless: waste = R_cl/M + overhead,   R_cl = detect + regroup + transfer + step/2
@@ -12,7 +13,8 @@ import math
 BYTES_PER_PARAM = 16  # bf16 weights and grads, fp32 master and two Adam moments
 FLOPS_PER_GPU = 4e14  # H100 bf16 dense ~989 TFLOP/s at ~40% utilisation (assumed)
 WRITE_BPS_PER_GPU = 1e9  # checkpoint write bandwidth each GPU gets from storage (assumed)
-LINK_BPS = 50e9  # GPU-to-GPU bandwidth for the peer state transfer (assumed, as in ANCHORS)
+LINK_BPS = 50e9  # GPU-to-GPU bandwidth for the peer state transfer (assumed)
+DETECT_S = 0.1  # exits are seen within one supervisor poll (see the report's detect_s)
 
 # name, parameters, GPUs, spares, tokens per step, MTBF hours (source), restart minutes,
 # regroup seconds (communicator rebuild at that scale, assumed from NVIDIA's published costs)
@@ -26,12 +28,17 @@ SCENARIOS = [
 ]
 
 
+def young_interval_s(save_s: float, mtbf_s: float) -> float:
+    """Young's checkpoint interval: the one that minimises save cost plus work lost."""
+    return math.sqrt(2 * save_s * mtbf_s)
+
+
 def scenario(name, params, gpus, spares, tokens, mtbf_h, source, restart_min, regroup_s,
              detect_s, overhead):
     m = mtbf_h * 3600
     state_per_gpu = BYTES_PER_PARAM * params / gpus
     c = state_per_gpu / WRITE_BPS_PER_GPU
-    tau = math.sqrt(2 * c * m)
+    tau = young_interval_s(c, m)
     step_s = 6 * params * tokens / (gpus * FLOPS_PER_GPU)
     r_restart = restart_min * 60
     waste_rs = c / tau + (r_restart + tau / 2) / m
@@ -47,26 +54,6 @@ def scenario(name, params, gpus, spares, tokens, mtbf_h, source, restart_min, re
     }
 
 
-def model_table(measured: dict, overhead, save_cost_s: float):
-    cl = measured.get("checkpointless", {})
-    detect_s = 0.1  # exits are seen within one supervisor poll here (see report detect_s)
-    ov = overhead if overhead is not None else 0.0
-    rows = [scenario(*s, detect_s=detect_s, overhead=ov) for s in SCENARIOS]
-    lines = ["GOODPUT MODEL (not a measurement). Inputs: 16 B/param of state; 400 TFLOP/s per "
-             "GPU; 1 GB/s checkpoint write per GPU; 50 GB/s peer link; restart recovery 10/15/30 "
-             "min (HyperPod's '15-30 minutes or more');",
-             f"regroup 1/2/5 s (assumed); measured here: steady overhead {ov:+.1%}, local "
-             f"checkpointless recovery median {cl.get('recovery_s_median')} s, local save "
-             f"{save_cost_s * 1000:.0f} ms.",
-             ""]
-    hdr = ["scenario", "MTBF_h", "ckpt_s", "tau_min", "step_s", "R_restart", "R_cl_s",
-           "goodput_restart", "goodput_checkpointless", "spare_share"]
-    body = [[r["scenario"], r["mtbf_h"], r["checkpoint_s"], r["young_tau_min"], r["step_s"],
-             f"{r['restart_recovery_min']} min", r["checkpointless_recovery_s"],
-             f"{r['goodput_restart']:.2%}", f"{r['goodput_checkpointless']:.2%}",
-             f"{r['spare_gpu_share']:.1%}"] for r in rows]
-    from .bench import table
-    lines.append(table(body, hdr))
-    lines.append("MTBF sources: " + "; ".join(f"{r['scenario']}: {r['mtbf_source']}"
-                                              for r in rows))
-    return rows, "\n".join(lines)
+def model_rows(overhead: float) -> list[dict]:
+    """Every scenario, with the steady overhead measured here."""
+    return [scenario(*s, detect_s=DETECT_S, overhead=overhead) for s in SCENARIOS]

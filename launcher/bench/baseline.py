@@ -1,0 +1,119 @@
+"""The checkpoint-restart baseline: the training loop under torchrun, nothing else.
+
+With failures it runs with `--max-restarts`: torchrun's agent sees a worker die, stops the others
+and starts all of them again; they resume from the newest disk checkpoint
+(`checkpoint.resume=auto`), written every tau steps, tau being Young's interval for the measured
+save cost. Without failures (`off`) it is the reference speed.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .failures import Killer
+from .model import young_interval_s
+
+
+def torchrun_cmd(cfg, out: Path, max_restarts: int) -> list[str]:
+    # a 0.1 s monitor interval: torchrun notices a dead worker as soon as it can
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+            str(cfg.workers), "--max-restarts", str(max_restarts), "--monitor-interval", "0.1",
+            "-m", "launcher.loop", str(out / "recipe.yaml")]
+
+
+def tree_pids(root: int) -> list[int]:
+    """`root` and every process below it."""
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        try:
+            for t in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{t}/children") as f:
+                    todo += [int(x) for x in f.read().split()]
+        except OSError:
+            continue
+    return out
+
+
+def torchrun_workers(agent_pid: int) -> dict[int, int]:
+    """rank -> pid of the training workers torchrun's agent is running now."""
+    out = {}
+    for pid in tree_pids(agent_pid)[1:]:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"launcher.loop" in cmd:
+            for e in env:
+                if e.startswith(b"RANK="):
+                    out[int(e[5:])] = pid
+    return out
+
+
+def run_torchrun(cfg, out: Path, killer_plan=None,
+                 steps: int = 0) -> tuple[int, list[dict], float]:
+    """Run out/recipe.yaml under torchrun, killing workers on `killer_plan` if given;
+    returns (exit code, kills, seconds)."""
+    cmd = torchrun_cmd(cfg, out, cfg.max_restarts if killer_plan else 0)
+    t0 = time.time()
+    with open(out / "torchrun.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        killer = None
+        if killer_plan:
+            killer = Killer(out, lambda: torchrun_workers(proc.pid), killer_plan,
+                            steps or cfg.steps)
+            killer.start()
+        try:
+            rc = proc.wait(timeout=cfg.mode_timeout_s)
+        except subprocess.TimeoutExpired:  # failures outpaced restarts: report what was done
+            print(f"[bench] stopping after {cfg.mode_timeout_s:.0f} s: restarts cannot keep "
+                  "up with the failures", flush=True)
+            proc.send_signal(signal.SIGTERM)
+            try:
+                rc = proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                rc = proc.wait()
+        if killer:
+            killer.stop.set()
+            killer.join()
+    return rc, (killer.kills if killer else []), time.time() - t0
+
+
+def checkpoint_every(save_s: float, mtbf_s: float, step_s: float) -> int:
+    """Young's interval in steps (at least one)."""
+    return max(1, round(young_interval_s(save_s, mtbf_s) / step_s))
+
+
+def measure_save_cost(rc_cfg, repeats: int = 5) -> float:
+    """Seconds one synchronous checkpoint of this recipe's full state takes (model + AdamW)."""
+    import tempfile
+
+    import torch
+    from omegaconf import OmegaConf
+
+    from checkpointless.checkpoint import CheckpointWriter
+    from models import build_model, build_tokenizer
+    tok = build_tokenizer(rc_cfg.tokenizer.kind, rc_cfg.tokenizer.id or rc_cfg.model.id)
+    model = build_model(rc_cfg.model.name, rc_cfg.model.init, rc_cfg.model.id,
+                        OmegaConf.to_container(rc_cfg.model.config), vocab_size=len(tok))
+    opt = torch.optim.AdamW(model.parameters())
+    ids = torch.randint(0, len(tok), (1, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()  # so the optimizer state has its moments, as in a real checkpoint
+    costs = []
+    with tempfile.TemporaryDirectory() as d:
+        w = CheckpointWriter(d, keep=1)
+        for i in range(repeats):
+            t = time.time()
+            w.save(i, {"model": model.state_dict(), "optimizer": opt.state_dict()},
+                   blocking=True)
+            costs.append(time.time() - t)
+    return statistics.median(costs)

@@ -1,0 +1,68 @@
+"""`make bench` / `python -m launcher bench [key=value ...]`: run the modes one after the other,
+then the paired overhead run, then report."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..recipes import load
+from .baseline import checkpoint_every, measure_save_cost, run_torchrun
+from .config import parse
+from .failures import schedule
+from .modes import mode_recipe, run_supervised
+from .paired import run_paired
+from .records import read_records, run_digest, summarize
+from .report import report
+
+
+def bench(args: list[str]) -> int:
+    cfg, overrides = parse(args)
+    modes = cfg.modes.split(",")
+    out_root = Path(cfg.output_dir)
+    out_root.mkdir(parents=True, exist_ok=True)
+    base = load(cfg.recipe, overrides + [f"distributed.num_processes={cfg.workers}", "~faults"])
+    print(f"[bench] {cfg.recipe}: {cfg.workers} workers, {cfg.steps} steps per mode, "
+          f"MTBF {cfg.mtbf_s:.0f} s, seed {cfg.seed}, modes {', '.join(modes)}", flush=True)
+    # long enough for the slowest mode (restarts included) never to run out of failures
+    plan = schedule(cfg, horizon_s=20 * cfg.steps * cfg.step_s_estimate + 600)
+    save_cost = measure_save_cost(base)
+    step_s = cfg.step_s_estimate
+    results: dict = {}
+    for mode in modes:
+        tau_steps = 0
+        if mode == "restart":  # the interval in steps needs the step time measured so far
+            ref = results.get("off") or results.get("on")
+            if ref:
+                step_s = ref["summary"]["step_s_median"]
+            tau_steps = checkpoint_every(save_cost, cfg.mtbf_s, step_s)
+        rc_cfg, out = mode_recipe(cfg, overrides, mode, tau_steps)
+        print(f"[bench] mode {mode} -> {out}", flush=True)
+        killer_plan = plan if mode in ("checkpointless", "restart") else None
+        if mode in ("off", "restart"):
+            rc, kills, elapsed = run_torchrun(cfg, out, killer_plan, cfg.steps)
+        else:
+            rc, kills, elapsed, _ = run_supervised(rc_cfg, out, cfg, killer_plan, cfg.steps)
+        records = read_records(out)
+        summary = summarize(records, kills)
+        summary["replica_host_bytes"] = replica_host_bytes(out)
+        summary.update(params_sha256=run_digest(out), exit_code=rc,
+                       total_s_with_startup=round(elapsed, 1))
+        if mode == "restart":
+            summary.update(checkpoint_every_steps=tau_steps, checkpoint_save_s=round(save_cost, 4))
+        results[mode] = {"summary": summary, "records": records, "kills": kills}
+        shown = {k: v for k, v in summary.items() if k not in ("t0", "recovery_s_all")}
+        print(f"[bench] {mode}: {json.dumps(shown)}", flush=True)
+    paired = {}
+    if cfg.paired_steps and "off" in modes and "on" in modes:
+        print(f"[bench] off and on side by side, taking turns every {cfg.turn_s:g} s "
+              f"({cfg.paired_steps} steps each)", flush=True)
+        paired = run_paired(cfg, overrides)
+        print(f"[bench] paired: {json.dumps(paired)}", flush=True)
+    return report(cfg, results, save_cost, out_root, paired)
+
+
+def replica_host_bytes(out: Path):
+    """The most host memory any rank's peer replicas took (fsdp-replicated), None if none."""
+    hosts = [json.loads(f.read_text()).get("replica_host_bytes") for f in
+             sorted((out / "results").glob("rank*.json"))] if (out / "results").exists() else []
+    return max([h for h in hosts if h] or [0]) or None

@@ -1,0 +1,66 @@
+"""What the benchmark runs: `bench.*` keys into a BenchConfig, every other key a recipe override."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Optional
+
+from ..recipes import RecipeError
+
+MODES = ("off", "on", "checkpointless", "restart", "fsdp", "fsdp-replicated")
+
+
+@dataclass
+class BenchConfig:
+    recipe: str = "tiny-llama"  # recipe every mode trains
+    duration_s: float = 600.0  # rough wall budget of the whole benchmark; sizes `steps`
+    steps: Optional[int] = None  # steps per mode (default: from duration_s and step_s_estimate)
+    step_s_estimate: float = 0.55  # step time of tiny-llama, 4 workers on 2 cores (measured)
+    mtbf_s: float = 60.0  # mean time between injected failures, seconds
+    seed: int = 0  # seeds the failure schedule (times and ranks)
+    workers: int = 4  # active workers in every mode
+    spares: int = 1  # hot spares for the checkpointless modes
+    max_restarts: int = 100  # torchrun --max-restarts for the restart mode
+    output_dir: str = "bench_out"  # bench.json, timeline.png and one folder per mode
+    modes: str = "off,on,checkpointless,restart"  # modes to run, comma-separated
+    # steps of the off/on pair run side by side, taking turns every turn_s seconds, from which
+    # the steady-state overhead is measured (0: overhead from the sequential off and on runs)
+    paired_steps: int = 80
+    turn_s: float = 3.0
+    mode_timeout_s: float = 900.0  # a mode still running after this is stopped and reported
+
+
+def parse(args: list[str]) -> tuple[BenchConfig, list[str]]:
+    cfg, overrides = BenchConfig(), []
+    names = {f.name: f for f in fields(BenchConfig)}
+    for a in args:
+        if not a.startswith("bench."):
+            overrides.append(a)
+            continue
+        key, _, value = a[len("bench."):].partition("=")
+        if key not in names:
+            import difflib
+            near = difflib.get_close_matches(key, names, n=1)
+            raise RecipeError(f"unknown benchmark key 'bench.{key}'." +
+                              (f" Did you mean 'bench.{near[0]}'?" if near else ""))
+        # `steps` defaults to None, so its type is not in its default
+        kind = type(getattr(cfg, key)) if getattr(cfg, key) is not None else int
+        try:
+            setattr(cfg, key, kind(value))
+        except ValueError:
+            raise RecipeError(f"bench.{key}={value!r}: expected {kind.__name__}") from None
+    bad = [m for m in cfg.modes.split(",") if m not in MODES]
+    if bad:
+        raise RecipeError(f"bench.modes: {bad} not among {', '.join(MODES)}")
+    if cfg.mtbf_s <= 0 or cfg.workers < 1:
+        raise RecipeError("bench.mtbf_s must be > 0 and bench.workers >= 1")
+    if cfg.steps is None:
+        # off and on take ~1x each, the failure modes ~1.2x and ~2x, plus start-up per run and
+        # the second on/off pair
+        spare_s = 100 + (30 + 2 * cfg.paired_steps * cfg.step_s_estimate
+                         if cfg.paired_steps else 0)
+        cfg.steps = max(40, int((cfg.duration_s - spare_s) / (4.2 * cfg.step_s_estimate)))
+        # a failure run lasts at least the longest first gap of the schedule (1.5 x MTBF), so
+        # it sees at least one failure
+        cfg.steps = max(cfg.steps, math.ceil(1.7 * cfg.mtbf_s / cfg.step_s_estimate))
+    return cfg, overrides

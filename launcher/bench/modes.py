@@ -1,0 +1,56 @@
+"""The recipe each mode trains, and a run under the checkpointless supervisor."""
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from ..recipes import load
+from .failures import Killer
+
+
+def mode_recipe(cfg, overrides: list[str], mode: str, tau_steps: int = 0,
+                name: str | None = None, steps: int | None = None):
+    """Resolve the recipe for `mode` and write it to a fresh run folder; returns (recipe, folder)."""
+    out = Path(cfg.output_dir) / (name or mode)
+    extra = [f"run.output_dir={out}", f"trainer.max_steps={steps or cfg.steps}",
+             f"distributed.num_processes={cfg.workers}", "trainer.progress_bar=false",
+             "trainer.save_model=false", "~faults", "trainer.log_every=50"]
+    if mode in ("off", "restart"):
+        extra += ["checkpointless.enabled=false", "checkpointless.spares=0"]
+    elif mode.startswith("fsdp"):  # sharded: replication off (factor 1) against the recipe's
+        extra += ["distributed.strategy=fsdp", "checkpointless.spares=0"]
+        if mode == "fsdp":
+            extra += ["checkpointless.replication.factor=1"]
+    else:
+        extra += [f"checkpointless.spares={cfg.spares}"]
+    if mode == "restart":
+        extra += [f"checkpoint.interval={tau_steps}", "checkpoint.resume=auto",
+                  "checkpoint.keep=2"]
+    rc = load(cfg.recipe, overrides + extra)
+    shutil.rmtree(out, ignore_errors=True)  # old records would mix into this run's figures
+    out.mkdir(parents=True)
+    (out / "recipe.yaml").write_text(OmegaConf.to_yaml(rc))
+    return rc, out
+
+
+def run_supervised(rc_cfg, out: Path, cfg, killer_plan=None, steps: int = 0):
+    """Train under the supervisor, killing workers on `killer_plan` if given;
+    returns (exit code, kills, seconds, report)."""
+    from ..launch import train  # imported late: it pulls in torch
+    killer = None
+
+    def on_start(sup):
+        nonlocal killer
+        if killer_plan:
+            killer = Killer(out, sup.active_pids, killer_plan, steps or cfg.steps)
+            killer.start()
+
+    t0 = time.time()
+    report = train(rc_cfg, on_start=on_start)
+    if killer:
+        killer.stop.set()
+        killer.join()
+    return (0 if report else 1), (killer.kills if killer else []), time.time() - t0, report

@@ -1,0 +1,122 @@
+"""What the benchmark prints and writes: the table of modes, the derived figures, the model's
+table, bench.json and the timeline figure."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Optional
+
+from .config import MODES
+from .model import model_rows
+from .plot import plot
+
+
+def table(rows: list[list], header: list[str]) -> str:
+    """Plain-text columns: the first left-aligned, the others right-aligned; None prints '-'."""
+    cells = [header] + [["-" if v is None else str(v) for v in r] for r in rows]
+    w = [max(len(c[i]) for c in cells) for i in range(len(header))]
+    lines = ["  ".join(c[i].rjust(w[i]) if i else c[i].ljust(w[i]) for i in range(len(header)))
+             for c in cells]
+    lines.insert(1, "  ".join("-" * x for x in w))
+    return "\n".join(lines)
+
+
+def model_table(measured: dict, overhead, save_cost_s: float):
+    """The goodput model's rows, and its text with every input named beside the table."""
+    cl = measured.get("checkpointless", {})
+    ov = overhead if overhead is not None else 0.0
+    rows = model_rows(ov)
+    lines = ["GOODPUT MODEL (not a measurement). Inputs: 16 B/param of state; 400 TFLOP/s per "
+             "GPU; 1 GB/s checkpoint write per GPU; 50 GB/s peer link; restart recovery 10/15/30 "
+             "min (HyperPod's '15-30 minutes or more');",
+             f"regroup 1/2/5 s (assumed); measured here: steady overhead {ov:+.1%}, local "
+             f"checkpointless recovery median {cl.get('recovery_s_median')} s, local save "
+             f"{save_cost_s * 1000:.0f} ms.",
+             ""]
+    hdr = ["scenario", "MTBF_h", "ckpt_s", "tau_min", "step_s", "R_restart", "R_cl_s",
+           "goodput_restart", "goodput_checkpointless", "spare_share"]
+    body = [[r["scenario"], r["mtbf_h"], r["checkpoint_s"], r["young_tau_min"], r["step_s"],
+             f"{r['restart_recovery_min']} min", r["checkpointless_recovery_s"],
+             f"{r['goodput_restart']:.2%}", f"{r['goodput_checkpointless']:.2%}",
+             f"{r['spare_gpu_share']:.1%}"] for r in rows]
+    lines.append(table(body, hdr))
+    lines.append("MTBF sources: " + "; ".join(f"{r['scenario']}: {r['mtbf_source']}"
+                                              for r in rows))
+    return rows, "\n".join(lines)
+
+
+def report(cfg, results: dict, save_cost: float, out_root: Path,
+           paired: Optional[dict] = None) -> int:
+    """Print the results, write bench.json and timeline.png; exit code 1 if checkpointless
+    ended with other bits than the failure-free run."""
+    s = {m: r["summary"] for m, r in results.items()}
+    sequential = None
+    if "on" in s and "off" in s:
+        sequential = round(s["on"]["step_s_median"] / s["off"]["step_s_median"] - 1, 4)
+    overhead = sequential
+    if paired:
+        overhead = round(paired["step_s_median_on"] / paired["step_s_median_off"] - 1, 4)
+    speedup = None
+    if s.get("checkpointless", {}).get("recovery_s_median") and \
+            s.get("restart", {}).get("recovery_s_median"):
+        speedup = round(s["restart"]["recovery_s_median"] / s["checkpointless"]["recovery_s_median"], 1)
+    rows = []
+    for m in MODES:
+        if m in s:
+            x = s[m]
+            rows.append([m, x["wall_s"], x["steps"],
+                         None if x["goodput"] is None else f"{x['goodput']:.1%}",
+                         x["recoveries"], x["recovery_s_median"], x["recovery_s_max"],
+                         x["steps_redone"], f"{x['step_s_median'] * 1000:.0f}",
+                         (x["params_sha256"] or "-")[:12]])
+    print()
+    print(table(rows, ["mode", "wall_s", "steps", "goodput", "failures", "recov_med_s",
+                       "recov_max_s", "redone", "step_ms", "params_sha256"]))
+    if paired:
+        print(f"steady-state overhead of checkpointless (on vs off, median step time, the two "
+              f"taking turns on the machine, {paired['steps_counted_on']} and "
+              f"{paired['steps_counted_off']} steps counted): {overhead:+.1%} "
+              f"(runs one after the other: {sequential:+.1%})")
+    elif overhead is not None:
+        print(f"steady-state overhead of checkpointless (on vs off, median step time): "
+              f"{overhead:+.1%}")
+    if speedup is not None:
+        print(f"median recovery: restart {s['restart']['recovery_s_median']:.2f} s vs "
+              f"checkpointless {s['checkpointless']['recovery_s_median']:.2f} s "
+              f"-> {speedup}x faster (every failure, s: checkpointless "
+              f"{s['checkpointless']['recovery_s_all']}, restart {s['restart']['recovery_s_all']})")
+    if "checkpointless" in s and "restart" in s and s["restart"]["goodput"]:
+        print(f"goodput: checkpointless {s['checkpointless']['goodput']:.1%} vs restart "
+              f"{s['restart']['goodput']:.1%}")
+    same = None
+    if "fsdp" in s and "fsdp-replicated" in s:
+        rep_over = round(s["fsdp-replicated"]["step_s_median"] / s["fsdp"]["step_s_median"] - 1, 4)
+        s["fsdp-replicated"]["replication_overhead"] = rep_over
+        print(f"fsdp peer replication (factor and interval from the recipe) per-step overhead: "
+              f"{rep_over:+.1%}; replica host memory per worker: "
+              f"{(s['fsdp-replicated'].get('replica_host_bytes') or 0) / 1e6:.1f} MB")
+    if "checkpointless" in s and "off" in s:
+        same = s["checkpointless"]["params_sha256"] == s["off"]["params_sha256"] is not None
+        print(f"final bits: checkpointless {'EQUAL to' if same else 'DIFFER from'} the "
+              f"failure-free run (params_sha256 {str(s['off']['params_sha256'])[:16]})")
+    projected, model_text = model_table(s, overhead, save_cost)
+    print()
+    print(model_text)
+    bench_json = {
+        "machine": f"{os.cpu_count()} CPU cores, {sys.platform}",
+        "config": asdict(cfg),
+        "modes": {m: {k: v for k, v in x.items() if k != "t0"} for m, x in s.items()},
+        "overhead": overhead, "overhead_sequential": sequential, "overhead_paired": paired,
+        "recovery_speedup": speedup,
+        "same_bits_as_off": same,
+        "failures": {m: r["kills"] for m, r in results.items() if r["kills"]},
+        "checkpoint_save_s": round(save_cost, 4),
+        "model": projected,
+    }
+    (out_root / "bench.json").write_text(json.dumps(bench_json, indent=2) + "\n")
+    plot(results, out_root / "timeline.png")
+    print(f"\n[bench] wrote {out_root / 'bench.json'} and {out_root / 'timeline.png'}")
+    return 0 if same in (None, True) else 1
