@@ -1,9 +1,14 @@
 """Fault injection: rehearse a failure at a chosen rank and step.
 
-A fault is data, `{kind, rank, step}`:
-  kill   SIGKILL of the worker at the start of that step (nothing is flushed, like a node loss)
+A fault is data, `{kind, rank, step, phase}`, or `kind:rank:step[@phase]` on a command line:
+  kill   SIGKILL of the worker (nothing is flushed, like a node loss)
   hang   the worker stops itself (SIGSTOP): alive, holding its sockets, never progressing
-  raise  an exception inside the step, as a bug or a bad batch would raise
+  raise  an exception, as a bug or a bad batch would raise
+and the phase says when it strikes:
+  step     at the start of that step (the default; `raise` inside the step's scope)
+  regroup  while the worker holding that rank builds a new generation's group after a failure
+           at that step (a second failure during a recovery)
+  receive  in the worker taking over that rank, just before it receives the state of that step
 
 Each fault fires once per run: the first worker to reach it claims it in the shared store, so the
 spare that takes over the rank and redoes the step does not fail again.
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 from . import protocol
 
 KINDS = ("kill", "hang", "raise")
+PHASES = ("step", "regroup", "receive")
 
 
 class InjectedFault(RuntimeError):
@@ -30,10 +36,13 @@ class Fault:
     kind: str
     rank: int
     step: int
+    phase: str = "step"
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"faults: kind={self.kind!r} is not one of {', '.join(KINDS)}")
+        if self.phase not in PHASES:
+            raise ValueError(f"faults: phase={self.phase!r} is not one of {', '.join(PHASES)}")
         if self.rank < 0 or self.step < 0:
             raise ValueError(f"faults: rank={self.rank} and step={self.step} must be >= 0")
 
@@ -43,11 +52,14 @@ def parse_faults(items) -> list[Fault]:
     out = []
     for item in items or []:
         if isinstance(item, str):
-            parts = item.split(":")
+            spec, _, phase = item.partition("@")
+            parts = spec.split(":")
             if len(parts) != 3:
-                raise ValueError(f"fault {item!r}: expected kind:rank:step, e.g. kill:2:5")
-            item = {"kind": parts[0], "rank": int(parts[1]), "step": int(parts[2])}
-        out.append(Fault(kind=str(item["kind"]), rank=int(item["rank"]), step=int(item["step"])))
+                raise ValueError(f"fault {item!r}: expected kind:rank:step[@phase], e.g. kill:2:5")
+            item = {"kind": parts[0], "rank": int(parts[1]), "step": int(parts[2]),
+                    "phase": phase or "step"}
+        out.append(Fault(kind=str(item["kind"]), rank=int(item["rank"]), step=int(item["step"]),
+                         phase=str(item.get("phase", "step"))))
     return out
 
 
@@ -69,21 +81,24 @@ class FaultInjector:
 
     def before_step(self, rank: int, step: int) -> None:
         """Kill or hang now if scheduled; a `raise` fault is returned by `raise_due`."""
+        self.at("step", rank, step, kinds=("kill", "hang"))
+
+    def raise_due(self, rank: int, step: int) -> None:
+        self.at("step", rank, step, kinds=("raise",))
+
+    def at(self, phase: str, rank: int, step: int, kinds=KINDS) -> None:
+        """Fire the faults scheduled for this phase, rank and step (each once per job)."""
         for i, f in enumerate(self.faults):
-            if f.rank != rank or f.step != step or f.kind == "raise":
+            if (f.phase, f.rank, f.step) != (phase, rank, step) or f.kind not in kinds:
                 continue
             if not self._claim(i):
                 continue
             self._record(f)
-            print(f"[fault] injecting {f.kind} at rank {rank}, step {step}", flush=True)
+            where = "" if phase == "step" else f" ({phase})"
+            print(f"[fault] injecting {f.kind} at rank {rank}, step {step}{where}", flush=True)
             if f.kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
-            else:
+            elif f.kind == "hang":
                 os.kill(os.getpid(), signal.SIGSTOP)
-
-    def raise_due(self, rank: int, step: int) -> None:
-        for i, f in enumerate(self.faults):
-            if f.kind == "raise" and f.rank == rank and f.step == step and self._claim(i):
-                self._record(f)
-                print(f"[fault] injecting raise at rank {rank}, step {step}", flush=True)
-                raise InjectedFault(f"injected fault: raise at rank {rank}, step {step}")
+            else:
+                raise InjectedFault(f"injected fault: raise at rank {rank}, step {step}{where}")

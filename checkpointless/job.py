@@ -52,8 +52,9 @@ class Job:
         self.device_slot = protocol.device_slot()
         self._state = ProtectedState(spec)
         self._kept = KeptGrads()
-        self._rec = Recovery(store, worker_id, spec, host, port, self._state, self._kept)
         self._injector = FaultInjector(parse_faults(spec.faults), store, worker_id)
+        self._rec = Recovery(store, worker_id, spec, host, port, self._state, self._kept,
+                             self._injector)
         self._scope_used = False
         self._step_t0 = 0.0
         self._replications: dict[int, int] = {}  # generation -> replica exchanges done in it
@@ -114,14 +115,14 @@ class Job:
         """Yield step numbers until `max_steps` steps are committed, recovering on failure."""
         rec = self._rec
         if rec.phase is Phase.JOINED:
-            rec.sync_first()
+            self._reported(rec.sync_first)
             if rec.rank == 0 and rec.gen == 0:  # where this launch's step records begin
                 self.store.set(protocol.FIRST_STEP, str(rec.completed))
         while True:
             if rec.watch.moved(rec.gen) and rec.phase is not Phase.FAILED:
                 rec.fail()
             if rec.phase is Phase.FAILED:
-                rec.recover()
+                self._reported(rec.recover)
             if rec.completed >= max_steps:
                 return
             step = rec.completed
@@ -134,6 +135,14 @@ class Job:
             yield step
             if not self._scope_used and rec.phase is not Phase.FAILED:
                 rec.commit(self._step_t0)
+
+    def _reported(self, fn):
+        """Run a recovery phase; an error of this worker's own in it reaches the supervisor."""
+        try:
+            return fn()
+        except Exception as exc:
+            report_error(self.store, self.worker_id, exc)
+            raise
 
     def _replicate(self, step: int) -> bool:
         """Copy this rank's shard to its peers when due; False when a peer failed meanwhile."""

@@ -22,6 +22,7 @@ from datetime import timedelta
 
 from . import detection, membership, protocol, restore
 from .failures import Evicted, is_peer_failure
+from .faults import FaultInjector
 from .grads import KeptGrads
 from .group import Group
 from .state import ProtectedState
@@ -44,9 +45,9 @@ class Recovery:
     (commits, generation entries) the supervisor reads to time each recovery."""
 
     def __init__(self, store, worker_id: int, spec: protocol.Spec, host: str, port: int,
-                 state: ProtectedState, kept: KeptGrads):
+                 state: ProtectedState, kept: KeptGrads, injector: FaultInjector):
         self.store, self.worker_id, self.spec = store, worker_id, spec
-        self.state, self.kept = state, kept
+        self.state, self.kept, self.injector = state, kept, injector
         self.group = Group(store, spec.backend, spec.pg_timeout_s, port, state.modules)
         self.watch = Watch(host, port, lambda: self.gen, lambda: self.phase is Phase.IN_STEP,
                            Group.abort)
@@ -113,6 +114,8 @@ class Recovery:
         With sync=False only the group is built (JOINED); the restore waits for `sync_first`."""
         while True:
             try:
+                if self.gen >= 0 and self.holds_state:  # rehearse a failure during recovery
+                    self.injector.at("regroup", plan.ranks[self.worker_id], self.completed)
                 self.plan, self.gen = plan, plan.gen
                 self.rank, self.world_size = plan.ranks[self.worker_id], plan.world_size
                 self.phase = Phase.REGROUPING
@@ -145,7 +148,8 @@ class Recovery:
         self.phase = Phase.RESTORING
         me = restore.Position(self.rank, self.world_size, self.completed, self.holds_state,
                               self.kept.usable(self.completed, self.rank, self.world_size))
-        out = restore.restore(self.state, me)
+        out = restore.restore(self.state, me,
+                              lambda rank, step: self.injector.at("receive", rank, step))
         if out.drop_kept_grads:
             self.kept.drop()
         self.completed, self.holds_state = out.resumed_step, True

@@ -42,17 +42,19 @@ class Outcome:
     info: dict = field(default_factory=dict)  # what happened, for the recovery report
 
 
-def restore(state: ProtectedState, me: Position) -> Outcome:
+def restore(state: ProtectedState, me: Position, before_receive=None) -> Outcome:
+    """`before_receive(rank, step)` is called on a receiver just before it receives (faults)."""
+    hook = before_receive or (lambda rank, step: None)
     if state.replicas is not None:
-        out = _restore_shards(state, me)
+        out = _restore_shards(state, me, hook)
     else:
-        out = _restore_replicated(state, me)
+        out = _restore_replicated(state, me, hook)
     state.zero_grads()  # a loop that recomputes the step starts clean; kept ones are aside
     out.info["resumed_step"] = out.resumed_step
     return out
 
 
-def _restore_replicated(state: ProtectedState, me: Position) -> Outcome:
+def _restore_replicated(state: ProtectedState, me: Position, hook) -> Outcome:
     mine = torch.tensor([me.completed if me.holds_state else -1, int(me.grads_kept)])
     got = [torch.zeros(2, dtype=torch.int64) for _ in range(me.world_size)]
     with communicating("agreeing on the newest committed step"):
@@ -75,6 +77,7 @@ def _restore_replicated(state: ProtectedState, me: Position) -> Outcome:
         if me.rank == src:
             sent += transfer.send_state(state.state(), dst)
         elif me.rank == dst:
+            hook(me.rank, resume)
             got_state, received = transfer.recv_state(src)
             state.load(got_state)
             out.drop_kept_grads = True  # gradients of a state this rank no longer holds
@@ -84,7 +87,7 @@ def _restore_replicated(state: ProtectedState, me: Position) -> Outcome:
     return out
 
 
-def _restore_shards(state: ProtectedState, me: Position) -> Outcome:
+def _restore_shards(state: ProtectedState, me: Position, hook) -> Outcome:
     t0 = time.time()
     replicas = state.replicas
     reshard_all(state.modules())
@@ -110,6 +113,7 @@ def _restore_shards(state: ProtectedState, me: Position) -> Outcome:
             info["bytes_sent"] += transfer.send_state(
                 transfer.unflatten_state(skel, flat, copy=False), f)
         elif me.rank == f:
+            hook(me.rank, step)
             got_state, info["bytes_received"] = transfer.recv_state(h)
             state.load(got_state)
             info["source"] = h

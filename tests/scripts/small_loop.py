@@ -1,0 +1,51 @@
+"""A small fault-tolerant loop for the failure-path tests; environment variables break it.
+
+    RAISE_AT=rank:step   that rank raises RuntimeError("timed out reading shard 7 ...") at that
+                         step: once per job, or every time with RAISE_ALWAYS=1
+    STALL_SPARES=1       spares never finish starting up (they sleep before join)
+    CRASH_WORKER=wid     that worker id exits with code 3 before it joins
+"""
+import hashlib
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import checkpointless
+
+STEPS = int(os.environ.get("MAX_STEPS", "16"))
+wid = os.environ.get("CL_WORKER_ID")
+if wid is not None and os.environ.get("CRASH_WORKER") == wid:
+    print(f"worker {wid}: crashing before join", flush=True)
+    sys.exit(3)
+if os.environ.get("STALL_SPARES") and checkpointless.started_as_spare():
+    time.sleep(3600)
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Dropout(0.1), nn.Linear(64, 1))
+opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+job = checkpointless.join()
+job.protect(model=model, optimizer=opt)
+raise_at = os.environ.get("RAISE_AT")
+for step in job.steps(STEPS):
+    with job.step():
+        if raise_at == f"{job.rank}:{step}":
+            marker = f"{os.environ['MARKER_DIR']}/raised-{raise_at}"
+            if os.environ.get("RAISE_ALWAYS") or not os.path.exists(marker):
+                open(marker, "w").close()
+                raise RuntimeError("timed out reading shard 7 of my own dataset")
+        g = torch.Generator().manual_seed(step * 1000 + job.rank)
+        x = torch.randn(32, 16, generator=g)
+        loss = F.mse_loss(model(x), x[:, :1] ** 2)
+        opt.zero_grad()
+        loss.backward()
+        job.all_reduce_grads(model.parameters())
+        opt.step()
+h = hashlib.sha256()
+for name, t in sorted(model.state_dict().items()):
+    h.update(name.encode() + t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+job.finish({"params_sha256": h.hexdigest(), "steps": job.completed_steps})

@@ -1,0 +1,95 @@
+"""The failure paths that are easy to get wrong, on real processes with a small plain-torch loop:
+a user's own error with a misleading message, a second failure during a recovery, a spare that
+never becomes ready, a worker that dies before it joins, and a run with checkpointless off.
+Each recovered run ends with the bits of the failure-free run."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = str(ROOT / "tests/scripts/small_loop.py")
+
+
+def run(tmp_path, *args, expect_rc=0, timeout=180, **env):
+    report = tmp_path / "report.json"
+    full_env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
+                    MARKER_DIR=str(tmp_path), **env)
+    t0 = time.time()
+    r = subprocess.run([sys.executable, "-m", "checkpointless", "--nproc", "4",
+                        "--heartbeat-timeout", "3", "--report", str(report), *args, SCRIPT],
+                       capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
+    assert r.returncode == expect_rc, (r.stdout[-3000:], r.stderr[-4000:])
+    rep = json.loads(report.read_text()) if report.exists() else {}
+    rep.update(stdout=r.stdout, stderr=r.stderr, took_s=time.time() - t0)
+    return rep
+
+
+def digest(rep):
+    digests = {v["params_sha256"] for v in rep["results_by_rank"].values()}
+    assert len(rep["results_by_rank"]) == 4 and len(digests) == 1, rep["results_by_rank"]
+    return digests.pop()
+
+
+@pytest.fixture(scope="module")
+def clean_digest(tmp_path_factory):
+    rep = run(tmp_path_factory.mktemp("clean"), "--spares", "0")
+    assert rep["recoveries"] == [] and rep["status"] == "ok"
+    return digest(rep)
+
+
+def test_own_error_with_a_misleading_message_is_replaced_within_seconds(tmp_path, clean_digest):
+    rep = run(tmp_path, "--spares", "1", RAISE_AT="1:6")
+    assert digest(rep) == clean_digest
+    (rec,) = rep["recoveries"]
+    assert rec["cause"] == "error" and rec["failed_rank"] == 1 and rec["failed_at_step"] == 6
+    assert "timed out reading shard 7" in rec["error"]  # its own message, in report.json
+    assert rec["recovery_s"] < 5.0  # never a process-group timeout
+    assert "rank 1 raised:" in rep["stdout"] and "timed out reading shard 7" in rep["stdout"]
+    assert "waitForInput" not in rep["stderr"]  # no c10d noise while waiting
+
+
+def test_own_error_again_at_the_same_step_stops_the_run_with_its_message(tmp_path):
+    rep = run(tmp_path, "--spares", "1", RAISE_AT="1:6", RAISE_ALWAYS="1", expect_rc=1)
+    assert "raised an error again" in rep["stderr"]
+    assert "timed out reading shard 7" in rep["stderr"]
+    assert rep["status"] == "failed" and "timed out reading shard 7" in rep["error"]
+    assert [f["cause"] for f in rep["failures"]] == ["error", "error"]
+    assert rep["took_s"] < 90  # stopped promptly, not after a process-group timeout
+
+
+def test_the_replacement_killed_while_it_receives_the_state(tmp_path, clean_digest):
+    rep = run(tmp_path, "--spares", "1", "--fault", "kill:2:5", "--fault", "kill:2:5@receive")
+    assert digest(rep) == clean_digest
+    assert [f["rank"] for f in rep["failures"]] == [2, 2]
+    assert "(receive)" in rep["stdout"]
+    assert rep["recoveries"] and rep["recoveries"][-1]["resumed_step"] == 5
+
+
+def test_a_survivor_killed_while_the_new_group_forms(tmp_path, clean_digest):
+    rep = run(tmp_path, "--spares", "2", "--fault", "kill:2:5", "--fault", "kill:1:5@regroup")
+    assert digest(rep) == clean_digest
+    assert sorted(f["rank"] for f in rep["failures"]) == [1, 2]
+    assert "(regroup)" in rep["stdout"]
+    for r in (0, 3):  # the other survivors kept their processes throughout
+        assert rep["pids_at_start"][str(r)] == rep["pids_at_end"][str(r)]
+
+
+def test_a_spare_that_never_becomes_ready_stops_the_run_clearly(tmp_path):
+    rep = run(tmp_path, "--spares", "1", "--spare-wait", "4", "--fault", "kill:2:5",
+              STALL_SPARES="1", expect_rc=1)
+    assert "no spare became ready within checkpointless.spare_wait_s=4 s" in rep["stderr"]
+    assert rep["status"] == "failed" and rep["failures"][0]["rank"] == 2
+
+
+def test_a_worker_that_dies_before_it_joins_stops_the_run_at_once(tmp_path):
+    rep = run(tmp_path, "--spares", "1", CRASH_WORKER="2", expect_rc=1)
+    assert "before it finished starting up" in rep["stderr"]
+    assert "crashing before join" in rep["stdout"]
+    assert rep["took_s"] < 60
