@@ -13,6 +13,8 @@ import pytest
 
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.slow  # real training processes; `make test-fast` skips them
+
 STEPS = 20
 ENV = {"MAX_STEPS": str(STEPS), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 

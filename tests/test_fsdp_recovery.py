@@ -10,6 +10,8 @@ import pytest
 
 from tests.test_train_e2e import assert_replicas_agree, train
 
+pytestmark = pytest.mark.slow  # real training processes; `make test-fast` skips them
+
 BASE = ("distributed.strategy=fsdp", "trainer.max_steps=12", "checkpoint.interval=4",
         "checkpoint.keep=3")
 

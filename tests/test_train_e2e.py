@@ -11,6 +11,8 @@ import pytest
 
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.slow  # real training processes; `make test-fast` skips them
+
 
 def train(tmp_path, name, recipe, *overrides, expect_rc=0):
     out = tmp_path / name
