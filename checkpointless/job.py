@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 
 from . import detection, membership, protocol
-from .failures import Evicted, PeerFailure  # noqa: F401  (part of the public API)
 from .faults import FaultInjector, InjectedFault, parse_faults
 from .grads import KeptGrads
 from .plain import PlainJob

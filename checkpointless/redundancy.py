@@ -11,7 +11,6 @@ previous version complete everywhere.
 """
 from __future__ import annotations
 
-import time
 
 import torch
 import torch.distributed as dist

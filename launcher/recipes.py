@@ -451,9 +451,8 @@ def validate(cfg: DictConfig) -> None:
     need(cfg.checkpoint.interval >= 0, "checkpoint.interval", cfg.checkpoint.interval,
          "must be >= 0 (0 disables durable checkpoints)")
     need(cfg.checkpoint.keep >= 1, "checkpoint.keep", cfg.checkpoint.keep, "must be >= 1")
-    if cfg.faults:
-        need(c.enabled, "checkpointless.enabled", c.enabled,
-             "faults are injected but recovery is off; set checkpointless.enabled=true")
+    # faults with checkpointless.enabled=false are allowed: they rehearse what a failure costs
+    # without recovery (the run stops; durable checkpoints are what is left)
     _check_dir("run.output_dir", cfg.run.output_dir, f"runs/{cfg.run.name}")
     _check_dir("data.cache_dir", cfg.data.cache_dir, ".cache/data")
     if cfg.checkpoint.interval > 0:

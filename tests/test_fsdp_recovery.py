@@ -62,3 +62,20 @@ def test_a_stopped_job_resumes_with_checkpoint_resume_auto(tmp_path, reference):
     assert "resumed from checkpoint" in r.stdout and "step-00000008" in r.stdout
     assert rep["steps_this_launch"] == 4
     assert rep["params_sha256"] == reference[1]["params_sha256"]
+
+
+def test_with_checkpointless_off_a_failure_stops_the_run_and_its_checkpoints_stay(tmp_path,
+                                                                                  reference):
+    out, _, r = train(tmp_path, "off", "tiny-llama", *BASE, "checkpointless.enabled=false",
+                      "faults=[kill:1:9]", expect_rc=1)
+    assert "checkpointless is off" in r.stderr
+    import json
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["status"] == "failed" and rep["failures"][0]["rank"] == 1
+    from checkpointless.checkpoint import latest, load
+    step, path = latest(out / "checkpoints")
+    assert step == 8 and load(path)["step"] == 8  # the newest complete checkpoint, readable
+    # and it is the failure-free run's state: resuming from it ends with the same bits
+    _, resumed, _ = train(tmp_path, "off", "tiny-llama", *BASE, "checkpoint.resume=auto",
+                          "checkpointless.spares=0")
+    assert resumed["params_sha256"] == reference[1]["params_sha256"]

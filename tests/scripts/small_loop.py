@@ -6,7 +6,6 @@
     CRASH_WORKER=wid     that worker id exits with code 3 before it joins
 """
 import hashlib
-import json
 import os
 import sys
 import time
