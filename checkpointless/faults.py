@@ -33,6 +33,7 @@ class InjectedFault(RuntimeError):
 
 @dataclass(frozen=True)
 class Fault:
+    """One scheduled failure: what (kind), where (rank), when (step, phase)."""
     kind: str
     rank: int
     step: int

@@ -212,6 +212,8 @@ class Job:
 
 
 class _StepScope:
+    """The `with job.step():` scope: owns the commit-or-recover decision at the end of a step."""
+
     def __init__(self, job: Job):
         self.job = job
 

@@ -13,6 +13,7 @@ from . import protocol
 
 @dataclass
 class Worker:
+    """One started process: its id, its device slot, the rank it holds (or spare/lost)."""
     wid: int
     proc: subprocess.Popen
     slot: int  # local device slot; a replacement takes the slot of the worker it replaces

@@ -99,6 +99,7 @@ def fault_time_key(wid: int) -> str:
 # ---- defaults (the recipe schema and the CLI take theirs from here) --------------------------
 @dataclass(frozen=True)
 class Defaults:
+    """Every protocol default, once: the schema, the CLI and SupervisorConfig read them here."""
     spares: int = 1  # warm spare processes per node
     refill: bool = True  # start a new spare after one is used
     heartbeat_timeout_s: float = 10.0  # training-loop silence before a lagging worker is hung

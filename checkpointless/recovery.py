@@ -30,6 +30,8 @@ from .watch import Watch
 
 
 class Phase(enum.Enum):
+    """Where a worker is in the recovery state machine (see the diagram above)."""
+
     WAITING = "waiting"  # for a plan that includes this worker
     REGROUPING = "regrouping"  # building the group of a new generation
     JOINED = "joined"  # group built at join(); state agreed at the first steps() call

@@ -22,6 +22,9 @@ KEEP = 2
 
 
 class ShardReplicas:
+    """Owns this rank's snapshots of its own shard and the copies it holds of its peers' shards
+    (two versions each), and the exchange that refreshes them."""
+
     def __init__(self, factor: int = 2, interval: int = 1, offset: int = 1):
         if factor < 1 or interval < 1:
             raise ValueError(f"replication factor={factor} and interval={interval} must be >= 1")

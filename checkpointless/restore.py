@@ -36,6 +36,7 @@ class Position:
 
 @dataclass
 class Outcome:
+    """What a restore decided for this member: the step to resume at, and what to drop."""
     resumed_step: int
     catching_up: int = 0  # >0: this rank computes while the others wait on it (see Job)
     drop_kept_grads: bool = False  # the state changed under the kept gradients

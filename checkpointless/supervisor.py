@@ -31,6 +31,7 @@ D = protocol.DEFAULTS
 
 @dataclass
 class SupervisorConfig:
+    """What the supervisor is asked to run: world size, spares, timeouts, faults, replication."""
     nproc: int
     spares: int = D.spares
     refill: bool = D.refill

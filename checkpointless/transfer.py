@@ -19,6 +19,8 @@ from .failures import communicating
 
 
 class _TensorRef:
+    """A tensor's place in the flat buffer (index, dtype, shape), standing in for it in the skeleton."""
+
     __slots__ = ("index", "dtype", "shape")
 
     def __init__(self, index, dtype, shape):
