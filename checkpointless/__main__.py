@@ -27,6 +27,10 @@ def main(argv=None) -> int:
                    help="seconds of training-loop silence before a lagging worker is hung")
     p.add_argument("--spare-wait", type=float, default=DEFAULTS.spare_wait_s,
                    help="seconds a lost rank may wait for a spare to warm up before the run stops")
+    p.add_argument("--max-replacement-failures", type=int,
+                   default=DEFAULTS.max_replacement_failures,
+                   help="replacements of one rank dying before their first step, in a row, "
+                        "before the run stops")
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     p.add_argument("--host", default="127.0.0.1", help="address of the coordination store")
     p.add_argument("--port", type=int, default=0, help="port of the store (0: any free one)")
@@ -46,7 +50,8 @@ def main(argv=None) -> int:
     cfg = SupervisorConfig(nproc=a.nproc, spares=a.spares, refill=not a.no_refill,
                            heartbeat_timeout_s=a.heartbeat_timeout, backend=a.backend,
                            host=a.host, port=a.port, seed=a.seed, faults=faults,
-                           spare_wait_s=a.spare_wait)
+                           spare_wait_s=a.spare_wait,
+                           max_replacement_failures=a.max_replacement_failures)
     try:
         report = Supervisor([sys.executable, a.script, *a.args], cfg).run()
     except JobFailed as exc:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 import traceback
 
@@ -247,8 +248,14 @@ class _StepScope:
 
 
 def report_error(store, worker_id: int, exc: BaseException) -> None:
-    """Hand the supervisor this worker's own exception, traceback included, at once."""
+    """Hand the supervisor this worker's own exception, traceback included, at once (the first
+    one: what follows from it says less)."""
     if not isinstance(exc, Exception):
+        return
+    try:
+        if store.check([protocol.error_key(worker_id)]):
+            return
+    except Exception:
         return
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     try:
@@ -256,6 +263,18 @@ def report_error(store, worker_id: int, exc: BaseException) -> None:
         store.add(protocol.ERRORS, 1)
     except Exception:
         pass
+
+
+def _report_uncaught(store, worker_id: int) -> None:
+    """An exception that ends the script outside a step (building a wrapper, loading data after
+    join) reaches the supervisor with its traceback too, not only as an exit code."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        report_error(store, worker_id, value)
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
 
 
 def started_as_spare() -> bool:
@@ -288,6 +307,7 @@ def join(seed: int | None = None, backend: str | None = None):
     if seed is not None:
         spec.seed = seed
     job = Job(store, worker_id, spec, host, port)
+    _report_uncaught(store, worker_id)
     store.set(protocol.ready_key(worker_id), f"{time.time():.6f}")
     rec = job._rec
     plan = rec.wait_plan(-1, None)

@@ -19,6 +19,7 @@ class Worker:
     slot: int  # local device slot; a replacement takes the slot of the worker it replaces
     started: float
     rank: int = -1  # -1 while a spare, -2 once lost
+    took_over_gen: int | None = None  # generation in which a spare was handed a lost rank
     pidfd: int | None = None  # readable once the process has exited (Linux 5.3+)
     refilled: bool = False  # a refill has been started for it (when it was lost)
     gone_seen: bool = False  # its exit as a spare has been handled

@@ -108,6 +108,9 @@ class Defaults:
     # how long a worker whose collective failed waits for the supervisor to confirm that a peer
     # was lost; unconfirmed, the error is the worker's own and is reported as such
     confirm_s: float = 5.0
+    # a replacement that dies before completing its first step this many times in a row stops
+    # the run with its own error (a crash loop is a bug, not a run of bad luck)
+    max_replacement_failures: int = 2
     replication_factor: int = 2  # copies of each rank's shard under fsdp (own + peers)
     replication_interval: int = 1  # steps between peer copies
     replication_placement: str = "ring"  # ring: next ranks; nodes: a node apart

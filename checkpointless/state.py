@@ -24,6 +24,7 @@ class ProtectedState:
 
     def protect(self, **objects) -> None:
         for name, obj in objects.items():
+            _refuse_torch_ddp(name, obj)
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise TypeError(f"protect({name}=...): needs state_dict() and load_state_dict()")
             if isinstance(obj, torch.optim.Optimizer):
@@ -72,6 +73,24 @@ class ProtectedState:
                 f"{need / 1e9:.1f} GB of host memory per worker for peer copies, but this node "
                 f"has {per_worker / 1e9:.1f} GB available per worker. Lower the factor, raise "
                 "checkpointless.replication.interval (same memory, fewer copies) or add nodes")
+
+
+def _refuse_torch_ddp(name: str, obj) -> None:
+    """torch's DistributedDataParallel cannot follow a recovery: its constructor broadcasts from
+    rank 0, so a replacement building it waits in a collective the survivors never join (each
+    spare dies, and the next, in a loop), and it keeps the process group it was built with."""
+    from torch.nn.parallel import DistributedDataParallel
+    found = isinstance(obj, DistributedDataParallel) or (
+        isinstance(obj, torch.nn.Module) and
+        any(isinstance(m, DistributedDataParallel) for m in obj.modules()))
+    if found:
+        raise TypeError(
+            f"protect({name}=...): the model is wrapped in torch.nn.parallel."
+            "DistributedDataParallel, which cannot survive a recovery (its constructor "
+            "broadcasts from rank 0, so a replacement would wait in a collective the survivors "
+            "never join, and it keeps the dead process group). Drop the wrapper: protect the "
+            "bare model and average gradients with job.all_reduce_grads(model.parameters()) "
+            "before optimizer.step()")
 
 
 def _like(local: torch.Tensor, ref):

@@ -44,6 +44,7 @@ class SupervisorConfig:
     pg_timeout_s: float = D.pg_timeout_s
     spare_wait_s: float = D.spare_wait_s
     confirm_s: float = D.confirm_s
+    max_replacement_failures: int = D.max_replacement_failures
     # longest sleep of the monitoring loop; process exits wake it at once (pidfd), so this only
     # paces the store checks (reported errors, heartbeats)
     poll_s: float = 0.1
@@ -80,6 +81,7 @@ class Supervisor:
         self.gen = -1
         self.ranks: dict[int, int] = {}  # active worker id -> rank
         self._refills: list[tuple[float, int]] = []  # (when, device slot) of delayed refills
+        self._crashes: dict[int, int] = {}  # rank -> its replacements lost before a first step
         self.store = None
         self.port = 0
 
@@ -132,7 +134,7 @@ class Supervisor:
         beat = detection.read_beat(self.store, w.wid)
         f = Failure(wid=w.wid, rank=w.rank, cause="hang" if hung else "error" if err else "exit",
                     t_fail=json.loads(fault)["t"] if fault else now, t_detect=now,
-                    step=beat["step"] if beat else 0,
+                    step=beat["step"] if beat else self._job_step(),
                     error=json.loads(err)["error"] if err else None)
         self.failures.append(f)
         self.log(f"[checkpointless] rank {w.rank} lost ({f.cause}, worker {w.wid}, "
@@ -142,15 +144,39 @@ class Supervisor:
             self.log(f"[checkpointless] rank {w.rank} raised:\n{f.error.rstrip()}")
         del self.ranks[w.wid]
         w.rank = -2
+        self._check_crash_loop(w, f)
         if not self.cfg.enabled:
             self._stop(f"rank {f.rank} (worker {w.wid}) failed ({f.cause}, exit code "
                        f"{w.proc.returncode}) and checkpointless is off: the run stops here")
         self._escalate(f)
         if not self.ranks:
+            errors = [g.error for g in self.failures if g.error]
+            first = errors[0].rstrip().splitlines()[-1] if errors else "see the output above"
             self._stop("every active worker failed at once: no healthy peer holds the training "
-                       "state, so there is nothing to recover from (see the workers' errors "
-                       "above)")
+                       f"state, so there is nothing to recover from. The first error: {first}")
         return f
+
+    def _job_step(self) -> int:
+        """The step the job is at, from the active workers' heartbeats (for a worker that died
+        before its first beat, such as a replacement failing at start-up)."""
+        beats = [detection.read_beat(self.store, wid) for wid in self.ranks]
+        return max((b["step"] for b in beats if b), default=0)
+
+    def _check_crash_loop(self, w: Worker, f: Failure) -> None:
+        """A replacement that dies before its first step, again and again, is a bug (a collective
+        in its start-up the others do not join, a bad device): stop with its own error."""
+        if w.took_over_gen is None:
+            return
+        stepped = any(self.store.check([protocol.first_commit_key(g, f.rank)])
+                      for g in range(w.took_over_gen, self.gen + 1))
+        self._crashes[f.rank] = 0 if stepped else self._crashes.get(f.rank, 0) + 1
+        if self._crashes[f.rank] >= self.cfg.max_replacement_failures:
+            why = f.error.rstrip() if f.error else f"exit code {w.proc.returncode}; its output " \
+                "above says why"
+            self._stop(f"the replacement for rank {f.rank} failed before completing its first "
+                       f"step {self._crashes[f.rank]} times in a row (checkpointless."
+                       f"max_replacement_failures={self.cfg.max_replacement_failures}): this is "
+                       f"a bug, not bad luck. The last one's error:\n{why}")
 
     def _escalate(self, f: Failure) -> None:
         """An error that strikes again at the same step is a bug, not a fault: stop."""
@@ -200,8 +226,8 @@ class Supervisor:
             self.ranks[spare.wid] = f.rank
             f.t_spare, f.new_wid = t, spare.wid
         self._publish()
-        for f in pending:
-            f.gen = self.gen
+        for f, spare in zip(pending, spares):
+            f.gen = spare.took_over_gen = self.gen
 
     def _refill(self, w: Worker, later: bool) -> None:
         if not self.cfg.refill or w.refilled:

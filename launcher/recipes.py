@@ -422,6 +422,9 @@ def validate(cfg: DictConfig) -> None:
     need(o.grad_clip >= 0, "optim.grad_clip", o.grad_clip, "must be >= 0 (0 disables clipping)")
     need(c.pg_timeout_s > 0, "checkpointless.pg_timeout_s", c.pg_timeout_s, "must be > 0 seconds")
     need(c.spare_wait_s > 0, "checkpointless.spare_wait_s", c.spare_wait_s, "must be > 0 seconds")
+    need(c.confirm_s >= 0, "checkpointless.confirm_s", c.confirm_s, "must be >= 0 seconds")
+    need(c.max_replacement_failures >= 1, "checkpointless.max_replacement_failures",
+         c.max_replacement_failures, "must be >= 1")
     need(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
     need(cfg.data.seq_len >= 8, "data.seq_len", cfg.data.seq_len, "must be >= 8")
     if cfg.model.init == "pretrained":

@@ -97,6 +97,7 @@ class CheckpointlessConfig:
     pg_timeout_s: float = CL.pg_timeout_s  # last-resort timeout of collectives (hangs caught sooner)
     spare_wait_s: float = CL.spare_wait_s  # how long to wait for a spare to warm up before giving up
     confirm_s: float = CL.confirm_s  # how long a failed collective waits for a peer's loss to be confirmed
+    max_replacement_failures: int = CL.max_replacement_failures  # replacements dying before a first step, in a row, before the run stops
     replication: ReplicationConfig = field(default_factory=ReplicationConfig)
 
 

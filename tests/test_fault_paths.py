@@ -93,3 +93,21 @@ def test_a_worker_that_dies_before_it_joins_stops_the_run_at_once(tmp_path):
     assert "before it finished starting up" in rep["stderr"]
     assert "crashing before join" in rep["stdout"]
     assert rep["took_s"] < 60
+
+
+def test_a_replacement_crashing_at_start_up_again_and_again_stops_the_run(tmp_path):
+    rep = run(tmp_path, "--spares", "1", "--fault", "kill:2:5", CRASH_REPLACEMENTS="1",
+              expect_rc=1)
+    assert "failed before completing its first step 2 times in a row" in rep["stderr"]
+    assert "broken device" in rep["stderr"]  # the replacement's own error, not an exit code
+    lost = [f for f in rep["failures"] if f["rank"] == 2]
+    assert len(lost) == 3 and all(f["step"] == 5 for f in lost)  # the real step, not 0
+    assert rep["took_s"] < 90
+
+
+def test_a_script_that_keeps_torchs_ddp_wrapper_gets_one_clear_error(tmp_path):
+    rep = run(tmp_path, "--spares", "1", WRAP_DDP="1", expect_rc=1)
+    assert "DistributedDataParallel" in rep["stderr"] + rep["stdout"]
+    assert "job.all_reduce_grads" in rep["stderr"] + rep["stdout"]
+    assert rep["recoveries"] == [] and len(rep["failures"]) <= 4  # no spare thrown at it
+    assert all(f["cause"] == "error" for f in rep["failures"]) and rep["took_s"] < 60

@@ -266,3 +266,19 @@ def test_unflatten_without_copy_views_aligned_tensors_and_copies_misaligned_ones
     assert got["a"].data_ptr() == flat.data_ptr()  # a view: no copy of a received buffer
     assert got["b"].data_ptr() != flat.data_ptr() + 3  # float32 at byte 3 cannot be a view
     assert _equal(transfer.unflatten_state(skeleton, flat), s)
+
+
+def test_protecting_a_model_in_torchs_ddp_wrapper_is_refused_with_the_fix():
+    from checkpointless.protocol import Spec
+    from checkpointless.state import ProtectedState
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+        with pytest.raises(TypeError, match="job.all_reduce_grads"):
+            ProtectedState(Spec()).protect(model=ddp)
+        outer = torch.nn.Sequential(ddp)  # found inside a protected model too
+        with pytest.raises(TypeError, match="DistributedDataParallel"):
+            ProtectedState(Spec()).protect(model=outer)
+        ProtectedState(Spec()).protect(model=torch.nn.Linear(4, 4))  # the bare model is fine
+    finally:
+        dist.destroy_process_group()

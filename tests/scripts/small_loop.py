@@ -4,6 +4,8 @@
                          step: once per job, or every time with RAISE_ALWAYS=1
     STALL_SPARES=1       spares never finish starting up (they sleep before join)
     CRASH_WORKER=wid     that worker id exits with code 3 before it joins
+    CRASH_REPLACEMENTS=1 every replacement raises right after it is handed a rank
+    WRAP_DDP=1           the model stays wrapped in torch's DistributedDataParallel
 """
 import hashlib
 import os
@@ -28,6 +30,10 @@ torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Dropout(0.1), nn.Linear(64, 1))
 opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
 job = checkpointless.join()
+if os.environ.get("CRASH_REPLACEMENTS") and job.is_replacement:
+    raise RuntimeError("this replacement cannot start: broken device")
+if os.environ.get("WRAP_DDP"):
+    model = torch.nn.parallel.DistributedDataParallel(model)
 job.protect(model=model, optimizer=opt)
 raise_at = os.environ.get("RAISE_AT")
 for step in job.steps(STEPS):
