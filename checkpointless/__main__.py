@@ -31,6 +31,9 @@ def main(argv=None) -> int:
                    default=DEFAULTS.max_replacement_failures,
                    help="replacements of one rank dying before their first step, in a row, "
                         "before the run stops")
+    p.add_argument("--consistency-every", type=int, default=DEFAULTS.consistency_every,
+                   help="steps between checks that all replicas hold the same parameters "
+                        "(0: only at the end)")
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     p.add_argument("--host", default="127.0.0.1", help="address of the coordination store")
     p.add_argument("--port", type=int, default=0, help="port of the store (0: any free one)")
@@ -51,7 +54,8 @@ def main(argv=None) -> int:
                            heartbeat_timeout_s=a.heartbeat_timeout, backend=a.backend,
                            host=a.host, port=a.port, seed=a.seed, faults=faults,
                            spare_wait_s=a.spare_wait,
-                           max_replacement_failures=a.max_replacement_failures)
+                           max_replacement_failures=a.max_replacement_failures,
+                           consistency_every=a.consistency_every)
     try:
         report = Supervisor([sys.executable, a.script, *a.args], cfg).run()
     except JobFailed as exc:

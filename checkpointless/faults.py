@@ -4,6 +4,8 @@ A fault is data, `{kind, rank, step, phase}`, or `kind:rank:step[@phase]` on a c
   kill   SIGKILL of the worker (nothing is flushed, like a node loss)
   hang   the worker stops itself (SIGSTOP): alive, holding its sockets, never progressing
   raise  an exception, as a bug or a bad batch would raise
+  corrupt  one bit of one parameter flips, silently (a memory or device fault): only the
+           consistency check (consistency.py) can catch it
 and the phase says when it strikes:
   step     at the start of that step (the default; `raise` inside the step's scope)
   regroup  while the worker holding that rank builds a new generation's group after a failure
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 
 from . import protocol
 
-KINDS = ("kill", "hang", "raise")
+KINDS = ("kill", "hang", "raise", "corrupt")
 PHASES = ("step", "regroup", "receive")
 
 
@@ -71,6 +73,7 @@ class FaultInjector:
         self.faults = list(faults)
         self.store = store
         self.worker_id = worker_id
+        self.corrupt = lambda: None  # set by the job: flips a bit of the protected parameters
 
     def _claim(self, index: int) -> bool:
         return self.store.add(protocol.fault_claim_key(index), 1) == 1
@@ -82,7 +85,7 @@ class FaultInjector:
 
     def before_step(self, rank: int, step: int) -> None:
         """Kill or hang now if scheduled; a `raise` fault is returned by `raise_due`."""
-        self.at("step", rank, step, kinds=("kill", "hang"))
+        self.at("step", rank, step, kinds=("kill", "hang", "corrupt"))
 
     def raise_due(self, rank: int, step: int) -> None:
         self.at("step", rank, step, kinds=("raise",))
@@ -101,5 +104,7 @@ class FaultInjector:
                 os.kill(os.getpid(), signal.SIGKILL)
             elif f.kind == "hang":
                 os.kill(os.getpid(), signal.SIGSTOP)
+            elif f.kind == "corrupt":
+                self.corrupt()
             else:
                 raise InjectedFault(f"injected fault: raise at rank {rank}, step {step}{where}")

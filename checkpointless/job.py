@@ -31,7 +31,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from . import detection, membership, protocol
+from . import consistency, detection, membership, protocol
 from .faults import FaultInjector, InjectedFault, parse_faults
 from .grads import KeptGrads
 from .plain import PlainJob
@@ -53,6 +53,7 @@ class Job:
         self._state = ProtectedState(spec)
         self._kept = KeptGrads()
         self._injector = FaultInjector(parse_faults(spec.faults), store, worker_id)
+        self._injector.corrupt = lambda: consistency.flip_a_bit(self._state.modules())
         self._rec = Recovery(store, worker_id, spec, host, port, self._state, self._kept,
                              self._injector)
         self._scope_used = False
@@ -129,7 +130,7 @@ class Job:
             detection.beat(self.store, self.worker_id, step, rec.gen, "step")
             self._injector.before_step(rec.rank, step)
             self._step_t0 = time.time()  # the replica exchange is part of the step's cost
-            if not self._replicate(step):
+            if not self._replicate(step) or not self._consistent(step):
                 continue
             self._scope_used = False
             yield step
@@ -163,6 +164,32 @@ class Job:
                 raise
             rec.fail()
             return False
+
+    def _consistent(self, step: int) -> bool:
+        """Every `consistency_every` steps, check that all replicas hold the same parameters; a
+        rank off the majority reports itself and leaves (the supervisor replaces it). False when
+        a peer failed meanwhile."""
+        every, rec = self.spec.consistency_every, self._rec
+        if every <= 0 or step % every or self._state.replicas is not None:
+            return True  # sharded state has no replicas to compare
+        try:
+            sums = consistency.gather(self._state.modules(), rec.world_size)
+        except Exception as exc:
+            if not rec.is_peer_failure(exc):
+                report_error(self.store, self.worker_id, exc)
+                raise
+            rec.fail()
+            return False
+        try:
+            consistency.judge(sums, rec.rank, step)
+        except consistency.Diverged as exc:
+            self.store.set(protocol.diverged_key(self.worker_id), str(exc))
+            report_error(self.store, self.worker_id, exc)
+            raise
+        except consistency.NoMajority as exc:
+            report_error(self.store, self.worker_id, exc)
+            raise
+        return True
 
     def step(self):
         """The scope of one step: it commits when the body ends without error; a peer's failure
@@ -201,7 +228,17 @@ class Job:
                                      extra)
 
     def finish(self, result: dict | None = None) -> None:
-        """Report this rank's result and leave the job cleanly."""
+        """Check the replicas agree, report this rank's result and leave the job cleanly.
+
+        Replicas that disagree at the end are an error on every rank, never a quiet success."""
+        if self._state.replicas is None and self._state.modules():
+            sums = consistency.gather(self._state.modules(), self.world_size)
+            if len(set(sums)) > 1:
+                exc = consistency.NoMajority(
+                    f"the replicas disagree at the end of the run (parameter checksums by rank: "
+                    f"{sums}); the run is not a success")
+                report_error(self.store, self.worker_id, exc)
+                raise exc
         self.store.set(protocol.result_key(self.rank), json.dumps(result or {}))
         detection.beat(self.store, self.worker_id, self._rec.completed, self.gen, "done")
         self.store.set(protocol.done_key(self.worker_id), "1")

@@ -15,6 +15,7 @@ either side reads or writes is named here, so a reader can see the whole convers
                                            <---  rec/<g>/<rank>   how generation g was entered
                                            <---  recfirst/<g>/<r> first step committed in g
                                            <---  error/<wid>, errors   an exception of its own
+                                           <---  diverged/<wid>   its replica left the majority
     lost             (counter)             --->  a worker was declared lost (before its plan)
                                            <---  result/<rank>, done/<wid>, done
     shutdown                               --->  the job is over
@@ -96,6 +97,11 @@ def fault_time_key(wid: int) -> str:
     return f"fault_at/{wid}"
 
 
+def diverged_key(wid: int) -> str:
+    """Set by a worker whose parameters differ from the majority's, before it leaves."""
+    return f"diverged/{wid}"
+
+
 # ---- defaults (the recipe schema and the CLI take theirs from here) --------------------------
 @dataclass(frozen=True)
 class Defaults:
@@ -111,6 +117,8 @@ class Defaults:
     # a replacement that dies before completing its first step this many times in a row stops
     # the run with its own error (a crash loop is a bug, not a run of bad luck)
     max_replacement_failures: int = 2
+    # steps between checks that every replica holds the same parameters (0: only at the end)
+    consistency_every: int = 50
     replication_factor: int = 2  # copies of each rank's shard under fsdp (own + peers)
     replication_interval: int = 1  # steps between peer copies
     replication_placement: str = "ring"  # ring: next ranks; nodes: a node apart
@@ -136,6 +144,7 @@ class Spec:
     heartbeat_timeout_s: float = DEFAULTS.heartbeat_timeout_s
     pg_timeout_s: float = DEFAULTS.pg_timeout_s
     confirm_s: float = DEFAULTS.confirm_s
+    consistency_every: int = DEFAULTS.consistency_every
     faults: list = field(default_factory=list)
     replication: dict = field(default_factory=lambda: {
         "factor": DEFAULTS.replication_factor, "interval": DEFAULTS.replication_interval,

@@ -45,6 +45,7 @@ class SupervisorConfig:
     spare_wait_s: float = D.spare_wait_s
     confirm_s: float = D.confirm_s
     max_replacement_failures: int = D.max_replacement_failures
+    consistency_every: int = D.consistency_every
     # longest sleep of the monitoring loop; process exits wake it at once (pidfd), so this only
     # paces the store checks (reported errors, heartbeats)
     poll_s: float = 0.1
@@ -132,7 +133,9 @@ class Supervisor:
         fault = self.store.get(protocol.fault_time_key(w.wid)) \
             if self.store.check([protocol.fault_time_key(w.wid)]) else None
         beat = detection.read_beat(self.store, w.wid)
-        f = Failure(wid=w.wid, rank=w.rank, cause="hang" if hung else "error" if err else "exit",
+        diverged = self.store.check([protocol.diverged_key(w.wid)])
+        cause = "hang" if hung else "diverged" if diverged else "error" if err else "exit"
+        f = Failure(wid=w.wid, rank=w.rank, cause=cause,
                     t_fail=json.loads(fault)["t"] if fault else now, t_detect=now,
                     step=beat["step"] if beat else self._job_step(),
                     error=json.loads(err)["error"] if err else None)
@@ -262,6 +265,7 @@ class Supervisor:
         spec = protocol.Spec(backend=cfg.backend, seed=cfg.seed, faults=cfg.faults,
                              heartbeat_timeout_s=cfg.heartbeat_timeout_s,
                              pg_timeout_s=cfg.pg_timeout_s, confirm_s=cfg.confirm_s,
+                             consistency_every=cfg.consistency_every,
                              replication=cfg.replication,
                              workers_per_node=cfg.nproc + cfg.spares)
         self.store.set(protocol.SPEC, spec.to_json())

@@ -31,6 +31,7 @@ def supervisor_config(cfg) -> SupervisorConfig:
         port=d.master_port, seed=cfg.run.seed, pg_timeout_s=c.pg_timeout_s,
         spare_wait_s=c.spare_wait_s, confirm_s=c.confirm_s, enabled=c.enabled,
         max_replacement_failures=c.max_replacement_failures,
+        consistency_every=c.consistency_every,
         replication={"factor": c.replication.factor, "interval": c.replication.interval,
                      "offset": replica_offset(c.replication.placement, d.num_processes)},
         faults=[dict(f) for f in OmegaConf.to_container(cfg.faults)])

@@ -23,6 +23,8 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from checkpointless.faults import KINDS
+
 from .schema import CHOICES, Recipe
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
@@ -423,6 +425,8 @@ def validate(cfg: DictConfig) -> None:
     need(c.pg_timeout_s > 0, "checkpointless.pg_timeout_s", c.pg_timeout_s, "must be > 0 seconds")
     need(c.spare_wait_s > 0, "checkpointless.spare_wait_s", c.spare_wait_s, "must be > 0 seconds")
     need(c.confirm_s >= 0, "checkpointless.confirm_s", c.confirm_s, "must be >= 0 seconds")
+    need(c.consistency_every >= 0, "checkpointless.consistency_every", c.consistency_every,
+         "must be >= 0 steps (0 checks only at the end)")
     need(c.max_replacement_failures >= 1, "checkpointless.max_replacement_failures",
          c.max_replacement_failures, "must be >= 1")
     need(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
@@ -439,8 +443,8 @@ def validate(cfg: DictConfig) -> None:
         need(len(cfg.data.files) > 0, "data.files", list(cfg.data.files),
              "data.source=files needs at least one file")
     for i, f in enumerate(cfg.faults):
-        need(f.kind in ("kill", "hang", "raise"), f"faults[{i}].kind", f.kind,
-             "choose kill, hang or raise")
+        need(f.kind in KINDS, f"faults[{i}].kind", f.kind,
+             f"choose one of {', '.join(KINDS)}")
         need(0 <= f.rank < d.num_processes, f"faults[{i}].rank", f.rank,
              f"must be a rank in 0..{d.num_processes - 1}")
         need(0 <= f.step < t.max_steps, f"faults[{i}].step", f.step,

@@ -97,6 +97,7 @@ class CheckpointlessConfig:
     pg_timeout_s: float = CL.pg_timeout_s  # last-resort timeout of collectives (hangs caught sooner)
     spare_wait_s: float = CL.spare_wait_s  # how long to wait for a spare to warm up before giving up
     confirm_s: float = CL.confirm_s  # how long a failed collective waits for a peer's loss to be confirmed
+    consistency_every: int = CL.consistency_every  # steps between checks that replicas hold the same parameters (0: end only)
     max_replacement_failures: int = CL.max_replacement_failures  # replacements dying before a first step, in a row, before the run stops
     replication: ReplicationConfig = field(default_factory=ReplicationConfig)
 
@@ -111,7 +112,7 @@ class CheckpointConfig:
 
 @dataclass
 class FaultConfig:
-    kind: str = "kill"  # kill (SIGKILL), hang (SIGSTOP) or raise (exception in the step)
+    kind: str = "kill"  # kill (SIGKILL), hang (SIGSTOP), raise (exception in the step), corrupt (flip a bit)
     rank: int = 0  # rank that fails
     step: int = 0  # step at whose start it fails
 

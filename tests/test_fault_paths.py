@@ -111,3 +111,21 @@ def test_a_script_that_keeps_torchs_ddp_wrapper_gets_one_clear_error(tmp_path):
     assert "job.all_reduce_grads" in rep["stderr"] + rep["stdout"]
     assert rep["recoveries"] == [] and len(rep["failures"]) <= 4  # no spare thrown at it
     assert all(f["cause"] == "error" for f in rep["failures"]) and rep["took_s"] < 60
+
+
+def test_a_silently_corrupted_replica_is_caught_named_and_replaced(tmp_path, clean_digest):
+    # a bit flips in rank 2's parameters at the start of step 8, where the check runs: the rank
+    # is named, leaves, and its replacement receives the majority's state, so nothing of the
+    # corruption reaches a gradient and the run ends with the failure-free bits
+    rep = run(tmp_path, "--spares", "1", "--consistency-every", "4", "--fault", "corrupt:2:8")
+    assert digest(rep) == clean_digest
+    (rec,) = rep["recoveries"]
+    assert rec["cause"] == "diverged" and rec["failed_rank"] == 2 and rec["resumed_step"] == 8
+    assert "rank 2's parameters differ from the majority's at step 8" in rec["error"]
+
+
+def test_a_corruption_the_periodic_check_misses_fails_the_run_at_the_end(tmp_path):
+    rep = run(tmp_path, "--spares", "1", "--consistency-every", "0", "--fault", "corrupt:2:8",
+              expect_rc=1)
+    assert "replicas disagree at the end of the run" in rep["stderr"]
+    assert rep["status"] == "failed"

@@ -282,3 +282,18 @@ def test_protecting_a_model_in_torchs_ddp_wrapper_is_refused_with_the_fix():
         ProtectedState(Spec()).protect(model=torch.nn.Linear(4, 4))  # the bare model is fine
     finally:
         dist.destroy_process_group()
+
+
+def test_the_params_checksum_sees_one_flipped_bit_and_the_odd_rank_is_named():
+    from checkpointless import consistency
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2).to(torch.bfloat16))
+    before = consistency.params_checksum([model])
+    consistency.flip_a_bit([model])
+    assert consistency.params_checksum([model]) != before
+    assert consistency.judge([5, 5, 5], 0, 3) == []
+    assert consistency.judge([5, 7, 5], 0, 3) == [1]
+    with pytest.raises(consistency.Diverged, match="rank 1's parameters differ"):
+        consistency.judge([5, 7, 5], 1, 3)
+    with pytest.raises(consistency.NoMajority):
+        consistency.judge([5, 7], 0, 3)
