@@ -7,6 +7,7 @@ Depends on torch only. The public API:
     Job.steps(max_steps)      iterate over step numbers, resuming after a recovery
     Job.step()                context manager around one step; a peer failure inside is recovered
     Job.all_reduce_grads(...) average gradients in one fixed layout (bit-exact across recoveries)
+    DistributedDataParallel   drop-in for torch's wrapper: overlapped, fixed buckets (ddp.py)
     Job.finish(result)        report this rank's result and leave
     PeerFailure               what a collective raises when a peer was lost (failures.py)
     Supervisor                start workers and spares, detect failures, hand ranks to spares
@@ -14,11 +15,12 @@ Run a script under it with `python -m checkpointless --nproc N --spares S script
 """
 from .digest import model_sha256, state_sha256
 from .faults import Fault, InjectedFault, parse_faults
+from .ddp import DistributedDataParallel
 from .failures import Evicted, PeerFailure
 from .job import Job, join, started_as_spare
 from .seeding import step_seed
 from .supervisor import JobFailed, Supervisor, SupervisorConfig
 
-__all__ = ["join", "started_as_spare", "Job", "Evicted", "PeerFailure", "step_seed",
+__all__ = ["DistributedDataParallel", "join", "started_as_spare", "Job", "Evicted", "PeerFailure", "step_seed",
            "Supervisor", "SupervisorConfig", "JobFailed", "Fault", "InjectedFault",
            "parse_faults", "model_sha256", "state_sha256"]

@@ -74,14 +74,29 @@ class KeptGrads:
     def drop(self) -> None:
         self._kept = None
 
+    def remember(self, step: int, rank: int, world: int, grads) -> None:
+        """Keep references to this rank's own gradients of `step` (the bucketed all-reduce of
+        checkpointless.DistributedDataParallel calls this before it sums)."""
+        extra = self._kept["extra"] if self.usable(step, rank, world) else None
+        self._kept = {"step": step, "rank": rank, "world": world, "grads": list(grads),
+                      "extra": extra}
+
+    def keep_extra(self, extra: torch.Tensor | None) -> None:
+        if self._kept is not None and extra is not None:
+            self._kept["extra"] = extra.detach().clone()
+
+    def restore(self):
+        """Put the kept gradients back on their parameters; returns the kept `extra`."""
+        for p, g in self._kept["grads"]:
+            p.grad = g
+        return self._kept["extra"]
+
     def all_reduce(self, params, step: int, rank: int, world: int,
                    extra: torch.Tensor | None = None):
         """`all_reduce_grads`, reusing the kept gradients when the loop skipped the compute."""
         params = list(params)
         if self.usable(step, rank, world) and all(p.grad is None for p in params):
-            for p, g in self._kept["grads"]:
-                p.grad = g
-            extra = self._kept["extra"]
+            extra = self.restore()
         else:
             self._kept = {"step": step, "rank": rank, "world": world,
                           "grads": [(p, p.grad) for p in params if p.grad is not None],
@@ -89,3 +104,13 @@ class KeptGrads:
         out = all_reduce_grads(params, world, extra)
         self._kept = None
         return out
+
+
+def all_reduce_extra(extra: torch.Tensor | None):
+    """`extra` summed over the ranks, in its own small collective (None stays None)."""
+    if extra is None:
+        return None
+    summed = extra.detach().clone().float()
+    with communicating("all-reduce of the step's extra values"):
+        dist.all_reduce(summed)
+    return summed

@@ -33,7 +33,8 @@ import torch.distributed as dist
 
 from . import consistency, detection, membership, protocol
 from .faults import FaultInjector, InjectedFault, parse_faults
-from .grads import KeptGrads
+from .ddp import DistributedDataParallel
+from .grads import KeptGrads, all_reduce_extra
 from .plain import PlainJob
 from .recovery import Phase, Recovery
 from .seeding import seed_all, step_seed
@@ -59,6 +60,7 @@ class Job:
         self._scope_used = False
         self._step_t0 = 0.0
         self._replications: dict[int, int] = {}  # generation -> replica exchanges done in it
+        self._ddp: DistributedDataParallel | None = None
 
     # ---- where this worker stands -------------------------------------------------------------
     @property
@@ -100,6 +102,11 @@ class Job:
     def protect(self, **objects) -> None:
         """Register what a replacement needs: anything with state_dict() / load_state_dict()."""
         self._state.protect(**objects)
+        for obj in objects.values():
+            if isinstance(obj, DistributedDataParallel):  # it keeps our gradients for a redo
+                self._ddp = obj
+                obj.on_local_grads = lambda grads: self._kept.remember(
+                    self._rec.completed, self.rank, self.world_size, grads)
 
     def set_fallback(self, newest_step, load_step) -> None:
         """Durable checkpoints, used when no peer holds a lost slice: `newest_step()` gives the
@@ -223,9 +230,21 @@ class Job:
 
     def all_reduce_grads(self, params, extra: torch.Tensor | None = None):
         """Average the gradients of `params` over the ranks in one fixed-order collective and
-        return `extra` summed over the ranks (see `grads.all_reduce_grads`)."""
-        return self._kept.all_reduce(params, self._rec.completed, self.rank, self.world_size,
-                                     extra)
+        return `extra` summed over the ranks (see `grads.all_reduce_grads`).
+
+        With a protected checkpointless.DistributedDataParallel the gradients were already
+        averaged during backward; this then sums `extra` only, or, when the loop skipped the
+        compute because `grads_kept`, averages the kept gradients in the wrapper's buckets."""
+        if self._ddp is None:
+            return self._kept.all_reduce(params, self._rec.completed, self.rank,
+                                         self.world_size, extra)
+        params = list(params)
+        if self.grads_kept and all(p.grad is None for p in params):
+            extra = self._kept.restore()
+            self._ddp.reduce_now()
+        else:
+            self._kept.keep_extra(extra)
+        return all_reduce_extra(extra)
 
     def finish(self, result: dict | None = None) -> None:
         """Check the replicas agree, report this rank's result and leave the job cleanly.

@@ -14,7 +14,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .grads import all_reduce_grads
+from .ddp import DistributedDataParallel
+from .grads import all_reduce_extra, all_reduce_grads
 from .seeding import seed_all, step_seed
 
 
@@ -42,6 +43,7 @@ class PlainJob:
         self._completed = 0
         self._step_t0 = 0.0
         self._scoped = False
+        self._ddp = False
 
     @property
     def completed_steps(self) -> int:
@@ -58,10 +60,13 @@ class PlainJob:
         return seed_all(step_seed(self.seed, step, self.rank, micro))
 
     def all_reduce_grads(self, params, extra: torch.Tensor | None = None):
+        if self._ddp:  # the wrapper averaged the gradients during backward
+            return all_reduce_extra(extra)
         return all_reduce_grads(params, self.world_size, extra)
 
     def protect(self, **objects) -> None:
-        pass  # nothing to protect: a failure ends the job
+        # nothing to protect (a failure ends the job); only note a gradient-averaging wrapper
+        self._ddp = any(isinstance(o, DistributedDataParallel) for o in objects.values())
 
     def steps(self, max_steps: int):
         while self._completed < max_steps:

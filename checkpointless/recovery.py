@@ -195,6 +195,7 @@ class Recovery:
     def commit(self, step_started_at: float) -> None:
         t1 = time.time()
         self.catching_up = 0
+        self.kept.drop()  # the step stands: its gradients will never be needed again
         step = self.completed
         self.completed += 1
         if self.rank == 0:

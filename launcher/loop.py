@@ -15,6 +15,7 @@ import math
 import os
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -161,8 +162,11 @@ def main(recipe_file: str) -> None:
                            "silently different job")
     if d.strategy == "fsdp":
         shard(model, cfg)
+        wrapped = model
+    else:  # gradients averaged in fixed buckets, overlapped with backward (no collective here)
+        wrapped = checkpointless.DistributedDataParallel(model, bucket_cap_mb=d.bucket_cap_mb)
     optimizer = build_optimizer(model, cfg)
-    job.protect(model=model, optimizer=optimizer)
+    job.protect(model=wrapped, optimizer=optimizer)
     ckpt = durable_checkpoints(cfg, job, model, optimizer)
     metrics = Metrics(cfg, out_dir, job.completed_steps) if job.rank == 0 else None
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.precision == "bf16")
@@ -181,11 +185,14 @@ def main(recipe_file: str) -> None:
                 for micro in range(0 if job.grads_kept else t.grad_accum_steps):
                     job.seed_step(step, micro)
                     ids = sampler.batch(step, job.rank, job.world_size, micro).to(device)
+                    last = micro == t.grad_accum_steps - 1
                     if d.strategy == "fsdp" and t.grad_accum_steps > 1:
-                        model.set_requires_gradient_sync(micro == t.grad_accum_steps - 1)
+                        model.set_requires_gradient_sync(last)
                     with autocast:
-                        loss = model(input_ids=ids, labels=ids).loss
-                    (loss / t.grad_accum_steps).backward()
+                        loss = wrapped(input_ids=ids, labels=ids).loss
+                    # ddp: earlier micro-batches accumulate; the last backward reduces them all
+                    with nullcontext() if last or d.strategy == "fsdp" else wrapped.no_sync():
+                        (loss / t.grad_accum_steps).backward()
                     loss_sum += loss.detach().float()
             if d.strategy == "ddp":
                 loss_total = job.all_reduce_grads(model.parameters(), extra=loss_sum)

@@ -79,6 +79,7 @@ class DistributedConfig:
     master_addr: str = "127.0.0.1"  # address the coordination store listens on
     master_port: int = 0  # port of the coordination store (0: any free port)
     threads_per_worker: int = 0  # torch CPU threads per worker (0: cores / processes)
+    bucket_cap_mb: float = 25.0  # ddp: gradient bucket size; a bucket's all-reduce starts as soon as it is full
 
 
 @dataclass

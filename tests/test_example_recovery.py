@@ -116,3 +116,40 @@ def test_without_a_spare_the_run_waits_for_the_refill(tmp_path, plain_digest):
 def test_without_spare_or_refill_the_run_stops_loudly(tmp_path):
     r = twin(tmp_path, "--spares", "0", "--no-refill", "--fault", "kill:2:5", expect_rc=1)
     assert "no spare left" in r.stderr
+
+
+def test_a_typical_ddp_script_and_its_fault_tolerant_version(tmp_path):
+    """examples/train_ddp.py (torch's DDP, DistributedSampler, LambdaLR) runs under torchrun;
+    its fault-tolerant version, on checkpointless.DistributedDataParallel, recovers a kill with
+    the bits of its own failure-free run, and the diff between the two stays small."""
+    import difflib
+    plain = (ROOT / "examples/train_ddp.py").read_text().splitlines()
+    ft = (ROOT / "examples/train_ddp_checkpointless.py").read_text().splitlines()
+    code = lambda lines: lines[lines.index('"""', 1) + 1:]  # noqa: E731  (past the docstring)
+    changed = [l for l in difflib.unified_diff(code(plain), code(ft), lineterm="", n=0)
+               if l[:1] in "+-" and l[:3] not in ("+++", "---")]
+    assert len(changed) <= 32, changed
+    env = dict(_env(), MAX_STEPS="24")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc_per_node", "4", str(ROOT / "examples/train_ddp.py")],
+                       capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert len(set(re.findall(r'"params_sha256": "([0-9a-f]{64})"', r.stdout))) == 1
+
+    def ft_run(*args):
+        report = tmp_path / f"report{len(args)}.json"
+        r = subprocess.run([sys.executable, "-m", "checkpointless", "--nproc", "4",
+                            "--report", str(report), *args,
+                            str(ROOT / "examples/train_ddp_checkpointless.py")],
+                           capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+        assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+        rep = json.loads(report.read_text())
+        digests = {v["params_sha256"] for v in rep["results_by_rank"].values()}
+        assert len(digests) == 1
+        return rep, digests.pop()
+
+    _, clean = ft_run("--spares", "0")
+    rep, recovered = ft_run("--spares", "1", "--fault", "kill:2:12")
+    assert recovered == clean
+    (rec,) = rep["recoveries"]
+    assert rec["failed_rank"] == 2 and rec["resumed_step"] == 12
