@@ -51,12 +51,18 @@ class Group:
         self.rebind_sharded_modules(None)
         if not dist.is_initialized():
             return
+        self.release_peers()
         self.abort()
         try:
             dist.destroy_process_group()
         except Exception:
             pass
-        if self.backend == "gloo":  # peers blocked on us get an error now, not at the timeout
+
+    def release_peers(self) -> None:
+        """Shut this process's group connections (gloo), before anything closes its copies of
+        them: children forked after join (DataLoader workers) hold the same sockets, so closing
+        our descriptors alone would leave the connections open and peers blocked on them."""
+        if self.backend == "gloo":
             sever_peer_connections({self.store_port})
 
     @staticmethod

@@ -49,8 +49,13 @@ class WorkerPool:
         spare = background or slot >= self.spares_from_slot
         env = dict(self.env, **protocol.worker_env(self.host, self.port, wid, slot, spare))
         nice = self.refill_nice if background else 0
-        proc = subprocess.Popen(self.cmd, env=env,
-                                preexec_fn=(lambda: os.nice(nice)) if nice else None)
+
+        def setup():  # its own process group: its children (DataLoader workers) die with it
+            os.setpgid(0, 0)
+            if nice:
+                os.nice(nice)
+
+        proc = subprocess.Popen(self.cmd, env=env, preexec_fn=setup)
         w = Worker(wid=wid, proc=proc, slot=slot, started=time.time())
         try:
             w.pidfd = os.pidfd_open(proc.pid)
@@ -82,12 +87,18 @@ class WorkerPool:
 
     @staticmethod
     def kill(w: Worker) -> None:
+        """Kill the worker and whatever it started: a child left behind (a DataLoader worker)
+        would keep the dead worker's connections open and its peers blocked on them."""
+        try:
+            os.killpg(w.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
         if w.alive():
             try:
                 w.proc.send_signal(signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            w.proc.wait()
+        w.proc.wait()
 
     def spares(self, store, ready: bool) -> list[Worker]:
         """Live spares; with ready=True only those that finished warming up."""
@@ -95,10 +106,14 @@ class WorkerPool:
                 and (not ready or store.check([protocol.ready_key(w.wid)]))]
 
     def stop_all(self) -> None:
-        """End the spares (they hold nothing) and wait for everyone."""
+        """End every process still running (spares, and workers of a run that stopped early)
+        with its children, and wait for them."""
         for w in self.workers.values():
-            if w.alive() and w.rank < 0:
-                w.proc.terminate()
+            if w.alive():
+                try:
+                    os.killpg(w.proc.pid, signal.SIGTERM)
+                except (ProcessLookupError, PermissionError):
+                    w.proc.terminate()
         for w in self.workers.values():
             try:
                 w.proc.wait(timeout=10)

@@ -52,7 +52,7 @@ class Recovery:
         self.state, self.kept, self.injector = state, kept, injector
         self.group = Group(store, spec.backend, spec.pg_timeout_s, port, state.modules)
         self.watch = Watch(host, port, lambda: self.gen, lambda: self.phase is Phase.IN_STEP,
-                           Group.abort)
+                           self._abort_from_watch)
         self.phase = Phase.WAITING
         self.plan: membership.Plan | None = None
         self.gen, self.rank, self.world_size = -1, -1, 0
@@ -63,6 +63,12 @@ class Recovery:
         self.awaiting_first: int | None = None  # generation whose first commit is not yet recorded
         self.last: dict | None = None  # how the newest generation was entered
         self.t_group = 0.0
+
+    def _abort_from_watch(self) -> None:
+        # gloo's abort does not release a blocked collective; shutting the sockets does, even
+        # when a dead peer's forked children keep its end open
+        self.group.release_peers()
+        Group.abort()
 
     # ---- waiting ---------------------------------------------------------------------------
     def wait_plan(self, after_gen: int, timeout_s: float | None) -> membership.Plan:

@@ -120,9 +120,9 @@ class Supervisor:
                            f"{w.proc.returncode} before it finished starting up; its output "
                            "above says why. A start-up failure is a bug, not a fault to recover "
                            "from")
+        for w, _ in lost:  # hung ones, and the children of dead ones (their sockets too)
+            self.pool.kill(w)
         for w, hung in lost:
-            if hung:
-                self.pool.kill(w)  # also releases the peers blocked in a collective with it
             self._record_failure(w, hung, t_seen)
         self._replace([f for f in self.failures if f.gen < 0])
 
@@ -219,6 +219,7 @@ class Supervisor:
                            "start slowly on this machine")
             for w in self._exited():  # another active worker may fail meanwhile: fold it in
                 self.store.add(protocol.LOST, 1)
+                self.pool.kill(w)  # its children, if any, hold its connections
                 self._record_failure(w, False, time.time())
                 self._refill(w, later=False)
                 pending = [f for f in self.failures if f.gen < 0]

@@ -1,5 +1,6 @@
 """The benchmark's parts that need no training: settings, the failure schedule and its killer,
-figures from step records, taking turns, the goodput model and the tables."""
+figures from step records, taking turns, the goodput model and the tables; and one slow real run
+of the plain mode's torch-only loop."""
 import json
 import math
 import signal
@@ -8,12 +9,14 @@ import time
 
 import pytest
 
+from launcher.bench.baseline import PLAIN_LOOP, run_torchrun, torchrun_cmd
 from launcher.bench.config import BenchConfig, parse
 from launcher.bench.failures import Killer, schedule
 from launcher.bench.model import scenario, young_interval_s
 from launcher.bench.paired import Turns
-from launcher.bench.records import steps_in_turns, summarize
-from launcher.bench.report import model_table, table
+from launcher.bench.modes import mode_recipe
+from launcher.bench.records import read_records, run_digest, steps_in_turns, summarize
+from launcher.bench.report import against_plain, grad_copy_line, model_table, plain_line, table
 from launcher.recipes import RecipeError
 
 
@@ -184,3 +187,94 @@ def test_model_text_names_the_measured_inputs():
 def test_table_pads_columns_and_prints_missing_values_as_dash():
     assert table([["a", None], ["bbb", 12]], ["x", "y"]).splitlines() == [
         "x     y", "---  --", "a     -", "bbb  12"]
+
+
+# ---- the plain mode: torch's own DDP loop beside the recipe loop ---------------------------------
+
+def test_plain_is_a_mode_run_by_torchrun_with_its_own_worker_script(tmp_path):
+    cfg, _ = parse(["bench.modes=off,on,plain", f"bench.output_dir={tmp_path}", "bench.steps=5"])
+    assert cfg.modes.split(",") == ["off", "on", "plain"]
+    cmd = torchrun_cmd(cfg, tmp_path / "plain", 0, PLAIN_LOOP)
+    assert cmd[cmd.index("-m", 3):] == ["-m", "launcher.bench.plain_loop",
+                                         str(tmp_path / "plain" / "recipe.yaml")]
+    assert "launcher.loop" in torchrun_cmd(cfg, tmp_path / "off", 0)  # off keeps the recipe loop
+    rc, out = mode_recipe(cfg, [], "plain")  # no supervisor, no spare, nothing injected
+    assert not rc.checkpointless.enabled and rc.checkpointless.spares == 0
+    assert rc.trainer.max_steps == 5 and (out / "recipe.yaml").exists()
+
+
+def test_recipe_loop_is_compared_with_plain_from_the_paired_run_when_there_is_one():
+    seq = {"off": {"step_s_median": 0.42}, "on": {"step_s_median": 0.44},
+           "plain": {"step_s_median": 0.40}}
+    fig = against_plain(seq, None)
+    assert fig["source"] == "sequential" and fig["off_over_plain"] == pytest.approx(1.05)
+    assert fig["on_over_plain"] == pytest.approx(1.10) and fig["within_5pct"] is False
+    paired = {"step_s_median_off": 0.401, "step_s_median_on": 0.404,
+              "step_s_median_plain": 0.400}
+    fig = against_plain(seq, paired)  # turns beat runs one after the other on a drifting box
+    assert fig["source"] == "paired" and fig["within_5pct"] is True
+    assert fig["on_over_plain"] == pytest.approx(1.01)
+    assert against_plain({"off": {"step_s_median": 0.4}}, {"step_s_median_off": 0.4}) is None
+    line = plain_line(fig)
+    assert "plain 400 ms" in line and "off 401 ms (x1.002)" in line
+    assert "on 404 ms (x1.010)" in line and "taking turns" in line and "within 5% of plain: yes" \
+        in line
+    only_off = plain_line(against_plain({"off": seq["off"], "plain": seq["plain"]}, None))
+    assert "one after the other" in only_off and " on " not in only_off
+
+
+def test_copy_saved_is_the_gradient_bytes_of_one_step():
+    line = grad_copy_line({"trainable_params": 1_394_048, "bytes_per_step": 5_576_192,
+                           "copy_s_median": 0.0003}, 0.4)
+    assert "1,394,048 trainable params x 4 B = 5.6 MB per worker per step" in line
+    assert "0.30 ms" in line and "0.07% of off's step" in line
+
+
+def test_three_jobs_take_turns_in_rotation_one_at_a_time(tmp_path):
+    dirs = [tmp_path / n for n in "abc"]
+    procs = [subprocess.Popen(["sleep", "60"]) for _ in dirs]
+    try:
+        for d in dirs:
+            d.mkdir()
+            write_records(d, {"step": 0, "t_start": 0.0, "t_end": 0.1})
+        turns = Turns([(d, lambda p=p: [p.pid], lambda: False) for d, p in zip(dirs, procs)],
+                      turn_s=0.2)
+        turns.start()
+        seen = set()
+        deadline = time.time() + 1.6
+        while time.time() < deadline:
+            seen.add(tuple(proc_state(p.pid) != "T" for p in procs))
+            time.sleep(0.02)
+        turns.stop.set()
+        turns.join(5)
+        assert all(sum(running) <= 1 for running in seen)  # never two at once
+        jobs = [j for j, _, _ in turns.windows]
+        assert len(jobs) >= 6 and jobs == [i % 3 for i in range(len(jobs))]
+        assert [proc_state(p.pid) for p in procs].count("T") == 0
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.slow
+def test_plain_loop_trains_the_recipe_loops_bits_with_torch_ddp(tmp_path):
+    """2 workers, 3 steps, a 1-layer tiny Llama: the plain loop writes the records the bench reads
+    and every rank ends with the same parameters; the recipe loop (off) ends with the same bits,
+    since with two ranks each gradient sum has two terms and halving is exact, in any order."""
+    cfg, overrides = parse(["bench.workers=2", "bench.steps=3", f"bench.output_dir={tmp_path}",
+                            "model.config.num_hidden_layers=1"])
+    cfg.mode_timeout_s = 120
+    digests = {}
+    for mode, module in (("plain", PLAIN_LOOP), ("off", "launcher.loop")):
+        _, out = mode_recipe(cfg, overrides, mode)
+        rc, _, _ = run_torchrun(cfg, out, None, cfg.steps, module=module)
+        assert rc == 0, (out / "torchrun.log").read_text()[-3000:]
+        digests[mode] = run_digest(out)
+        if mode == "plain":
+            recs = read_records(out)
+            assert [r["step"] for r in recs] == [0, 1, 2]
+            assert all(r["t_end"] > r["t_start"] and r["loss"] > 0 for r in recs)
+            assert summarize(recs, [])["step_s_median"] > 0
+    assert digests["plain"] not in (None, "DISAGREE")  # both ranks reported, and agree
+    assert digests["plain"] == digests["off"]

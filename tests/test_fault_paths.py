@@ -129,3 +129,14 @@ def test_a_corruption_the_periodic_check_misses_fails_the_run_at_the_end(tmp_pat
               expect_rc=1)
     assert "replicas disagree at the end of the run" in rep["stderr"]
     assert rep["status"] == "failed"
+
+
+@pytest.mark.parametrize("fault", ["kill:2:5", "raise:1:6"])
+def test_dataloader_workers_forked_after_join_do_not_stall_a_recovery(tmp_path, clean_digest,
+                                                                       fault):
+    # DataLoader workers inherit the process group's sockets: the dead rank's children keep
+    # its connections open, and a survivor closing its own copies would not release its peers
+    rep = run(tmp_path, "--spares", "1", "--fault", fault, LOADER_WORKERS="2")
+    assert digest(rep) == clean_digest
+    (rec,) = rep["recoveries"]
+    assert rec["recovery_s"] < 10.0  # not the process-group timeout

@@ -19,11 +19,15 @@ from .failures import Killer
 from .model import young_interval_s
 
 
-def torchrun_cmd(cfg, out: Path, max_restarts: int) -> list[str]:
+RECIPE_LOOP = "launcher.loop"
+PLAIN_LOOP = "launcher.bench.plain_loop"  # the `plain` mode: torch's DDP or FSDP2, nothing else
+
+
+def torchrun_cmd(cfg, out: Path, max_restarts: int, module: str = RECIPE_LOOP) -> list[str]:
     # a 0.1 s monitor interval: torchrun notices a dead worker as soon as it can
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
             str(cfg.workers), "--max-restarts", str(max_restarts), "--monitor-interval", "0.1",
-            "-m", "launcher.loop", str(out / "recipe.yaml")]
+            "-m", module, str(out / "recipe.yaml")]
 
 
 def tree_pids(root: int) -> list[int]:
@@ -57,11 +61,11 @@ def torchrun_workers(agent_pid: int) -> dict[int, int]:
     return out
 
 
-def run_torchrun(cfg, out: Path, killer_plan=None,
-                 steps: int = 0) -> tuple[int, list[dict], float]:
-    """Run out/recipe.yaml under torchrun, killing workers on `killer_plan` if given;
-    returns (exit code, kills, seconds)."""
-    cmd = torchrun_cmd(cfg, out, cfg.max_restarts if killer_plan else 0)
+def run_torchrun(cfg, out: Path, killer_plan=None, steps: int = 0,
+                 module: str = RECIPE_LOOP) -> tuple[int, list[dict], float]:
+    """Run out/recipe.yaml under torchrun with `module` as the worker, killing workers on
+    `killer_plan` if given; returns (exit code, kills, seconds)."""
+    cmd = torchrun_cmd(cfg, out, cfg.max_restarts if killer_plan else 0, module)
     t0 = time.time()
     with open(out / "torchrun.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -97,13 +101,9 @@ def measure_save_cost(rc_cfg, repeats: int = 5) -> float:
     import tempfile
 
     import torch
-    from omegaconf import OmegaConf
 
     from checkpointless.checkpoint import CheckpointWriter
-    from models import build_model, build_tokenizer
-    tok = build_tokenizer(rc_cfg.tokenizer.kind, rc_cfg.tokenizer.id or rc_cfg.model.id)
-    model = build_model(rc_cfg.model.name, rc_cfg.model.init, rc_cfg.model.id,
-                        OmegaConf.to_container(rc_cfg.model.config), vocab_size=len(tok))
+    model, tok = recipe_model(rc_cfg)
     opt = torch.optim.AdamW(model.parameters())
     ids = torch.randint(0, len(tok), (1, 16))
     model(input_ids=ids, labels=ids).loss.backward()
@@ -117,3 +117,44 @@ def measure_save_cost(rc_cfg, repeats: int = 5) -> float:
                    blocking=True)
             costs.append(time.time() - t)
     return statistics.median(costs)
+
+
+def recipe_model(rc_cfg):
+    """(model, tokenizer) as the recipe builds them, on the CPU of this process."""
+    from omegaconf import OmegaConf
+
+    from models import build_model, build_tokenizer
+    tok = build_tokenizer(rc_cfg.tokenizer.kind, rc_cfg.tokenizer.id or rc_cfg.model.id)
+    model = build_model(rc_cfg.model.name, rc_cfg.model.init, rc_cfg.model.id,
+                        OmegaConf.to_container(rc_cfg.model.config), vocab_size=len(tok))
+    return model, tok
+
+
+def measure_grad_copy(rc_cfg, threads: int, repeats: int = 21) -> dict:
+    """The copy the overlapped buckets no longer make, per worker and step.
+
+    The old flat all-reduce summed a copy of the gradients and copied every parameter's slice of
+    the sum back into its `.grad`; the buckets hand out views of the sum instead. What that saves
+    is one pass over the gradients: trainable parameters x element size bytes (counted from the
+    model), and the time of that copy-back, timed here as it was done (a `copy_` per parameter
+    from one flat buffer) with a worker's thread count."""
+    import torch
+    model, _ = recipe_model(rc_cfg)
+    grads = [torch.zeros_like(p) for p in model.parameters() if p.requires_grad]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads))
+    try:
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+            times.append(time.perf_counter() - t)
+    finally:
+        torch.set_num_threads(before)
+    return {"trainable_params": flat.numel(),
+            "bytes_per_step": sum(g.numel() * g.element_size() for g in grads),
+            "copy_s_median": round(statistics.median(times), 6)}

@@ -1,16 +1,18 @@
 """`make bench` / `python -m launcher bench [key=value ...]`: run the modes one after the other,
-then the paired overhead run, then report."""
+then the paired run of the failure-free modes (off, on, plain), then report."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from ..recipes import load
-from .baseline import checkpoint_every, measure_save_cost, run_torchrun
+from .baseline import (PLAIN_LOOP, checkpoint_every, measure_grad_copy, measure_save_cost,
+                       run_torchrun)
 from .config import parse
 from .failures import schedule
 from .modes import mode_recipe, run_supervised
-from .paired import run_paired
+from .paired import PAIRABLE, run_paired
 from .records import read_records, run_digest, summarize
 from .report import report
 
@@ -26,6 +28,10 @@ def bench(args: list[str]) -> int:
     # long enough for the slowest mode (restarts included) never to run out of failures
     plan = schedule(cfg, horizon_s=20 * cfg.steps * cfg.step_s_estimate + 600)
     save_cost = measure_save_cost(base)
+    grad_copy = None
+    if base.distributed.strategy == "ddp":  # what the buckets' views save over the flat copy
+        grad_copy = measure_grad_copy(base, base.distributed.threads_per_worker or
+                                      (os.cpu_count() or 1) // cfg.workers)
     step_s = cfg.step_s_estimate
     results: dict = {}
     for mode in modes:
@@ -40,6 +46,8 @@ def bench(args: list[str]) -> int:
         killer_plan = plan if mode in ("checkpointless", "restart") else None
         if mode in ("off", "restart"):
             rc, kills, elapsed = run_torchrun(cfg, out, killer_plan, cfg.steps)
+        elif mode == "plain":
+            rc, kills, elapsed = run_torchrun(cfg, out, None, cfg.steps, module=PLAIN_LOOP)
         else:
             rc, kills, elapsed, _ = run_supervised(rc_cfg, out, cfg, killer_plan, cfg.steps)
         records = read_records(out)
@@ -53,12 +61,13 @@ def bench(args: list[str]) -> int:
         shown = {k: v for k, v in summary.items() if k not in ("t0", "recovery_s_all")}
         print(f"[bench] {mode}: {json.dumps(shown)}", flush=True)
     paired = {}
-    if cfg.paired_steps and "off" in modes and "on" in modes:
-        print(f"[bench] off and on side by side, taking turns every {cfg.turn_s:g} s "
+    pair = [m for m in PAIRABLE if m in modes]
+    if cfg.paired_steps and len(pair) >= 2:
+        print(f"[bench] {' and '.join(pair)} side by side, taking turns every {cfg.turn_s:g} s "
               f"({cfg.paired_steps} steps each)", flush=True)
-        paired = run_paired(cfg, overrides)
+        paired = run_paired(cfg, overrides, pair)
         print(f"[bench] paired: {json.dumps(paired)}", flush=True)
-    return report(cfg, results, save_cost, out_root, paired)
+    return report(cfg, results, save_cost, out_root, paired, grad_copy)
 
 
 def replica_host_bytes(out: Path):

@@ -7,7 +7,9 @@ from typing import Optional
 
 from ..recipes import RecipeError
 
-MODES = ("off", "on", "checkpointless", "restart", "fsdp", "fsdp-replicated")
+# plain: the recipe's model, data and optimizer in a torch-only loop (torch's DDP, or FSDP2 under
+# distributed.strategy=fsdp) under torchrun, the speed a user would get without this project
+MODES = ("off", "on", "plain", "checkpointless", "restart", "fsdp", "fsdp-replicated")
 
 
 @dataclass

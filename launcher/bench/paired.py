@@ -1,11 +1,14 @@
-"""The steady-state overhead, from off and on run at the same time and taking turns.
+"""The steady-state overhead, from off and on (and plain, when asked) run at the same time and
+taking turns.
 
-Each job runs alone for `turn_s` while the other's processes are stopped (SIGSTOP). Both see the
+Each job runs alone for `turn_s` while the others' processes are stopped (SIGSTOP). All see the
 same machine, minute by minute, so its drifting speed (+-10% over tens of seconds on a small
-shared box) does not land on one side only, as it does for runs one after the other.
+shared box) does not land on one side only, as it does for runs one after the other. That is what
+makes a 5% comparison (on against off, the recipe loop against torch's own DDP) readable here.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import statistics
@@ -13,15 +16,15 @@ import subprocess
 import threading
 import time
 
-from .baseline import torchrun_cmd, tree_pids
+from .baseline import PLAIN_LOOP, RECIPE_LOOP, torchrun_cmd, tree_pids
 from .modes import mode_recipe
 from .records import read_records, run_digest, steps_in_turns
 
 
 class Turns(threading.Thread):
-    """Two jobs take turns on the machine until one of them ends. `windows` records
-    (job, start, end) of every turn; a step counts for its job only if it ran entirely inside
-    one of its turns."""
+    """Jobs take turns on the machine, in a fixed rotation, until one of them ends. `windows`
+    records (job, start, end) of every turn; a step counts for its job only if it ran entirely
+    inside one of its turns."""
 
     def __init__(self, jobs, turn_s: float):
         super().__init__(daemon=True)
@@ -38,7 +41,7 @@ class Turns(threading.Thread):
                 pass
 
     def run(self):
-        try:  # both start together; the first to log a step waits (stopped) for the other
+        try:  # all start together; those that log a step first wait (stopped) for the rest
             while True:
                 started = [bool(read_records(d)) for d, _, _ in self.jobs]
                 if all(started):
@@ -50,8 +53,10 @@ class Turns(threading.Thread):
                     return
             turn = 0
             while not self.stop.is_set() and not any(done() for _, _, done in self.jobs):
-                me, other = turn % 2, 1 - turn % 2
-                self._signal(self.jobs[other][1](), signal.SIGSTOP)
+                me = turn % len(self.jobs)
+                for j, (_, pids, _) in enumerate(self.jobs):  # stop the others first
+                    if j != me:
+                        self._signal(pids(), signal.SIGSTOP)
                 self._signal(self.jobs[me][1](), signal.SIGCONT)
                 t0 = time.time()
                 self.stop.wait(self.turn_s)
@@ -62,40 +67,69 @@ class Turns(threading.Thread):
                 self._signal(pids(), signal.SIGCONT)
 
 
-def run_paired(cfg, overrides: list[str]) -> dict:
-    """off (torchrun) and on (supervisor + spare) at the same time, taking turns on the machine;
-    returns the median step time of each over the steps that ran inside its own turns."""
+PAIRABLE = ("off", "plain", "on")  # the failure-free modes; on runs under the supervisor
+
+
+def run_paired(cfg, overrides: list[str], modes=("off", "on")) -> dict:
+    """Two or three of off (torchrun), plain (torchrun, torch-only loop) and on (supervisor +
+    spare) at the same time, taking turns on the machine; returns the median step time of each
+    over the steps that ran inside its own turns (keys step_s_median_<mode>,
+    steps_counted_<mode>), or {} if a mode had fewer than 5 such steps."""
     from ..launch import train  # imported late: it pulls in torch
     steps = cfg.paired_steps
-    _, out_off = mode_recipe(cfg, overrides, "off", name="paired-off", steps=steps)
-    # a stopped turn is a silence of turn_s: the hang detector must not take it for a hang
-    rc_on, out_on = mode_recipe(cfg, overrides + [
-        f"checkpointless.heartbeat_timeout_s={max(120.0, 10 * cfg.turn_s)}"], "on",
-        name="paired-on", steps=steps)
-    cmd = torchrun_cmd(cfg, out_off, 0)
+    modules = {"off": RECIPE_LOOP, "plain": PLAIN_LOOP}
+    runs = [m for m in PAIRABLE if m in modes and m in modules]  # torchrun jobs
+    names = runs + (["on"] if "on" in modes else [])  # the order of Turns' jobs
+    dirs = {m: mode_recipe(cfg, overrides, m, name=f"paired-{m}", steps=steps)[1] for m in runs}
+    rc_on = None
+    if "on" in names:  # a stopped turn is a silence of (jobs - 1) x turn_s: not a hang
+        rc_on, dirs["on"] = mode_recipe(cfg, overrides + [
+            f"checkpointless.heartbeat_timeout_s={max(120.0, 10 * len(runs) * cfg.turn_s)}"],
+            "on", name="paired-on", steps=steps)
     turns = None
-    with open(out_off / "torchrun.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    with contextlib.ExitStack() as stack:
+        procs = {}
+        for m in runs:
+            log = stack.enter_context(open(dirs[m] / "torchrun.log", "w"))
+            procs[m] = subprocess.Popen(torchrun_cmd(cfg, dirs[m], 0, modules[m]), stdout=log,
+                                        stderr=subprocess.STDOUT)
 
-        def on_start(sup):
+        def start_turns(sup=None):
             nonlocal turns
-            turns = Turns([(out_off, lambda: tree_pids(proc.pid), lambda: proc.poll() is not None),
-                           (out_on, lambda: [w.proc.pid for w in list(sup.workers.values())],
-                            lambda: len(read_records(out_on)) >= steps)], cfg.turn_s)
+            jobs = [(dirs[m], lambda p=procs[m]: tree_pids(p.pid),
+                     lambda p=procs[m]: p.poll() is not None) for m in runs]
+            if sup is not None:
+                jobs.append((dirs["on"], lambda: [w.proc.pid for w in list(sup.workers.values())],
+                             lambda: len(read_records(dirs["on"])) >= steps))
+            turns = Turns(jobs, cfg.turn_s)
             turns.start()
 
         try:
-            train(rc_on, on_start=on_start)
+            if rc_on is not None:
+                train(rc_on, on_start=start_turns)
+            else:
+                start_turns()
+                for p in procs.values():
+                    p.wait(timeout=cfg.mode_timeout_s)
         finally:
             if turns:
                 turns.stop.set()
                 turns.join()
-            proc.wait(timeout=cfg.mode_timeout_s)
-    off = steps_in_turns(read_records(out_off), turns.windows, 0)
-    on = steps_in_turns(read_records(out_on), turns.windows, 1)
-    if len(off) < 5 or len(on) < 5:
+            for p in procs.values():
+                p.wait(timeout=cfg.mode_timeout_s)
+    if turns is None:
         return {}
-    return {"turns": len(turns.windows), "turn_s": cfg.turn_s, "steps_counted_off": len(off),
-            "steps_counted_on": len(on), "step_s_median_off": round(statistics.median(off), 5),
-            "step_s_median_on": round(statistics.median(on), 5),
-            "same_bits": run_digest(out_off) == run_digest(out_on) is not None}
+    counted = {m: steps_in_turns(read_records(dirs[m]), turns.windows, i)
+               for i, m in enumerate(names)}
+    if any(len(v) < 5 for v in counted.values()):
+        return {}
+    out = {"turns": len(turns.windows), "turn_s": cfg.turn_s}
+    for m in names:
+        out[f"steps_counted_{m}"] = len(counted[m])
+        out[f"step_s_median_{m}"] = round(statistics.median(counted[m]), 5)
+    digests = {m: run_digest(dirs[m]) for m in names}
+    if "off" in names and "on" in names:
+        out["same_bits"] = digests["off"] == digests["on"] is not None
+    if "off" in names and "plain" in names:  # equal only if torch's sums add in the same order
+        out["same_bits_plain_off"] = digests["off"] == digests["plain"] is not None
+    return out

@@ -1,5 +1,6 @@
-"""What the benchmark prints and writes: the table of modes, the derived figures, the model's
-table, bench.json and the timeline figure."""
+"""What the benchmark prints and writes: the table of modes, the derived figures (overhead, the
+recipe loop against plain torch, the copy the buckets save), the model's table, bench.json and the
+timeline figure."""
 from __future__ import annotations
 
 import json
@@ -48,8 +49,53 @@ def model_table(measured: dict, overhead, save_cost_s: float):
     return rows, "\n".join(lines)
 
 
+def against_plain(summaries: dict, paired: Optional[dict]) -> Optional[dict]:
+    """The recipe loop's median step time (off, on) over the plain torch loop's, from the paired
+    run when plain took turns in it, else from the runs one after the other; None without plain."""
+    paired = paired or {}
+    if "step_s_median_plain" in paired:
+        source, step = "paired", {m: paired.get(f"step_s_median_{m}") for m in ("off", "on")}
+        plain = paired["step_s_median_plain"]
+    elif (summaries.get("plain") or {}).get("step_s_median"):
+        source, plain = "sequential", summaries["plain"]["step_s_median"]
+        step = {m: summaries[m].get("step_s_median") for m in ("off", "on") if m in summaries}
+    else:
+        return None
+    ratios = {f"{m}_over_plain": round(v / plain, 4) for m, v in step.items() if v}
+    return {"source": source, "plain_step_s": plain,
+            **{f"{m}_step_s": v for m, v in step.items() if v}, **ratios,
+            "within_5pct": all(r <= 1.05 for r in ratios.values()) if ratios else None}
+
+
+def plain_line(fig: dict) -> str:
+    """One line: the plain loop's step time and the recipe loop's beside it, as ratios."""
+    how = ("taking turns on the machine" if fig["source"] == "paired"
+           else "runs one after the other")
+    parts = [f"plain {fig['plain_step_s'] * 1000:.0f} ms"]
+    for m in ("off", "on"):
+        if f"{m}_over_plain" in fig:
+            parts.append(f"{m} {fig[f'{m}_step_s'] * 1000:.0f} ms "
+                         f"(x{fig[f'{m}_over_plain']:.3f})")
+    verdict = "" if fig["within_5pct"] is None else \
+        f"; within 5% of plain: {'yes' if fig['within_5pct'] else 'NO'}"
+    return (f"median step beside plain torch (torch's DDP/FSDP2, same model, data and optimizer; "
+            f"{how}): {', '.join(parts)}{verdict}")
+
+
+def grad_copy_line(copy: dict, step_s: Optional[float]) -> str:
+    """The copy-back the overlapped buckets no longer make, in bytes and time per worker-step."""
+    share = f", {copy['copy_s_median'] / step_s:.2%} of off's step" if step_s else ""
+    return (f"gradient copy-back saved by the buckets' views (the old flat all-reduce copied the "
+            f"sum into every .grad): {copy['trainable_params']:,} trainable params x "
+            f"{copy['bytes_per_step'] // max(1, copy['trainable_params'])} B = "
+            f"{copy['bytes_per_step'] / 1e6:.1f} MB per worker per step, "
+            f"{copy['copy_s_median'] * 1000:.2f} ms timed here{share}. Flat all-reduce against "
+            f"the overlapped buckets is not run side by side: the recipe loop has no switch for "
+            f"the old path")
+
+
 def report(cfg, results: dict, save_cost: float, out_root: Path,
-           paired: Optional[dict] = None) -> int:
+           paired: Optional[dict] = None, grad_copy: Optional[dict] = None) -> int:
     """Print the results, write bench.json and timeline.png; exit code 1 if checkpointless
     ended with other bits than the failure-free run."""
     s = {m: r["summary"] for m, r in results.items()}
@@ -57,7 +103,7 @@ def report(cfg, results: dict, save_cost: float, out_root: Path,
     if "on" in s and "off" in s:
         sequential = round(s["on"]["step_s_median"] / s["off"]["step_s_median"] - 1, 4)
     overhead = sequential
-    if paired:
+    if paired and "step_s_median_on" in paired and "step_s_median_off" in paired:
         overhead = round(paired["step_s_median_on"] / paired["step_s_median_off"] - 1, 4)
     speedup = None
     if s.get("checkpointless", {}).get("recovery_s_median") and \
@@ -75,14 +121,19 @@ def report(cfg, results: dict, save_cost: float, out_root: Path,
     print()
     print(table(rows, ["mode", "wall_s", "steps", "goodput", "failures", "recov_med_s",
                        "recov_max_s", "redone", "step_ms", "params_sha256"]))
-    if paired:
-        print(f"steady-state overhead of checkpointless (on vs off, median step time, the two "
+    if paired and "step_s_median_on" in paired and "step_s_median_off" in paired:
+        print(f"steady-state overhead of checkpointless (on vs off, median step time, the runs "
               f"taking turns on the machine, {paired['steps_counted_on']} and "
               f"{paired['steps_counted_off']} steps counted): {overhead:+.1%} "
               f"(runs one after the other: {sequential:+.1%})")
     elif overhead is not None:
         print(f"steady-state overhead of checkpointless (on vs off, median step time): "
               f"{overhead:+.1%}")
+    plain_fig = against_plain(s, paired)
+    if plain_fig:
+        print(plain_line(plain_fig))
+    if grad_copy:
+        print(grad_copy_line(grad_copy, (s.get("off") or {}).get("step_s_median")))
     if speedup is not None:
         print(f"median recovery: restart {s['restart']['recovery_s_median']:.2f} s vs "
               f"checkpointless {s['checkpointless']['recovery_s_median']:.2f} s "
@@ -111,6 +162,7 @@ def report(cfg, results: dict, save_cost: float, out_root: Path,
         "modes": {m: {k: v for k, v in x.items() if k != "t0"} for m, x in s.items()},
         "overhead": overhead, "overhead_sequential": sequential, "overhead_paired": paired,
         "recovery_speedup": speedup,
+        "against_plain": plain_fig, "grad_copy_saved": grad_copy,
         "same_bits_as_off": same,
         "failures": {m: r["kills"] for m, r in results.items() if r["kills"]},
         "checkpoint_save_s": round(save_cost, 4),

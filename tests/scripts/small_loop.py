@@ -6,6 +6,8 @@
     CRASH_WORKER=wid     that worker id exits with code 3 before it joins
     CRASH_REPLACEMENTS=1 every replacement raises right after it is handed a rank
     WRAP_DDP=1           the model stays wrapped in torch's DistributedDataParallel
+    LOADER_WORKERS=n     a DataLoader with n worker processes, forked after join, is stepped
+                         along (its children inherit the process group's sockets)
 """
 import hashlib
 import os
@@ -36,6 +38,11 @@ if os.environ.get("WRAP_DDP"):
     model = torch.nn.parallel.DistributedDataParallel(model)
 job.protect(model=model, optimizer=opt)
 raise_at = os.environ.get("RAISE_AT")
+loader = None
+if os.environ.get("LOADER_WORKERS"):
+    from torch.utils.data import DataLoader
+    loader = iter(DataLoader(range(10 ** 6), batch_size=4,
+                             num_workers=int(os.environ["LOADER_WORKERS"])))
 for step in job.steps(STEPS):
     with job.step():
         if raise_at == f"{job.rank}:{step}":
@@ -43,6 +50,8 @@ for step in job.steps(STEPS):
             if os.environ.get("RAISE_ALWAYS") or not os.path.exists(marker):
                 open(marker, "w").close()
                 raise RuntimeError("timed out reading shard 7 of my own dataset")
+        if loader is not None:
+            next(loader)  # the data below stays a function of (step, rank)
         g = torch.Generator().manual_seed(step * 1000 + job.rank)
         x = torch.randn(32, 16, generator=g)
         loss = F.mse_loss(model(x), x[:, :1] ** 2)

@@ -1,0 +1,135 @@
+"""The `plain` mode's worker: what a user would run instead of the recipe loop.
+
+    torchrun --nproc_per_node N -m launcher.bench.plain_loop RUN_DIR/recipe.yaml
+
+The same model, tokenizer, data order, threads, precision, AdamW groups and lr schedule as
+launcher/loop.py (imported from it, so the two cannot drift apart), but the step is torch alone:
+`torch.nn.parallel.DistributedDataParallel` with its default settings for ddp, FSDP2's
+`fully_shard` for fsdp, no supervisor, no join, nothing of checkpointless called. It writes the
+recipe loop's metrics.jsonl records and results/rank<r>.json, so the benchmark reads both the same
+way.
+
+`launcher.loop` imports checkpointless at module level, so the package is loaded here, but nothing
+in it runs: the step below calls torch only.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from ..data import StepSampler, prepare
+from ..loop import Metrics, build_optimizer, full_state, lr_at, shard
+from ..schema import Recipe
+
+
+def digest(state: dict) -> str:
+    """SHA-256 over (name, dtype, shape, bytes) of each tensor in name order: the same recipe as
+    checkpointless.digest.state_sha256, written out so this script needs none of its code, and
+    so a plain run that ends with the recipe loop's bits shows the same digest."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name]
+        t = (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().contiguous()
+        h.update(name.encode())
+        h.update(str(t.dtype).encode())
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def main(recipe_file: str) -> None:
+    cfg = OmegaConf.merge(OmegaConf.structured(Recipe), OmegaConf.load(recipe_file))
+    out_dir = Path(recipe_file).parent
+    d, t = cfg.distributed, cfg.trainer
+    backend = d.backend if d.backend != "auto" else ("nccl" if torch.cuda.is_available() else
+                                                     "gloo")
+    if backend == "nccl":  # torchrun's local rank picks the GPU, as in any torchrun script
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(d.threads_per_worker or
+                              max(1, (os.cpu_count() or 1) // d.num_processes))
+    dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    import datasets
+    datasets.disable_progress_bars()
+    from models import build_model, build_tokenizer
+    tokenizer = build_tokenizer(cfg.tokenizer.kind, cfg.tokenizer.id or cfg.model.id)
+    torch.manual_seed(cfg.run.seed)  # the recipe loop's initial weights
+    model = build_model(cfg.model.name, cfg.model.init, cfg.model.id,
+                        OmegaConf.to_container(cfg.model.config), vocab_size=len(tokenizer),
+                        token_ids={"eos_token_id": tokenizer.eos_token_id,
+                                   "bos_token_id": tokenizer.bos_token_id,
+                                   "pad_token_id": tokenizer.pad_token_id})
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    model.to(device).train()
+    sampler = StepSampler(prepare(cfg, tokenizer), cfg.run.seed, t.micro_batch_size,
+                          t.grad_accum_steps)
+
+    if d.strategy == "fsdp":
+        shard(model, cfg)
+        wrapped = model
+    else:  # torch's defaults but the bucket size, which the recipe loop takes from the recipe
+        wrapped = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device] if device.type == "cuda" else None,
+            bucket_cap_mb=d.bucket_cap_mb)
+    optimizer = build_optimizer(model, cfg)
+    metrics = Metrics(cfg, out_dir, 0) if rank == 0 else None
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.precision == "bf16")
+    clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
+    loss_value = float("nan")
+
+    for step in range(t.max_steps):
+        t0 = time.time()
+        lr = lr_at(step, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros(1, device=device)
+        for micro in range(t.grad_accum_steps):
+            ids = sampler.batch(step, rank, world, micro).to(device)
+            last = micro == t.grad_accum_steps - 1
+            if d.strategy == "fsdp" and t.grad_accum_steps > 1:
+                model.set_requires_gradient_sync(last)
+            with autocast:
+                loss = wrapped(input_ids=ids, labels=ids).loss
+            with nullcontext() if last or d.strategy == "fsdp" else wrapped.no_sync():
+                (loss / t.grad_accum_steps).backward()
+            loss_sum += loss.detach().float()
+        dist.all_reduce(loss_sum)  # the logged loss is the mean over ranks, as in the recipe loop
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss_value = loss_sum.item() / (world * t.grad_accum_steps)
+        if metrics:
+            metrics.step(step, loss_value, lr, float(grad_norm), t0, time.time())
+
+    state = full_state(model, d.strategy)  # a collective under fsdp: every rank takes part
+    sha = digest(state)
+    if metrics:
+        metrics.close()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    result = {"params_sha256": sha, "rank": rank, "final_loss": loss_value, "steps": t.max_steps,
+              "local_params": sum(getattr(p, "_local_tensor", p).numel() for p in trainable),
+              "full_params": sum(v.numel() for v in state.values())}
+    (out_dir / "results").mkdir(exist_ok=True)
+    (out_dir / "results" / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
