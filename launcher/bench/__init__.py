@@ -7,8 +7,10 @@ These modes train the same recipe, seed and step count (fsdp and fsdp-replicated
   off             the recipe loop under torchrun, no fault tolerance, no failure
   on              under the checkpointless supervisor with a spare, no failure (steady overhead)
   plain           a torch-only loop under torchrun (torch's DDP, or FSDP2 under
-                  distributed.strategy=fsdp): what a user would run instead; the report prints
-                  the recipe loop's step time over it
+                  distributed.strategy=fsdp): what a user would run instead. It takes turns
+                  with off and on in the paired run by default (bench.paired_plain), and the
+                  report prints the recipe loop's step time over it; bench.modes=off,on,plain
+                  adds its own run and table row
   checkpointless  as `on`, with workers SIGKILLed on a seeded schedule
   restart         torchrun with --max-restarts: every failure restarts all workers, which resume
                   from the newest disk checkpoint, saved every tau steps (Young's optimum)

@@ -12,7 +12,7 @@ from .baseline import (PLAIN_LOOP, checkpoint_every, measure_grad_copy, measure_
 from .config import parse
 from .failures import schedule
 from .modes import mode_recipe, run_supervised
-from .paired import PAIRABLE, run_paired
+from .paired import paired_modes, run_paired
 from .records import read_records, run_digest, summarize
 from .report import report
 
@@ -61,8 +61,8 @@ def bench(args: list[str]) -> int:
         shown = {k: v for k, v in summary.items() if k not in ("t0", "recovery_s_all")}
         print(f"[bench] {mode}: {json.dumps(shown)}", flush=True)
     paired = {}
-    pair = [m for m in PAIRABLE if m in modes]
-    if cfg.paired_steps and len(pair) >= 2:
+    pair = paired_modes(cfg)
+    if pair:
         print(f"[bench] {' and '.join(pair)} side by side, taking turns every {cfg.turn_s:g} s "
               f"({cfg.paired_steps} steps each)", flush=True)
         paired = run_paired(cfg, overrides, pair)

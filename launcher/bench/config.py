@@ -24,10 +24,14 @@ class BenchConfig:
     spares: int = 1  # hot spares for the checkpointless modes
     max_restarts: int = 100  # torchrun --max-restarts for the restart mode
     output_dir: str = "bench_out"  # bench.json, timeline.png and one folder per mode
-    modes: str = "off,on,checkpointless,restart"  # modes to run, comma-separated
+    # modes to run, comma-separated; add plain for its own run and row (bench.modes=off,on,plain)
+    modes: str = "off,on,checkpointless,restart"
     # steps of the off/on pair run side by side, taking turns every turn_s seconds, from which
     # the steady-state overhead is measured (0: overhead from the sequential off and on runs)
     paired_steps: int = 80
+    # plain (torch's own DDP loop) takes turns in that run too, even when not among bench.modes:
+    # on this noisy box only turns make a 5% comparison readable, and it costs paired_steps steps
+    paired_plain: bool = True
     turn_s: float = 3.0
     mode_timeout_s: float = 900.0  # a mode still running after this is stopped and reported
 
@@ -48,7 +52,7 @@ def parse(args: list[str]) -> tuple[BenchConfig, list[str]]:
         # `steps` defaults to None, so its type is not in its default
         kind = type(getattr(cfg, key)) if getattr(cfg, key) is not None else int
         try:
-            setattr(cfg, key, kind(value))
+            setattr(cfg, key, as_bool(value) if kind is bool else kind(value))
         except ValueError:
             raise RecipeError(f"bench.{key}={value!r}: expected {kind.__name__}") from None
     bad = [m for m in cfg.modes.split(",") if m not in MODES]
@@ -58,11 +62,21 @@ def parse(args: list[str]) -> tuple[BenchConfig, list[str]]:
         raise RecipeError("bench.mtbf_s must be > 0 and bench.workers >= 1")
     if cfg.steps is None:
         # off and on take ~1x each, the failure modes ~1.2x and ~2x, plus start-up per run and
-        # the second on/off pair
-        spare_s = 100 + (30 + 2 * cfg.paired_steps * cfg.step_s_estimate
+        # the paired run (off, on and plain taking turns)
+        spare_s = 100 + (30 + (2 + cfg.paired_plain) * cfg.paired_steps * cfg.step_s_estimate
                          if cfg.paired_steps else 0)
         cfg.steps = max(40, int((cfg.duration_s - spare_s) / (4.2 * cfg.step_s_estimate)))
         # a failure run lasts at least the longest first gap of the schedule (1.5 x MTBF), so
         # it sees at least one failure
         cfg.steps = max(cfg.steps, math.ceil(1.7 * cfg.mtbf_s / cfg.step_s_estimate))
     return cfg, overrides
+
+
+def as_bool(value: str) -> bool:
+    """`bench.paired_plain=false` must read as False (bool("false") is True)."""
+    v = value.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(value)

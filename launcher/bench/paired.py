@@ -70,6 +70,16 @@ class Turns(threading.Thread):
 PAIRABLE = ("off", "plain", "on")  # the failure-free modes; on runs under the supervisor
 
 
+def paired_modes(cfg) -> list[str]:
+    """The modes of the paired run: the failure-free ones asked for, plus plain unless
+    bench.paired_plain=false; none without paired_steps, or when neither off nor on was asked."""
+    modes = cfg.modes.split(",")
+    pair = [m for m in PAIRABLE if m in modes or (m == "plain" and cfg.paired_plain)]
+    if not cfg.paired_steps or not {"off", "on"} & set(modes) or len(pair) < 2:
+        return []
+    return pair
+
+
 def run_paired(cfg, overrides: list[str], modes=("off", "on")) -> dict:
     """Two or three of off (torchrun), plain (torchrun, torch-only loop) and on (supervisor +
     spare) at the same time, taking turns on the machine; returns the median step time of each

@@ -102,9 +102,11 @@ def main(recipe_file: str) -> None:
             last = micro == t.grad_accum_steps - 1
             if d.strategy == "fsdp" and t.grad_accum_steps > 1:
                 model.set_requires_gradient_sync(last)
-            with autocast:
-                loss = wrapped(input_ids=ids, labels=ids).loss
+            # torch's DDP decides at forward whether the next backward reduces, so no_sync must
+            # hold the forward too (around the backward alone, every micro-batch is reduced)
             with nullcontext() if last or d.strategy == "fsdp" else wrapped.no_sync():
+                with autocast:
+                    loss = wrapped(input_ids=ids, labels=ids).loss
                 (loss / t.grad_accum_steps).backward()
             loss_sum += loss.detach().float()
         dist.all_reduce(loss_sum)  # the logged loss is the mean over ranks, as in the recipe loop
