@@ -20,6 +20,8 @@ what breaks recovery:
 from __future__ import annotations
 
 import contextlib
+import queue
+import threading
 
 import torch
 import torch.distributed as dist
@@ -54,13 +56,20 @@ class DistributedDataParallel(torch.nn.Module):
             size += bytes_
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
         self._sync = True
-        self.on_local_grads = None  # (grads) -> None, told the local gradients before a sum
+        self.on_local_grads = None  # (grads, extra) -> None: told the local values before a sum
+        self._extra: torch.Tensor | None = None
+        self.extra_sum: torch.Tensor | None = None
         self._reset()
         for p in params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+
+    def reduce_with(self, extra: torch.Tensor | None) -> None:
+        """Sum `extra` (e.g. the step's summed loss) over the ranks with the next reduction of
+        the gradients; the result is `extra_sum`. Set it before the backward that reduces."""
+        self._extra = extra
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -75,7 +84,7 @@ class DistributedDataParallel(torch.nn.Module):
     # ---- one backward ----------------------------------------------------------------------
     def _reset(self) -> None:
         self._waiting = [len(b) for b in self.buckets]  # gradients not yet ready, per bucket
-        self._launched: list[tuple[torch.Tensor, object]] = []  # (flat, work) in bucket order
+        self._flats: list[torch.Tensor] = []  # bucket buffers handed to the sender, in order
         self._queued = False
 
     def _grad_ready(self, p: torch.nn.Parameter) -> None:
@@ -83,43 +92,86 @@ class DistributedDataParallel(torch.nn.Module):
             return
         if not self._queued:  # the end of this backward finishes the reduction
             self._queued = True
+            self._sender = _Sender()
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         i = self._bucket_of[id(p)]
         self._waiting[i] -= 1
-        while len(self._launched) < len(self.buckets) and \
-                self._waiting[len(self._launched)] == 0:
-            self._launch(len(self._launched))
+        while len(self._flats) < len(self.buckets) and self._waiting[len(self._flats)] == 0:
+            self._launch(len(self._flats))
 
     def _launch(self, i: int) -> None:
-        bucket = self.buckets[i]
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                          for p in bucket])
-        with communicating(f"all-reduce of gradient bucket {i}"):
-            work = dist.all_reduce(flat, async_op=True)
-        self._launched.append((flat, work))
+                          for p in self.buckets[i]])
+        self._flats.append(flat)
+        self._sender.put(flat, f"all-reduce of gradient bucket {i}")
 
     def _finish(self) -> None:
         try:
             params = [p for b in self.buckets for p in b]
+            extra = None if self._extra is None else self._extra.detach().clone().float()
             if self.on_local_grads is not None:
-                self.on_local_grads([(p, p.grad) for p in params if p.grad is not None])
-            while len(self._launched) < len(self.buckets):  # unused parameters: zeros
-                self._launch(len(self._launched))
+                self.on_local_grads([(p, p.grad) for p in params if p.grad is not None], extra)
+            while len(self._flats) < len(self.buckets):  # unused parameters: zeros
+                self._launch(len(self._flats))
+            if extra is not None:  # last, so every rank issues the collectives in one order
+                self._sender.put(extra, "all-reduce of the step's extra values")
+            self._sender.finish()  # raises PeerLost if any collective failed
+            self.extra_sum = extra
             world = dist.get_world_size()
-            for i, (flat, work) in enumerate(self._launched):
-                with communicating(f"all-reduce of gradient bucket {i}"):
-                    work.wait()
-            for bucket, (flat, _) in zip(self.buckets, self._launched):
+            for bucket, flat in zip(self.buckets, self._flats):
                 flat.div_(world)
                 offset = 0
                 for p in bucket:  # a new tensor: the local gradient object stays as it was
                     p.grad = flat[offset:offset + p.numel()].view_as(p)
                     offset += p.numel()
         finally:
+            self._extra = None
             self._reset()
 
-    def reduce_now(self) -> None:
+    def reduce_now(self, extra: torch.Tensor | None = None) -> None:
         """Average the gradients the parameters hold now, in the same buckets and order as a
         backward would (a survivor redoing a step from the gradients it kept)."""
         self._reset()
+        self._sender = _Sender()
+        self._extra = extra
         self._finish()
+
+
+class _Sender:
+    """Runs one backward's all-reduces on a thread of its own, one at a time, in the order given.
+
+    The thread overlaps communication with the rest of backward (a blocking collective releases
+    the interpreter lock while it waits). One at a time matters: after a collective fails on a
+    group whose peer died, another collective on that group can receive the stray bytes of the
+    first and abort the whole process from inside gloo; so after a failure nothing more is sent.
+    """
+
+    def __init__(self):
+        self._items: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                         name="checkpointless-ddp-sender")
+        self._thread.start()
+
+    def put(self, tensor: torch.Tensor, what: str) -> None:
+        self._items.put((tensor, what))
+
+    def finish(self) -> None:
+        self._items.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+    def _run(self) -> None:
+        while True:
+            item = self._items.get()
+            if item is None:
+                return
+            if self._error is not None:
+                continue  # a collective failed: the group is broken, send nothing more
+            tensor, what = item
+            try:
+                with communicating(what):
+                    dist.all_reduce(tensor)
+            except BaseException as exc:  # handed to the training thread in finish()
+                self._error = exc

@@ -74,16 +74,11 @@ class KeptGrads:
     def drop(self) -> None:
         self._kept = None
 
-    def remember(self, step: int, rank: int, world: int, grads) -> None:
-        """Keep references to this rank's own gradients of `step` (the bucketed all-reduce of
-        checkpointless.DistributedDataParallel calls this before it sums)."""
-        extra = self._kept["extra"] if self.usable(step, rank, world) else None
+    def remember(self, step: int, rank: int, world: int, grads, extra=None) -> None:
+        """Keep references to this rank's own gradients of `step` and its `extra` (the bucketed
+        all-reduce of checkpointless.DistributedDataParallel calls this before it sums)."""
         self._kept = {"step": step, "rank": rank, "world": world, "grads": list(grads),
                       "extra": extra}
-
-    def keep_extra(self, extra: torch.Tensor | None) -> None:
-        if self._kept is not None and extra is not None:
-            self._kept["extra"] = extra.detach().clone()
 
     def restore(self):
         """Put the kept gradients back on their parameters; returns the kept `extra`."""

@@ -105,8 +105,8 @@ class Job:
         for obj in objects.values():
             if isinstance(obj, DistributedDataParallel):  # it keeps our gradients for a redo
                 self._ddp = obj
-                obj.on_local_grads = lambda grads: self._kept.remember(
-                    self._rec.completed, self.rank, self.world_size, grads)
+                obj.on_local_grads = lambda grads, extra: self._kept.remember(
+                    self._rec.completed, self.rank, self.world_size, grads, extra)
 
     def set_fallback(self, newest_step, load_step) -> None:
         """Durable checkpoints, used when no peer holds a lost slice: `newest_step()` gives the
@@ -233,17 +233,20 @@ class Job:
         return `extra` summed over the ranks (see `grads.all_reduce_grads`).
 
         With a protected checkpointless.DistributedDataParallel the gradients were already
-        averaged during backward; this then sums `extra` only, or, when the loop skipped the
-        compute because `grads_kept`, averages the kept gradients in the wrapper's buckets."""
-        if self._ddp is None:
+        averaged during backward, with the `extra` given to its `reduce_with()`: this returns
+        that sum (or sums `extra` now if none was given). When the loop skipped the compute
+        because `grads_kept`, it averages the kept gradients and extra in the wrapper's buckets."""
+        ddp = self._ddp
+        if ddp is None:
             return self._kept.all_reduce(params, self._rec.completed, self.rank,
                                          self.world_size, extra)
         params = list(params)
         if self.grads_kept and all(p.grad is None for p in params):
-            extra = self._kept.restore()
-            self._ddp.reduce_now()
-        else:
-            self._kept.keep_extra(extra)
+            ddp.reduce_now(self._kept.restore())
+            return ddp.extra_sum
+        if ddp.extra_sum is not None:
+            summed, ddp.extra_sum = ddp.extra_sum, None
+            return summed
         return all_reduce_extra(extra)
 
     def finish(self, result: dict | None = None) -> None:

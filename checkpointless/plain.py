@@ -43,7 +43,7 @@ class PlainJob:
         self._completed = 0
         self._step_t0 = 0.0
         self._scoped = False
-        self._ddp = False
+        self._ddp = None
 
     @property
     def completed_steps(self) -> int:
@@ -60,13 +60,17 @@ class PlainJob:
         return seed_all(step_seed(self.seed, step, self.rank, micro))
 
     def all_reduce_grads(self, params, extra: torch.Tensor | None = None):
-        if self._ddp:  # the wrapper averaged the gradients during backward
+        if self._ddp:  # the wrapper averaged the gradients (and extra) during backward
+            if self._ddp.extra_sum is not None:
+                summed, self._ddp.extra_sum = self._ddp.extra_sum, None
+                return summed
             return all_reduce_extra(extra)
         return all_reduce_grads(params, self.world_size, extra)
 
     def protect(self, **objects) -> None:
         # nothing to protect (a failure ends the job); only note a gradient-averaging wrapper
-        self._ddp = any(isinstance(o, DistributedDataParallel) for o in objects.values())
+        found = [o for o in objects.values() if isinstance(o, DistributedDataParallel)]
+        self._ddp = found[0] if found else None
 
     def steps(self, max_steps: int):
         while self._completed < max_steps:

@@ -190,10 +190,12 @@ def main(recipe_file: str) -> None:
                         model.set_requires_gradient_sync(last)
                     with autocast:
                         loss = wrapped(input_ids=ids, labels=ids).loss
+                    loss_sum += loss.detach().float()
+                    if d.strategy == "ddp" and last:  # summed with the last gradient bucket
+                        wrapped.reduce_with(loss_sum)
                     # ddp: earlier micro-batches accumulate; the last backward reduces them all
                     with nullcontext() if last or d.strategy == "fsdp" else wrapped.no_sync():
                         (loss / t.grad_accum_steps).backward()
-                    loss_sum += loss.detach().float()
             if d.strategy == "ddp":
                 loss_total = job.all_reduce_grads(model.parameters(), extra=loss_sum)
             else:  # FSDP already averaged the gradients; the loss needs its own collective

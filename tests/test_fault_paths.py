@@ -140,3 +140,15 @@ def test_dataloader_workers_forked_after_join_do_not_stall_a_recovery(tmp_path, 
     assert digest(rep) == clean_digest
     (rec,) = rep["recoveries"]
     assert rec["recovery_s"] < 10.0  # not the process-group timeout
+
+
+def test_the_drop_in_ddp_with_several_buckets_in_flight_recovers_a_kill(tmp_path):
+    # several collectives per step: after the first fails no other may touch the broken group
+    # (gloo aborts the process on stray bytes), and survivors redo the step from kept gradients
+    (tmp_path / "clean").mkdir()
+    clean = run(tmp_path / "clean", "--spares", "0", DDP_BUCKET_MB="0.004")
+    rep = run(tmp_path, "--spares", "1", "--fault", "kill:2:5", DDP_BUCKET_MB="0.004")
+    assert digest(rep) == digest(clean)
+    (rec,) = rep["recoveries"]
+    assert rec["failed_rank"] == 2 and rec["ranks_reusing_grads"] == [0, 1, 3]
+    assert [f["rank"] for f in rep["failures"]] == [2]  # no survivor was lost on the way

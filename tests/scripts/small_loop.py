@@ -6,6 +6,8 @@
     CRASH_WORKER=wid     that worker id exits with code 3 before it joins
     CRASH_REPLACEMENTS=1 every replacement raises right after it is handed a rank
     WRAP_DDP=1           the model stays wrapped in torch's DistributedDataParallel
+    DDP_BUCKET_MB=x      gradients averaged by checkpointless.DistributedDataParallel in buckets
+                         of x MB (several: more than one collective in flight per step)
     LOADER_WORKERS=n     a DataLoader with n worker processes, forked after join, is stepped
                          along (its children inherit the process group's sockets)
 """
@@ -36,7 +38,11 @@ if os.environ.get("CRASH_REPLACEMENTS") and job.is_replacement:
     raise RuntimeError("this replacement cannot start: broken device")
 if os.environ.get("WRAP_DDP"):
     model = torch.nn.parallel.DistributedDataParallel(model)
-job.protect(model=model, optimizer=opt)
+dropin = None
+if os.environ.get("DDP_BUCKET_MB"):
+    dropin = checkpointless.DistributedDataParallel(
+        model, bucket_cap_mb=float(os.environ["DDP_BUCKET_MB"]))
+job.protect(model=dropin or model, optimizer=opt)
 raise_at = os.environ.get("RAISE_AT")
 loader = None
 if os.environ.get("LOADER_WORKERS"):
@@ -54,10 +60,15 @@ for step in job.steps(STEPS):
             next(loader)  # the data below stays a function of (step, rank)
         g = torch.Generator().manual_seed(step * 1000 + job.rank)
         x = torch.randn(32, 16, generator=g)
-        loss = F.mse_loss(model(x), x[:, :1] ** 2)
-        opt.zero_grad()
-        loss.backward()
-        job.all_reduce_grads(model.parameters())
+        if dropin is not None and job.grads_kept:  # a survivor redoing the step: no recompute
+            job.all_reduce_grads(model.parameters())
+        else:
+            loss = F.mse_loss((dropin or model)(x), x[:, :1] ** 2)
+            opt.zero_grad()
+            if dropin is not None:
+                dropin.reduce_with(loss.detach())
+            loss.backward()
+            job.all_reduce_grads(model.parameters())
         opt.step()
 h = hashlib.sha256()
 for name, t in sorted(model.state_dict().items()):
