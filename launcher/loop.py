@@ -122,8 +122,9 @@ def main(recipe_file: str) -> None:
     backend = d.backend if d.backend != "auto" else ("nccl" if torch.cuda.is_available() else
                                                      "gloo")
     if backend == "nccl":
-        device = torch.device("cuda", int(os.environ.get("CL_DEVICE_SLOT", "0")) %
-                              torch.cuda.device_count())
+        # the supervisor's device slot, or torchrun's local rank (the off and restart modes)
+        slot = int(os.environ.get("CL_DEVICE_SLOT", os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device("cuda", slot % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
