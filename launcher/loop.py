@@ -115,10 +115,9 @@ class Metrics:
         self.file.close()
 
 
-def main(recipe_file: str) -> None:
-    cfg = OmegaConf.merge(OmegaConf.structured(Recipe), OmegaConf.load(recipe_file))
-    out_dir = Path(recipe_file).parent
-    d, t = cfg.distributed, cfg.trainer
+def setup(cfg):
+    """(backend, device) of this worker; the thread count of a CPU worker is set here."""
+    d = cfg.distributed
     backend = d.backend if d.backend != "auto" else ("nccl" if torch.cuda.is_available() else
                                                      "gloo")
     if backend == "nccl":
@@ -130,8 +129,12 @@ def main(recipe_file: str) -> None:
         device = torch.device("cpu")
         torch.set_num_threads(d.threads_per_worker or
                               max(1, (os.cpu_count() or 1) // d.num_processes))
+    return backend, device
 
-    # --- warm-up: everything a worker needs before it holds a rank ---------------------------
+
+def build(cfg, device):
+    """Tokenizer, model (seeded, on `device`, in train mode) and the step sampler: everything a
+    worker builds before it holds a rank."""
     import datasets
     datasets.disable_progress_bars()
     from models import build_model, build_tokenizer
@@ -148,8 +151,20 @@ def main(recipe_file: str) -> None:
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     model.to(device).train()
+    t = cfg.trainer
     sampler = StepSampler(prepare(cfg, tokenizer), cfg.run.seed, t.micro_batch_size,
                           t.grad_accum_steps)
+    return tokenizer, model, sampler
+
+
+def main(recipe_file: str) -> None:
+    cfg = OmegaConf.merge(OmegaConf.structured(Recipe), OmegaConf.load(recipe_file))
+    out_dir = Path(recipe_file).parent
+    d, t = cfg.distributed, cfg.trainer
+    _, device = setup(cfg)
+
+    # --- warm-up: everything a worker needs before it holds a rank ---------------------------
+    tokenizer, model, sampler = build(cfg, device)
 
     catch_up_threads = torch.get_num_threads()
     if checkpointless.started_as_spare() and d.strategy == "ddp":

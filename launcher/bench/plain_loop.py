@@ -5,7 +5,8 @@
 The same model, tokenizer, data order, threads, precision, AdamW groups and lr schedule as
 launcher/loop.py (imported from it, so the two cannot drift apart), but the step is torch alone:
 `torch.nn.parallel.DistributedDataParallel` with its default settings for ddp, FSDP2's
-`fully_shard` for fsdp, no supervisor, no join, nothing of checkpointless called. It writes the
+`fully_shard` for fsdp, no supervisor, no join, nothing of checkpointless in the step (only the
+final digest is checkpointless.digest's, so equal bits show equal digests). It writes the
 recipe loop's metrics.jsonl records and results/rank<r>.json, so the benchmark reads both the same
 way.
 
@@ -14,9 +15,7 @@ in it runs: the step below calls torch only.
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import sys
 import time
 from contextlib import nullcontext
@@ -26,57 +25,20 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from ..data import StepSampler, prepare
-from ..loop import Metrics, build_optimizer, full_state, lr_at, shard
+from checkpointless.digest import state_sha256
+
+from ..loop import Metrics, build, build_optimizer, full_state, lr_at, setup, shard
 from ..schema import Recipe
-
-
-def digest(state: dict) -> str:
-    """SHA-256 over (name, dtype, shape, bytes) of each tensor in name order: the same recipe as
-    checkpointless.digest.state_sha256, written out so this script needs none of its code, and
-    so a plain run that ends with the recipe loop's bits shows the same digest."""
-    h = hashlib.sha256()
-    for name in sorted(state):
-        t = state[name]
-        t = (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().contiguous()
-        h.update(name.encode())
-        h.update(str(t.dtype).encode())
-        h.update(str(tuple(t.shape)).encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def main(recipe_file: str) -> None:
     cfg = OmegaConf.merge(OmegaConf.structured(Recipe), OmegaConf.load(recipe_file))
     out_dir = Path(recipe_file).parent
     d, t = cfg.distributed, cfg.trainer
-    backend = d.backend if d.backend != "auto" else ("nccl" if torch.cuda.is_available() else
-                                                     "gloo")
-    if backend == "nccl":  # torchrun's local rank picks the GPU, as in any torchrun script
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-        torch.set_num_threads(d.threads_per_worker or
-                              max(1, (os.cpu_count() or 1) // d.num_processes))
+    backend, device = setup(cfg)
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
-
-    import datasets
-    datasets.disable_progress_bars()
-    from models import build_model, build_tokenizer
-    tokenizer = build_tokenizer(cfg.tokenizer.kind, cfg.tokenizer.id or cfg.model.id)
-    torch.manual_seed(cfg.run.seed)  # the recipe loop's initial weights
-    model = build_model(cfg.model.name, cfg.model.init, cfg.model.id,
-                        OmegaConf.to_container(cfg.model.config), vocab_size=len(tokenizer),
-                        token_ids={"eos_token_id": tokenizer.eos_token_id,
-                                   "bos_token_id": tokenizer.bos_token_id,
-                                   "pad_token_id": tokenizer.pad_token_id})
-    if cfg.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    model.to(device).train()
-    sampler = StepSampler(prepare(cfg, tokenizer), cfg.run.seed, t.micro_batch_size,
-                          t.grad_accum_steps)
+    _, model, sampler = build(cfg, device)  # the recipe loop's model, weights and data
 
     if d.strategy == "fsdp":
         shard(model, cfg)
@@ -120,7 +82,7 @@ def main(recipe_file: str) -> None:
             metrics.step(step, loss_value, lr, float(grad_norm), t0, time.time())
 
     state = full_state(model, d.strategy)  # a collective under fsdp: every rank takes part
-    sha = digest(state)
+    sha = state_sha256(state)  # after training: the step itself runs no project code
     if metrics:
         metrics.close()
     trainable = [p for p in model.parameters() if p.requires_grad]
