@@ -17,7 +17,12 @@ worker's own error, with its traceback, within `confirm_s`.
 from __future__ import annotations
 
 import contextlib
+import json
+import sys
 import time
+import traceback
+
+from . import protocol
 
 
 class PeerFailure(RuntimeError):
@@ -87,3 +92,33 @@ def is_peer_failure(exc: BaseException, loss_seen, confirm_s: float) -> bool:
             return True
         pause = min(0.05, pause * 2)
     return False
+
+
+def report_error(store, worker_id: int, exc: BaseException) -> None:
+    """Hand the supervisor this worker's own exception, traceback included, at once (the first
+    one: what follows from it says less)."""
+    if not isinstance(exc, Exception):
+        return
+    try:
+        if store.check([protocol.error_key(worker_id)]):
+            return
+    except Exception:
+        return
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        store.set(protocol.error_key(worker_id), json.dumps({"t": time.time(), "error": text}))
+        store.add(protocol.ERRORS, 1)
+    except Exception:
+        pass
+
+
+def report_uncaught(store, worker_id: int) -> None:
+    """An exception that ends the script outside a step (building a wrapper, loading data after
+    join) reaches the supervisor with its traceback too, not only as an exit code."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        report_error(store, worker_id, value)
+        previous(kind, value, tb)
+
+    sys.excepthook = hook

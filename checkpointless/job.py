@@ -24,16 +24,15 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
 
 from . import consistency, detection, membership, protocol
-from .faults import FaultInjector, InjectedFault, parse_faults
 from .ddp import DistributedDataParallel
+from .failures import report_error, report_uncaught
+from .faults import FaultInjector, InjectedFault, parse_faults
 from .grads import KeptGrads, all_reduce_extra
 from .plain import PlainJob
 from .recovery import Phase, Recovery
@@ -306,36 +305,6 @@ class _StepScope:
         return False
 
 
-def report_error(store, worker_id: int, exc: BaseException) -> None:
-    """Hand the supervisor this worker's own exception, traceback included, at once (the first
-    one: what follows from it says less)."""
-    if not isinstance(exc, Exception):
-        return
-    try:
-        if store.check([protocol.error_key(worker_id)]):
-            return
-    except Exception:
-        return
-    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    try:
-        store.set(protocol.error_key(worker_id), json.dumps({"t": time.time(), "error": text}))
-        store.add(protocol.ERRORS, 1)
-    except Exception:
-        pass
-
-
-def _report_uncaught(store, worker_id: int) -> None:
-    """An exception that ends the script outside a step (building a wrapper, loading data after
-    join) reaches the supervisor with its traceback too, not only as an exit code."""
-    previous = sys.excepthook
-
-    def hook(kind, value, tb):
-        report_error(store, worker_id, value)
-        previous(kind, value, tb)
-
-    sys.excepthook = hook
-
-
 def started_as_spare() -> bool:
     """True in a process the supervisor started as a hot spare, before `join()` returns.
 
@@ -366,7 +335,7 @@ def join(seed: int | None = None, backend: str | None = None):
     if seed is not None:
         spec.seed = seed
     job = Job(store, worker_id, spec, host, port)
-    _report_uncaught(store, worker_id)
+    report_uncaught(store, worker_id)
     store.set(protocol.ready_key(worker_id), f"{time.time():.6f}")
     rec = job._rec
     plan = rec.wait_plan(-1, None)
