@@ -5,6 +5,7 @@ Depends on torch only. The public API:
     started_as_spare()        True in a hot spare before it takes a rank (time to warm up)
     Job.protect(**objects)    register model, optimizer, ... that a replacement must receive
     Job.steps(max_steps)      iterate over step numbers, resuming after a recovery
+    Job.epochs(n), Job.batches(loader)  or iterate a protected DataLoader, resuming at its batch
     Job.step()                context manager around one step; a peer failure inside is recovered
     Job.all_reduce_grads(...) average gradients in one fixed layout (bit-exact across recoveries)
     DistributedDataParallel   drop-in for torch's wrapper: overlapped, fixed buckets (ddp.py)

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from . import consistency, detection, membership, protocol
+from .data import END, Cursor, LoaderPosition
 from .ddp import DistributedDataParallel
 from .failures import report_error, report_uncaught
 from .faults import FaultInjector, InjectedFault, parse_faults
@@ -120,28 +121,88 @@ class Job:
     # ---- the loop ------------------------------------------------------------------------------
     def steps(self, max_steps: int):
         """Yield step numbers until `max_steps` steps are committed, recovering on failure."""
+        self._start()
+        while True:
+            step = self._turn()
+            if step >= max_steps:
+                return
+            if not self._ready(step):
+                continue
+            self._scope_used = False
+            yield step
+            self._after_body()
+
+    def epochs(self, num_epochs: int, max_steps: int | None = None, loader=None):
+        """Yield epoch numbers of the protected loader's position (data.py), from the agreed
+        one after a recovery, until `num_epochs` epochs (or `max_steps` steps) are done."""
+        self._start()
+        pos = self._position(loader)
+        while pos.epoch < num_epochs and (max_steps is None or self.completed_steps < max_steps):
+            epoch = pos.epoch
+            yield epoch
+            if pos.epoch == epoch:  # its batches ran out here, not moved on by a recovery
+                pos.epoch, pos.epoch_start = epoch + 1, self._rec.completed
+
+    def batches(self, loader, max_steps: int | None = None):
+        """Yield the protected `loader`'s batches of the current epoch, one per step, like
+        `steps()`: a step redone after a recovery gets the same batch again, and a replacement
+        starts at the batch after the last committed one (data.py)."""
+        self._start()
+        pos = self._position(loader)
+        epoch, cursor = pos.epoch, Cursor(loader)
+        while True:
+            step = self._turn()
+            if pos.epoch != epoch or (max_steps is not None and step >= max_steps):
+                return  # the position moved to a later epoch in a recovery, or the run is done
+            batch = cursor.batch(step - pos.epoch_start)  # this epoch's batch for this step
+            if batch is END:
+                return
+            if not self._ready(step):
+                continue
+            self._scope_used = False
+            yield batch
+            self._after_body()
+
+    def _position(self, loader) -> LoaderPosition:
+        found = [o for o in self._state.objects.values() if isinstance(o, LoaderPosition) and
+                 (loader is None or o.loader is loader)]
+        if len(found) != 1:
+            what = "this loader" if loader is not None else "one loader"
+            raise RuntimeError(f"job.epochs()/job.batches(): protect {what} first, with "
+                               "job.protect(..., loader=loader), so a replacement can resume at "
+                               "its position" + ("" if loader is not None or not found else
+                                                 "; with several, pass epochs(loader=...)"))
+        return found[0]
+
+    def _start(self) -> None:
+        """At the first loop call: agree on the state (a replacement receives it here)."""
         rec = self._rec
         if rec.phase is Phase.JOINED:
             self._reported(rec.sync_first)
             if rec.rank == 0 and rec.gen == 0:  # where this launch's step records begin
                 self.store.set(protocol.FIRST_STEP, str(rec.completed))
-        while True:
-            if rec.watch.moved(rec.gen) and rec.phase is not Phase.FAILED:
-                rec.fail()
-            if rec.phase is Phase.FAILED:
-                self._reported(rec.recover)
-            if rec.completed >= max_steps:
-                return
-            step = rec.completed
-            detection.beat(self.store, self.worker_id, step, rec.gen, "step")
-            self._injector.before_step(rec.rank, step)
-            self._step_t0 = time.time()  # the replica exchange is part of the step's cost
-            if not self._replicate(step) or not self._consistent(step):
-                continue
-            self._scope_used = False
-            yield step
-            if not self._scope_used and rec.phase is not Phase.FAILED:
-                rec.commit(self._step_t0)
+
+    def _turn(self) -> int:
+        """Recover if a peer failed since the last step; the step to run next."""
+        rec = self._rec
+        if rec.watch.moved(rec.gen) and rec.phase is not Phase.FAILED:
+            rec.fail()
+        if rec.phase is Phase.FAILED:
+            self._reported(rec.recover)
+        return rec.completed
+
+    def _ready(self, step: int) -> bool:
+        """Before a step's body: heartbeat, due faults, replica exchange, consistency check.
+        False when a peer failed meanwhile (the next turn recovers)."""
+        detection.beat(self.store, self.worker_id, step, self._rec.gen, "step")
+        self._injector.before_step(self._rec.rank, step)
+        self._step_t0 = time.time()  # the replica exchange is part of the step's cost
+        return self._replicate(step) and self._consistent(step)
+
+    def _after_body(self) -> None:
+        """A step body run without `with job.step():` commits when the loop moves on."""
+        if not self._scope_used and self._rec.phase is not Phase.FAILED:
+            self._rec.commit(self._step_t0)
 
     def _reported(self, fn):
         """Run a recovery phase; an error of this worker's own in it reaches the supervisor."""

@@ -13,7 +13,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import DataLoader
 
+from .data import check_loader
 from .ddp import DistributedDataParallel
 from .grads import all_reduce_extra, all_reduce_grads
 from .seeding import seed_all, step_seed
@@ -68,9 +70,29 @@ class PlainJob:
         return all_reduce_grads(params, self.world_size, extra)
 
     def protect(self, **objects) -> None:
-        # nothing to protect (a failure ends the job); only note a gradient-averaging wrapper
+        # nothing to protect (a failure ends the job); note a gradient-averaging wrapper, and
+        # refuse a loader the supervised run would refuse
         found = [o for o in objects.values() if isinstance(o, DistributedDataParallel)]
         self._ddp = found[0] if found else None
+        for obj in objects.values():
+            if isinstance(obj, DataLoader):
+                check_loader(obj)
+
+    def epochs(self, num_epochs: int, max_steps: int | None = None, loader=None):
+        for epoch in range(num_epochs):
+            if max_steps is not None and self._completed >= max_steps:
+                return
+            yield epoch
+
+    def batches(self, loader, max_steps: int | None = None):
+        for batch in loader:
+            if max_steps is not None and self._completed >= max_steps:
+                return
+            self._step_t0 = time.time()
+            self._scoped = False
+            yield batch
+            if not self._scoped:
+                self._completed += 1
 
     def steps(self, max_steps: int):
         while self._completed < max_steps:

@@ -4,15 +4,17 @@ from __future__ import annotations
 import os
 
 import torch
+from torch.utils.data import DataLoader
 
+from .data import LoaderPosition, check_loader
 from .group import is_dtensor, local_part
 from .redundancy import ShardReplicas
 
 
 class ProtectedState:
-    """Owns the registry of protected objects (anything with state_dict/load_state_dict), reads
-    them as one nested state, loads one into them (re-placing sharded values like the live ones),
-    and notes whether an optimizer update landed in the step in flight. Under FSDP it also owns
+    """Owns the registry of protected objects (anything with state_dict/load_state_dict, and
+    DataLoaders, kept as their position: data.py), reads them as one nested state, loads one
+    into them (re-placing sharded values like the live ones), and notes whether an optimizer update landed in the step in flight. Under FSDP it also owns
     the peer replicas of this rank's shard and the durable-checkpoint fallback."""
 
     def __init__(self, spec):
@@ -23,9 +25,13 @@ class ProtectedState:
         self.update_applied = False  # an optimizer step ran in the step in flight
 
     def protect(self, **objects) -> None:
-        for name, obj in objects.items():
+        for name, obj in list(objects.items()):
             _refuse_torch_ddp(name, obj)
+            if isinstance(obj, DataLoader):  # its position, not the loader, is the state
+                objects[name] = obj = LoaderPosition(obj)
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                if hasattr(obj, "__iter__"):  # a loader of another kind: say which ones work
+                    check_loader(obj)
                 raise TypeError(f"protect({name}=...): needs state_dict() and load_state_dict()")
             if isinstance(obj, torch.optim.Optimizer):
                 obj.register_step_post_hook(self._on_optimizer_step)

@@ -2,8 +2,9 @@
 
     python -m checkpointless --nproc 4 --spares 1 --fault kill:2:12 examples/train_ddp_checkpointless.py
 
-A worker killed mid-run is replaced by a warm spare that receives the model, optimizer and
-schedule from a peer; the run ends with the bits of the same script run without a failure.
+A worker killed mid-epoch is replaced by a warm spare that receives the model, optimizer, schedule
+and the loader's position from a peer, and starts at the next batch of that epoch; the run ends
+with the bits of the same script run without a failure.
 """
 import hashlib
 import json
@@ -12,16 +13,16 @@ import os
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import checkpointless
 from checkpointless import DistributedDataParallel as DDP
 
-MAX_STEPS = int(os.environ.get("MAX_STEPS", "30"))
-BATCH = 32
+EPOCHS = int(os.environ.get("EPOCHS", "3"))
+WORKERS = int(os.environ.get("LOADER_WORKERS", "0"))
 
 g = torch.Generator().manual_seed(0)
-x = torch.randn(4096, 32, generator=g)
+x = torch.randn(1024, 32, generator=g)
 dataset = TensorDataset(x, torch.sin(3 * x[:, :1]) + x[:, 1:2] ** 2)
 
 job = checkpointless.join()  # a spare waits here, warm, until it is handed a failed rank
@@ -31,27 +32,18 @@ model = DDP(nn.Sequential(nn.Linear(32, 256), nn.GELU(), nn.Dropout(0.1), nn.Lin
 opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
 sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, seed=0)
-per_epoch = len(sampler) // BATCH
-job.protect(model=model, optimizer=opt, scheduler=sched)
+loader = DataLoader(dataset, batch_size=32, sampler=sampler, num_workers=WORKERS)
+job.protect(model=model, optimizer=opt, scheduler=sched, loader=loader)
 
-
-def batch(step):
-    """The batch of a step: the sampler's order for its epoch, sliced at the step."""
-    sampler.set_epoch(step // per_epoch)
-    order = list(sampler)
-    at = (step % per_epoch) * BATCH
-    return dataset[order[at:at + BATCH]]
-
-
-for step in job.steps(MAX_STEPS):  # after a recovery, resumes at the agreed step
-    with job.step():  # a peer's failure in here is recovered and the step redone
-        torch.manual_seed(step * 131 + rank)  # dropout of a step depends on (step, rank) only
-        xb, yb = batch(step)
-        loss = F.mse_loss(model(xb), yb)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        sched.step()
+for epoch in job.epochs(EPOCHS):  # after a recovery, resumes at the agreed epoch
+    sampler.set_epoch(epoch)
+    for xb, yb in job.batches(loader):  # ... and at the agreed batch of it
+        with job.step():  # a peer's failure in here is recovered and the step redone
+            loss = F.mse_loss(model(xb), yb)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
 
 h = hashlib.sha256()
 for name, t in sorted(model.module.state_dict().items()):

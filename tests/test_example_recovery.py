@@ -119,9 +119,11 @@ def test_without_spare_or_refill_the_run_stops_loudly(tmp_path):
 
 
 def test_a_typical_ddp_script_and_its_fault_tolerant_version(tmp_path):
-    """examples/train_ddp.py (torch's DDP, DistributedSampler, LambdaLR) runs under torchrun;
-    its fault-tolerant version, on checkpointless.DistributedDataParallel, recovers a kill with
-    the bits of its own failure-free run, and the diff between the two stays small."""
+    """examples/train_ddp.py (torch's DDP, a DataLoader over a DistributedSampler, epochs,
+    LambdaLR) runs under torchrun; its fault-tolerant version, on
+    checkpointless.DistributedDataParallel with the loader protected, recovers a kill mid-epoch
+    (and one on an epoch's first batch, with loader worker processes) with the bits of its own
+    failure-free run, and the diff between the two stays small."""
     import difflib
     plain = (ROOT / "examples/train_ddp.py").read_text().splitlines()
     ft = (ROOT / "examples/train_ddp_checkpointless.py").read_text().splitlines()
@@ -129,19 +131,20 @@ def test_a_typical_ddp_script_and_its_fault_tolerant_version(tmp_path):
     changed = [l for l in difflib.unified_diff(code(plain), code(ft), lineterm="", n=0)
                if l[:1] in "+-" and l[:3] not in ("+++", "---")]
     assert len(changed) <= 32, changed
-    env = dict(_env(), MAX_STEPS="24")
+    env = dict(_env(), EPOCHS="3")  # 8 batches per epoch and rank: 24 steps
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                         "--nproc_per_node", "4", str(ROOT / "examples/train_ddp.py")],
                        capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     assert len(set(re.findall(r'"params_sha256": "([0-9a-f]{64})"', r.stdout))) == 1
 
-    def ft_run(*args):
+    def ft_run(*args, **extra_env):
         report = tmp_path / f"report{len(args)}.json"
         r = subprocess.run([sys.executable, "-m", "checkpointless", "--nproc", "4",
                             "--report", str(report), *args,
                             str(ROOT / "examples/train_ddp_checkpointless.py")],
-                           capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+                           capture_output=True, text=True, timeout=240, env=dict(env, **extra_env),
+                           cwd=ROOT)
         assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
         rep = json.loads(report.read_text())
         digests = {v["params_sha256"] for v in rep["results_by_rank"].values()}
@@ -153,3 +156,6 @@ def test_a_typical_ddp_script_and_its_fault_tolerant_version(tmp_path):
     assert recovered == clean
     (rec,) = rep["recoveries"]
     assert rec["failed_rank"] == 2 and rec["resumed_step"] == 12
+    rep, recovered = ft_run("--spares", "1", "--fault", "kill:1:8", LOADER_WORKERS="1")
+    assert recovered == clean
+    assert [r["resumed_step"] for r in rep["recoveries"]] == [8]
