@@ -5,8 +5,9 @@
 One readable loop on the public checkpointless API, the same one a custom PyTorch loop uses:
 build everything (imports, tokenizer, model, data cache) *before* joining, so a spare is warm;
 join; shard (fsdp) and build the optimizer; then step. Gradients of a ddp run are averaged in
-one flat buffer in a fixed order (checkpointless.grads), which keeps a recovered run bit-identical
-to an uninterrupted one; fsdp reduce-scatters through FSDP2 (`fully_shard`).
+fixed-order buckets overlapped with backward (checkpointless.DistributedDataParallel) or, with
+distributed.grad_sync=flat, in one fixed-order all-reduce after it (checkpointless.grads); either
+keeps a recovered run bit-identical to an uninterrupted one. fsdp reduce-scatters through FSDP2.
 """
 from __future__ import annotations
 
@@ -179,8 +180,11 @@ def main(recipe_file: str) -> None:
     if d.strategy == "fsdp":
         shard(model, cfg)
         wrapped = model
-    else:  # gradients averaged in fixed buckets, overlapped with backward (no collective here)
+    elif d.grad_sync == "buckets":  # averaged in fixed buckets during backward (no collective here)
         wrapped = checkpointless.DistributedDataParallel(model, bucket_cap_mb=d.bucket_cap_mb)
+    else:  # flat: one fixed-order all-reduce of every gradient after the whole backward
+        wrapped = model
+    overlapped = d.strategy == "ddp" and d.grad_sync == "buckets"
     optimizer = build_optimizer(model, cfg)
     job.protect(model=wrapped, optimizer=optimizer)
     ckpt = durable_checkpoints(cfg, job, model, optimizer)
@@ -207,10 +211,10 @@ def main(recipe_file: str) -> None:
                     with autocast:
                         loss = wrapped(input_ids=ids, labels=ids).loss
                     loss_sum += loss.detach().float()
-                    if d.strategy == "ddp" and last:  # summed with the last gradient bucket
+                    if overlapped and last:  # summed with the last gradient bucket
                         wrapped.reduce_with(loss_sum)
-                    # ddp: earlier micro-batches accumulate; the last backward reduces them all
-                    with nullcontext() if last or d.strategy == "fsdp" else wrapped.no_sync():
+                    # buckets: earlier micro-batches accumulate; the last backward reduces them all
+                    with wrapped.no_sync() if overlapped and not last else nullcontext():
                         (loss / t.grad_accum_steps).backward()
             if d.strategy == "ddp":
                 loss_total = job.all_reduce_grads(model.parameters(), extra=loss_sum)

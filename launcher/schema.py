@@ -80,6 +80,7 @@ class DistributedConfig:
     master_port: int = 0  # port of the coordination store (0: any free port)
     threads_per_worker: int = 0  # torch CPU threads per worker (0: cores / processes)
     bucket_cap_mb: float = 25.0  # ddp: gradient bucket size; a bucket's all-reduce starts as soon as it is full
+    grad_sync: str = "buckets"  # ddp: buckets (all-reduces overlapped with backward) or flat (one after backward)
 
 
 @dataclass

@@ -34,25 +34,34 @@ class UnknownModel(ValueError):
 def model_config(name: str, id: str | None = None, config: dict | None = None,
                  vocab_size: int | None = None, token_ids: dict | None = None):
     from transformers import AutoConfig
-    if id:
+    overrides = dict(config or {})
+    if vocab_size is not None and "vocab_size" not in overrides:
+        overrides["vocab_size"] = vocab_size
+    overrides.update(token_ids or {})
+    if id:  # a real model's saved config, its own derived fields kept, the recipe's keys set
         cfg = AutoConfig.from_pretrained(id)
-    else:
-        model_type = REGISTRY[name].model_type if name in REGISTRY else name
-        try:
-            cfg = AutoConfig.for_model(model_type)
-        except ValueError:
-            raise UnknownModel(
-                f"model.name={name!r} is neither a registry name ({', '.join(REGISTRY)}) nor a "
-                "transformers model_type; set model.id to a hub id or folder instead") from None
-    for key, value in (config or {}).items():
+        _check_keys(cfg, config)
+        for key, value in overrides.items():
+            setattr(cfg, key, value)
+        return cfg
+    from transformers import CONFIG_MAPPING
+    model_type = REGISTRY[name].model_type if name in REGISTRY else name
+    if model_type not in CONFIG_MAPPING:
+        raise UnknownModel(
+            f"model.name={name!r} is neither a registry name ({', '.join(REGISTRY)}) nor a "
+            "transformers model_type; set model.id to a hub id or folder instead")
+    config_class = CONFIG_MAPPING[model_type]
+    _check_keys(config_class(), config)
+    # through the constructor: fields it derives from others (Llama's head_dim from hidden_size
+    # and num_attention_heads) follow the recipe's keys instead of keeping the default shape's
+    cfg = config_class(**overrides)
+    return cfg
+
+
+def _check_keys(cfg, config: dict | None) -> None:
+    for key in config or {}:
         if not hasattr(cfg, key):
             raise UnknownModel(f"model.config.{key}: {type(cfg).__name__} has no such field")
-        setattr(cfg, key, value)
-    if vocab_size is not None and "vocab_size" not in (config or {}):
-        cfg.vocab_size = vocab_size
-    for key, value in (token_ids or {}).items():
-        setattr(cfg, key, value)
-    return cfg
 
 
 def build_model(name: str, init: str = "random", id: str | None = None,

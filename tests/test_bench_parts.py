@@ -16,7 +16,8 @@ from launcher.bench.model import scenario, young_interval_s
 from launcher.bench.modes import mode_recipe
 from launcher.bench.paired import Turns, paired_modes
 from launcher.bench.records import read_records, run_digest, steps_in_turns, summarize
-from launcher.bench.report import against_plain, grad_copy_line, model_table, plain_line, table
+from launcher.bench.report import (against_plain, consistency_line, grad_copy_line, model_table,
+                                   overlap_line, plain_line, table)
 from launcher.recipes import RecipeError
 
 
@@ -191,6 +192,23 @@ def test_table_pads_columns_and_prints_missing_values_as_dash():
 
 # ---- the plain mode: torch's own DDP loop beside the recipe loop ---------------------------------
 
+def test_flat_is_the_recipe_loop_with_one_all_reduce_after_backward(tmp_path):
+    cfg = parse([f"bench.output_dir={tmp_path}", "bench.steps=5"])[0]
+    rc, _ = mode_recipe(cfg, [], "flat")
+    assert rc.distributed.grad_sync == "flat" and not rc.checkpointless.enabled
+    assert mode_recipe(cfg, [], "off")[0].distributed.grad_sync == "buckets"
+    line = overlap_line({"step_s_median_off": 0.390, "step_s_median_flat": 0.400})
+    assert "overlapped buckets 390 ms" in line and "flat all-reduce after backward 400 ms" in line
+    assert "x0.975" in line
+
+
+def test_consistency_cost_is_spread_over_its_interval():
+    line = consistency_line({"every_steps": 50, "check_s_median": 0.002, "per_step_s": 0.00004},
+                            0.4)
+    assert "every 50 steps: 2.00 ms per check" in line and "0.040 ms per step, 0.010%" in line
+    assert "end of the run only" in consistency_line({"every_steps": 0}, 0.4)
+
+
 def test_plain_is_a_mode_run_by_torchrun_with_its_own_worker_script(tmp_path):
     cfg, _ = parse(["bench.modes=off,on,plain", f"bench.output_dir={tmp_path}", "bench.steps=5"])
     assert cfg.modes.split(",") == ["off", "on", "plain"]
@@ -203,10 +221,12 @@ def test_plain_is_a_mode_run_by_torchrun_with_its_own_worker_script(tmp_path):
     assert rc.trainer.max_steps == 5 and (out / "recipe.yaml").exists()
 
 
-def test_plain_takes_turns_in_the_paired_run_unless_told_not_to():
-    assert paired_modes(parse([])[0]) == ["off", "plain", "on"]  # the default bench
-    assert paired_modes(parse(["bench.paired_plain=false"])[0]) == ["off", "on"]
-    assert paired_modes(parse(["bench.modes=off,plain"])[0]) == ["off", "plain"]
+def test_plain_and_flat_take_turns_in_the_paired_run_unless_told_not_to():
+    assert paired_modes(parse([])[0]) == ["off", "flat", "plain", "on"]  # the default bench
+    assert paired_modes(parse(["bench.paired_plain=false", "bench.paired_flat=false"])[0]) == [
+        "off", "on"]
+    assert paired_modes(parse(["bench.modes=on", "bench.paired_plain=false"])[0]) == []
+    assert paired_modes(parse(["bench.modes=off,plain"])[0]) == ["off", "flat", "plain"]
     assert paired_modes(parse(["bench.modes=off,plain", "bench.paired_steps=0"])[0]) == []
     assert paired_modes(parse(["bench.modes=checkpointless,restart"])[0]) == []
     assert parse(["bench.paired_plain=no"])[0].paired_plain is False

@@ -158,3 +158,27 @@ def measure_grad_copy(rc_cfg, threads: int, repeats: int = 21) -> dict:
     return {"trainable_params": flat.numel(),
             "bytes_per_step": sum(g.numel() * g.element_size() for g in grads),
             "copy_s_median": round(statistics.median(times), 6)}
+
+
+def measure_consistency(rc_cfg, threads: int, repeats: int = 21) -> dict:
+    """What a replica consistency check costs a worker: the integer checksum of its parameters,
+    timed here with a worker's thread count (the all-gather of one integer per rank after it is
+    one small message), and that cost spread over `checkpointless.consistency_every` steps."""
+    import torch
+
+    from checkpointless.consistency import params_checksum
+    model, _ = recipe_model(rc_cfg)
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads))
+    try:
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            params_checksum([model])
+            times.append(time.perf_counter() - t)
+    finally:
+        torch.set_num_threads(before)
+    every = int(rc_cfg.checkpointless.consistency_every)
+    check = statistics.median(times)
+    return {"every_steps": every, "check_s_median": round(check, 6),
+            "per_step_s": round(check / every, 7) if every > 0 else 0.0}

@@ -1,5 +1,5 @@
 """`make bench` / `python -m launcher bench [key=value ...]`: run the modes one after the other,
-then the paired run of the failure-free modes (off, on, plain), then report."""
+then the paired run of the failure-free modes (off, on, plain, flat), then report."""
 from __future__ import annotations
 
 import json
@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 
 from ..recipes import load
-from .baseline import (PLAIN_LOOP, checkpoint_every, measure_grad_copy, measure_save_cost,
-                       run_torchrun)
+from .baseline import (PLAIN_LOOP, checkpoint_every, measure_consistency, measure_grad_copy,
+                       measure_save_cost, run_torchrun)
 from .config import parse
 from .failures import schedule
 from .modes import mode_recipe, run_supervised
@@ -28,10 +28,11 @@ def bench(args: list[str]) -> int:
     # long enough for the slowest mode (restarts included) never to run out of failures
     plan = schedule(cfg, horizon_s=20 * cfg.steps * cfg.step_s_estimate + 600)
     save_cost = measure_save_cost(base)
-    grad_copy = None
+    grad_copy = consistency = None
+    threads = base.distributed.threads_per_worker or (os.cpu_count() or 1) // cfg.workers
     if base.distributed.strategy == "ddp":  # what the buckets' views save over the flat copy
-        grad_copy = measure_grad_copy(base, base.distributed.threads_per_worker or
-                                      (os.cpu_count() or 1) // cfg.workers)
+        grad_copy = measure_grad_copy(base, threads)
+        consistency = measure_consistency(base, threads)  # replicas compared (ddp only)
     step_s = cfg.step_s_estimate
     results: dict = {}
     for mode in modes:
@@ -44,7 +45,7 @@ def bench(args: list[str]) -> int:
         rc_cfg, out = mode_recipe(cfg, overrides, mode, tau_steps)
         print(f"[bench] mode {mode} -> {out}", flush=True)
         killer_plan = plan if mode in ("checkpointless", "restart") else None
-        if mode in ("off", "restart"):
+        if mode in ("off", "restart", "flat"):
             rc, kills, elapsed = run_torchrun(cfg, out, killer_plan, cfg.steps)
         elif mode == "plain":
             rc, kills, elapsed = run_torchrun(cfg, out, None, cfg.steps, module=PLAIN_LOOP)
@@ -61,13 +62,14 @@ def bench(args: list[str]) -> int:
         shown = {k: v for k, v in summary.items() if k not in ("t0", "recovery_s_all")}
         print(f"[bench] {mode}: {json.dumps(shown)}", flush=True)
     paired = {}
-    pair = paired_modes(cfg)
+    # flat is the ddp recipe loop without overlap: nothing to compare under fsdp
+    pair = [m for m in paired_modes(cfg) if m != "flat" or base.distributed.strategy == "ddp"]
     if pair:
         print(f"[bench] {' and '.join(pair)} side by side, taking turns every {cfg.turn_s:g} s "
               f"({cfg.paired_steps} steps each)", flush=True)
         paired = run_paired(cfg, overrides, pair)
         print(f"[bench] paired: {json.dumps(paired)}", flush=True)
-    return report(cfg, results, save_cost, out_root, paired, grad_copy)
+    return report(cfg, results, save_cost, out_root, paired, grad_copy, consistency)
 
 
 def replica_host_bytes(out: Path):

@@ -9,7 +9,8 @@ from ..recipes import RecipeError
 
 # plain: the recipe's model, data and optimizer in a torch-only loop (torch's DDP, or FSDP2 under
 # distributed.strategy=fsdp) under torchrun, the speed a user would get without this project
-MODES = ("off", "on", "plain", "checkpointless", "restart", "fsdp", "fsdp-replicated")
+# flat: off with distributed.grad_sync=flat (one all-reduce after backward, no overlap)
+MODES = ("off", "on", "plain", "flat", "checkpointless", "restart", "fsdp", "fsdp-replicated")
 
 
 @dataclass
@@ -32,6 +33,9 @@ class BenchConfig:
     # plain (torch's own DDP loop) takes turns in that run too, even when not among bench.modes:
     # on this noisy box only turns make a 5% comparison readable, and it costs paired_steps steps
     paired_plain: bool = True
+    # flat (the recipe loop with one all-reduce after backward) takes turns too, beside off's
+    # overlapped buckets (ddp only)
+    paired_flat: bool = True
     turn_s: float = 3.0
     mode_timeout_s: float = 900.0  # a mode still running after this is stopped and reported
 
@@ -63,7 +67,8 @@ def parse(args: list[str]) -> tuple[BenchConfig, list[str]]:
     if cfg.steps is None:
         # off and on take ~1x each, the failure modes ~1.2x and ~2x, plus start-up per run and
         # the paired run (off, on and plain taking turns)
-        spare_s = 100 + (30 + (2 + cfg.paired_plain) * cfg.paired_steps * cfg.step_s_estimate
+        jobs = 2 + cfg.paired_plain + cfg.paired_flat
+        spare_s = 100 + (30 + jobs * cfg.paired_steps * cfg.step_s_estimate
                          if cfg.paired_steps else 0)
         cfg.steps = max(40, int((cfg.duration_s - spare_s) / (4.2 * cfg.step_s_estimate)))
         # a failure run lasts at least the longest first gap of the schedule (1.5 x MTBF), so

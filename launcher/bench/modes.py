@@ -18,8 +18,9 @@ def mode_recipe(cfg, overrides: list[str], mode: str, tau_steps: int = 0,
     extra = [f"run.output_dir={out}", f"trainer.max_steps={steps or cfg.steps}",
              f"distributed.num_processes={cfg.workers}", "trainer.progress_bar=false",
              "trainer.save_model=false", "~faults", "trainer.log_every=50"]
-    if mode in ("off", "restart", "plain"):  # torchrun runs: no supervisor, no spare
-        extra += ["checkpointless.enabled=false", "checkpointless.spares=0"]
+    if mode in ("off", "restart", "plain", "flat"):  # torchrun runs: no supervisor, no spare
+        extra += ["checkpointless.enabled=false", "checkpointless.spares=0"] + (
+            ["distributed.grad_sync=flat"] if mode == "flat" else [])
     elif mode.startswith("fsdp"):  # sharded: replication off (factor 1) against the recipe's
         extra += ["distributed.strategy=fsdp", "checkpointless.spares=0"]
         if mode == "fsdp":

@@ -67,27 +67,29 @@ class Turns(threading.Thread):
                 self._signal(pids(), signal.SIGCONT)
 
 
-PAIRABLE = ("off", "plain", "on")  # the failure-free modes; on runs under the supervisor
+PAIRABLE = ("off", "flat", "plain", "on")  # the failure-free modes; on runs under the supervisor
 
 
 def paired_modes(cfg) -> list[str]:
     """The modes of the paired run: the failure-free ones asked for, plus plain unless
-    bench.paired_plain=false; none without paired_steps, or when neither off nor on was asked."""
+    bench.paired_plain=false and flat (beside off) unless bench.paired_flat=false; none without
+    paired_steps, or when neither off nor on was asked."""
     modes = cfg.modes.split(",")
-    pair = [m for m in PAIRABLE if m in modes or (m == "plain" and cfg.paired_plain)]
+    extra = {"plain": cfg.paired_plain, "flat": cfg.paired_flat and "off" in modes}
+    pair = [m for m in PAIRABLE if m in modes or extra.get(m)]
     if not cfg.paired_steps or not {"off", "on"} & set(modes) or len(pair) < 2:
         return []
     return pair
 
 
 def run_paired(cfg, overrides: list[str], modes=("off", "on")) -> dict:
-    """Two or three of off (torchrun), plain (torchrun, torch-only loop) and on (supervisor +
-    spare) at the same time, taking turns on the machine; returns the median step time of each
+    """Two to four of off (torchrun), flat (off without overlap), plain (torchrun, torch-only
+    loop) and on (supervisor + spare) at the same time, taking turns on the machine; returns the median step time of each
     over the steps that ran inside its own turns (keys step_s_median_<mode>,
     steps_counted_<mode>), or {} if a mode had fewer than 5 such steps."""
     from ..launch import train  # imported late: it pulls in torch
     steps = cfg.paired_steps
-    modules = {"off": RECIPE_LOOP, "plain": PLAIN_LOOP}
+    modules = {"off": RECIPE_LOOP, "flat": RECIPE_LOOP, "plain": PLAIN_LOOP}
     runs = [m for m in PAIRABLE if m in modes and m in modules]  # torchrun jobs
     names = runs + (["on"] if "on" in modes else [])  # the order of Turns' jobs
     dirs = {m: mode_recipe(cfg, overrides, m, name=f"paired-{m}", steps=steps)[1] for m in runs}

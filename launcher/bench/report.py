@@ -89,13 +89,31 @@ def grad_copy_line(copy: dict, step_s: Optional[float]) -> str:
             f"sum into every .grad): {copy['trainable_params']:,} trainable params x "
             f"{copy['bytes_per_step'] // max(1, copy['trainable_params'])} B = "
             f"{copy['bytes_per_step'] / 1e6:.1f} MB per worker per step, "
-            f"{copy['copy_s_median'] * 1000:.2f} ms timed here{share}. Flat all-reduce against "
-            f"the overlapped buckets is not run side by side: the recipe loop has no switch for "
-            f"the old path")
+            f"{copy['copy_s_median'] * 1000:.2f} ms timed here{share}")
+
+
+def overlap_line(paired: dict) -> str:
+    """Overlapped buckets (off) against one flat all-reduce after backward (flat), from the
+    paired run."""
+    off, flat = paired["step_s_median_off"], paired["step_s_median_flat"]
+    return (f"gradient all-reduce, median step (the recipe loop under torchrun, taking turns): "
+            f"overlapped buckets {off * 1000:.0f} ms vs one flat all-reduce after backward "
+            f"{flat * 1000:.0f} ms (buckets x{off / flat:.3f} of flat)")
+
+
+def consistency_line(c: dict, step_s: Optional[float]) -> str:
+    """The replica consistency check's cost, per check and spread over its interval."""
+    if c["every_steps"] <= 0:
+        return "replica consistency check: at the end of the run only (consistency_every=0)"
+    share = f", {c['per_step_s'] / step_s:.3%} of off's step" if step_s else ""
+    return (f"replica consistency check every {c['every_steps']} steps: "
+            f"{c['check_s_median'] * 1000:.2f} ms per check (parameter checksum, timed here), "
+            f"{c['per_step_s'] * 1000:.3f} ms per step{share}")
 
 
 def report(cfg, results: dict, save_cost: float, out_root: Path,
-           paired: Optional[dict] = None, grad_copy: Optional[dict] = None) -> int:
+           paired: Optional[dict] = None, grad_copy: Optional[dict] = None,
+           consistency: Optional[dict] = None) -> int:
     """Print the results, write bench.json and timeline.png; exit code 1 if checkpointless
     ended with other bits than the failure-free run."""
     s = {m: r["summary"] for m, r in results.items()}
@@ -132,8 +150,12 @@ def report(cfg, results: dict, save_cost: float, out_root: Path,
     plain_fig = against_plain(s, paired)
     if plain_fig:
         print(plain_line(plain_fig))
+    if paired and "step_s_median_flat" in paired and "step_s_median_off" in paired:
+        print(overlap_line(paired))
     if grad_copy:
         print(grad_copy_line(grad_copy, (s.get("off") or {}).get("step_s_median")))
+    if consistency:
+        print(consistency_line(consistency, (s.get("off") or {}).get("step_s_median")))
     if speedup is not None:
         print(f"median recovery: restart {s['restart']['recovery_s_median']:.2f} s vs "
               f"checkpointless {s['checkpointless']['recovery_s_median']:.2f} s "
@@ -163,6 +185,7 @@ def report(cfg, results: dict, save_cost: float, out_root: Path,
         "overhead": overhead, "overhead_sequential": sequential, "overhead_paired": paired,
         "recovery_speedup": speedup,
         "against_plain": plain_fig, "grad_copy_saved": grad_copy,
+        "consistency_check": consistency,
         "same_bits_as_off": same,
         "failures": {m: r["kills"] for m, r in results.items() if r["kills"]},
         "checkpoint_save_s": round(save_cost, 4),
