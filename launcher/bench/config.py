@@ -18,7 +18,7 @@ class BenchConfig:
     recipe: str = "tiny-llama"  # recipe every mode trains
     duration_s: float = 600.0  # rough wall budget of the whole benchmark; sizes `steps`
     steps: Optional[int] = None  # steps per mode (default: from duration_s and step_s_estimate)
-    step_s_estimate: float = 0.55  # step time of tiny-llama, 4 workers on 2 cores (measured)
+    step_s_estimate: float = 0.25  # step time of tiny-llama, 4 workers on 2 cores (measured)
     mtbf_s: float = 60.0  # mean time between injected failures, seconds
     seed: int = 0  # seeds the failure schedule (times and ranks)
     workers: int = 4  # active workers in every mode
