@@ -141,7 +141,26 @@ class StepSampler:
         start = step * global_batch + (micro * world + rank) * self.mbs
         return list(range(start, start + self.mbs))
 
-    def batch(self, step: int, rank: int, world: int, micro: int = 0) -> torch.Tensor:
+    def batch(self, step: int, rank: int, world: int, micro: int = 0) -> dict:
+        """The model inputs of (step, rank, micro): see `batch_of`."""
         rows = [int(self._perm(p // self.n)[p % self.n]) for p in
                 self.positions(step, rank, world, micro)]
-        return self.ds[rows]["input_ids"]
+        return batch_of(self.ds, rows)
+
+
+def batch_of(ds, rows: list[int]) -> dict:
+    """Keyword arguments of the model's forward for these rows: input_ids and labels (-100
+    where a token carries no loss; the input ids themselves for raw text), plus position_ids
+    (packed examples: positions restart at each one, which also keeps attention inside it) or
+    attention_mask (padded examples) when the rows have them. The cache is off: training."""
+    got = ds[rows]
+    out = {"input_ids": got["input_ids"], "use_cache": False}
+    out["labels"] = got["labels"] if "labels" in got else got["input_ids"]
+    for key in ("position_ids", "attention_mask"):
+        if key in got:
+            out[key] = got[key]
+    return out
+
+
+def to_device(batch: dict, device) -> dict:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}

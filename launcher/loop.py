@@ -26,6 +26,7 @@ from omegaconf import OmegaConf
 import checkpointless
 from checkpointless.digest import state_sha256
 
+from .data import to_device
 from .schema import Recipe
 
 
@@ -204,12 +205,13 @@ def main(recipe_file: str) -> None:
             with cpu_threads(catch_up_threads // job.catching_up if job.catching_up else None):
                 for micro in range(0 if job.grads_kept else t.grad_accum_steps):
                     job.seed_step(step, micro)
-                    ids = sampler.batch(step, job.rank, job.world_size, micro).to(device)
+                    batch = to_device(sampler.batch(step, job.rank, job.world_size, micro),
+                                      device)
                     last = micro == t.grad_accum_steps - 1
                     if d.strategy == "fsdp" and t.grad_accum_steps > 1:
                         model.set_requires_gradient_sync(last)
                     with autocast:
-                        loss = wrapped(input_ids=ids, labels=ids).loss
+                        loss = wrapped(**batch).loss
                     loss_sum += loss.detach().float()
                     if overlapped and last:  # summed with the last gradient bucket
                         wrapped.reduce_with(loss_sum)
@@ -274,10 +276,10 @@ def warm_up(model, sampler, cfg, device) -> int:
     def grads(step: int, threads: int) -> torch.Tensor:
         with cpu_threads(threads), torch.random.fork_rng(devices=[]):
             torch.manual_seed(step)
-            ids = sampler.batch(step, 0, cfg.distributed.num_processes, 0).to(device)
+            batch = to_device(sampler.batch(step, 0, cfg.distributed.num_processes, 0), device)
             with torch.autocast(device.type, dtype=torch.bfloat16,
                                 enabled=cfg.trainer.precision == "bf16"):
-                loss = model(input_ids=ids, labels=ids).loss
+                loss = model(**batch).loss
             loss.backward()
         flat = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
         model.zero_grad(set_to_none=True)

@@ -411,8 +411,6 @@ def validate(cfg: DictConfig) -> None:
     need(d.num_processes >= 1, "distributed.num_processes", d.num_processes, "must be >= 1")
     need(0 <= d.master_port < 65536, "distributed.master_port", d.master_port, "0..65535")
     need(d.bucket_cap_mb > 0, "distributed.bucket_cap_mb", d.bucket_cap_mb, "must be > 0 MB")
-    need(d.grad_sync in ("buckets", "flat"), "distributed.grad_sync", d.grad_sync,
-         "must be buckets (overlapped with backward) or flat (one all-reduce after backward)")
     need(d.threads_per_worker >= 0, "distributed.threads_per_worker", d.threads_per_worker,
          "must be >= 0 (0 picks cores / processes)")
     need(c.spares >= 0, "checkpointless.spares", c.spares, "must be >= 0")

@@ -41,7 +41,13 @@ class DataConfig:
     subset: Optional[str] = None  # hub dataset configuration name, if it has several
     split: str = "train"  # dataset split to train on
     files: List[str] = field(default_factory=list)  # json/jsonl/txt/parquet files for source=files
-    text_field: str = "text"  # column holding the text
+    text_field: str = "text"  # column holding the text (format=text)
+    format: str = "text"  # text (raw text, packed), chat (a list of {role, content} messages per example) or instruction (prompt and response fields)
+    messages_field: str = "messages"  # column holding the messages (format=chat)
+    prompt_field: str = "prompt"  # column holding the prompt (format=instruction)
+    response_field: str = "response"  # column holding the response (format=instruction)
+    train_on_prompt: bool = False  # chat/instruction: also train on prompt and user tokens (default: only the responses count in the loss)
+    packing: bool = True  # chat/instruction: pack examples into seq_len rows (positions restart and attention stays inside each example), or false: one example per row, padded
     seq_len: int = 256  # tokens per packed training sequence
     max_docs: Optional[int] = None  # use only the first N documents (quick trials)
     synthetic_docs: int = 4000  # documents generated when source=synthetic
@@ -105,6 +111,25 @@ class CheckpointlessConfig:
 
 
 @dataclass
+class PeftConfig:
+    method: str = "none"  # none (train every parameter) or lora (train low-rank adapters through peft; the base stays frozen)
+    r: int = 8  # LoRA rank
+    alpha: float = 16.0  # LoRA scaling numerator (the update is scaled by alpha / r)
+    dropout: float = 0.0  # dropout on the adapters' input
+    target_modules: List[str] = field(default_factory=lambda: ["all-linear"])  # module names to adapt (all-linear: every linear layer but the output head)
+    merge: bool = False  # also export the model with the adapters merged into the base weights
+
+
+@dataclass
+class EvalConfig:
+    every: int = 0  # steps between validation passes (0: none); the last step is always evaluated when > 0
+    split: Optional[str] = None  # split of the training dataset to validate on (source=hub)
+    files: List[str] = field(default_factory=list)  # json/jsonl/parquet/txt files to validate on (source=files or synthetic)
+    max_batches: int = 8  # micro-batches per rank... at most this many batches of micro_batch_size rows in all, split over ranks
+    seed: int = 1  # seeds generated validation text (source=synthetic without files)
+
+
+@dataclass
 class CheckpointConfig:
     interval: int = 0  # steps between durable checkpoints (0: none; peers hold the live state)
     keep: int = 2  # newest checkpoints kept on disk
@@ -132,6 +157,8 @@ class Recipe:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     checkpointless: CheckpointlessConfig = field(default_factory=CheckpointlessConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     faults: List[FaultConfig] = field(default_factory=list)  # failures to inject (rehearsal)
 
 
@@ -140,6 +167,9 @@ CHOICES = {
     "model.init": ("random", "pretrained"),
     "tokenizer.kind": ("byte", "hub"),
     "data.source": ("synthetic", "hub", "files"),
+    "data.format": ("text", "chat", "instruction"),
+    "peft.method": ("none", "lora"),
+    "distributed.grad_sync": ("buckets", "flat"),
     "trainer.precision": ("fp32", "bf16"),
     "distributed.strategy": ("ddp", "fsdp"),
     "distributed.backend": ("auto", "gloo", "nccl"),

@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 
 from checkpointless.digest import state_sha256
 
+from ..data import to_device
 from ..loop import Metrics, build, build_optimizer, full_state, lr_at, setup, shard
 from ..schema import Recipe
 
@@ -60,7 +61,7 @@ def main(recipe_file: str) -> None:
             group["lr"] = lr
         loss_sum = torch.zeros(1, device=device)
         for micro in range(t.grad_accum_steps):
-            ids = sampler.batch(step, rank, world, micro).to(device)
+            batch = to_device(sampler.batch(step, rank, world, micro), device)
             last = micro == t.grad_accum_steps - 1
             if d.strategy == "fsdp" and t.grad_accum_steps > 1:
                 model.set_requires_gradient_sync(last)
@@ -68,7 +69,7 @@ def main(recipe_file: str) -> None:
             # hold the forward too (around the backward alone, every micro-batch is reduced)
             with nullcontext() if last or d.strategy == "fsdp" else wrapped.no_sync():
                 with autocast:
-                    loss = wrapped(input_ids=ids, labels=ids).loss
+                    loss = wrapped(**batch).loss
                 (loss / t.grad_accum_steps).backward()
             loss_sum += loss.detach().float()
         dist.all_reduce(loss_sum)  # the logged loss is the mean over ranks, as in the recipe loop
