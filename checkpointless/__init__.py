@@ -9,6 +9,7 @@ Depends on torch only. The public API:
     Job.step()                context manager around one step; a peer failure inside is recovered
     Job.all_reduce_grads(...) average gradients in one fixed layout (bit-exact across recoveries)
     DistributedDataParallel   drop-in for torch's wrapper: overlapped, fixed buckets (ddp.py)
+    Job.between_steps(fn)     run fn (collectives allowed) after the loop; a peer failure in it is recovered
     Job.finish(result)        report this rank's result and leave
     PeerFailure               what a collective raises when a peer was lost (failures.py)
     Supervisor                start workers and spares, detect failures, hand ranks to spares

@@ -99,8 +99,15 @@ class Job:
         return r.host_bytes() if r is not None else None
 
     # ---- state ---------------------------------------------------------------------------------
-    def protect(self, **objects) -> None:
-        """Register what a replacement needs: anything with state_dict() / load_state_dict()."""
+    def protect(self, send_frozen: bool = True, **objects) -> None:
+        """Register what a replacement needs: anything with state_dict() / load_state_dict(),
+        and a DataLoader (its position, see data.py).
+
+        send_frozen=False: parameters with requires_grad=False (a frozen base under LoRA) are
+        not sent to a replacement, which builds them itself the way every worker did (from the
+        same pretrained files, or the same seeded init): a recovery moves the adapters and
+        their optimizer state only. The replicas are still compared whole."""
+        self._state.send_frozen = send_frozen
         self._state.protect(**objects)
         for obj in objects.values():
             if isinstance(obj, DistributedDataParallel):  # it keeps our gradients for a redo
@@ -162,6 +169,28 @@ class Job:
             self._scope_used = False
             yield batch
             self._after_body()
+
+    def between_steps(self, fn):
+        """Run `fn()`, which may use collectives, outside any step (a final evaluation, a
+        gather for export) and return its result. A peer's failure inside it is recovered like
+        one in a step, and `fn` runs again on the new group; a replacement that took over after
+        the last step runs it too, as long as the script calls it after its loop."""
+        self._start()
+        rec = self._rec
+        while True:
+            self._turn()
+            rec.phase = Phase.IN_STEP  # a hung peer is caught here as in a step
+            try:
+                out = fn()
+            except Exception as exc:
+                rec.phase = Phase.TRAINING
+                if rec.is_peer_failure(exc):
+                    rec.fail()
+                    continue
+                report_error(self.store, self.worker_id, exc)
+                raise
+            rec.phase = Phase.TRAINING
+            return out
 
     def _position(self, loader) -> LoaderPosition:
         found = [o for o in self._state.objects.values() if isinstance(o, LoaderPosition) and

@@ -69,7 +69,7 @@ class PlainJob:
             return all_reduce_extra(extra)
         return all_reduce_grads(params, self.world_size, extra)
 
-    def protect(self, **objects) -> None:
+    def protect(self, send_frozen: bool = True, **objects) -> None:
         # nothing to protect (a failure ends the job); note a gradient-averaging wrapper, and
         # refuse a loader the supervised run would refuse
         found = [o for o in objects.values() if isinstance(o, DistributedDataParallel)]
@@ -108,6 +108,9 @@ class PlainJob:
         self.seed_step(self._completed)
         yield self
         self._completed += 1
+
+    def between_steps(self, fn):
+        return fn()
 
     def finish(self, result: dict | None = None) -> None:
         dist.barrier()

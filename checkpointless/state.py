@@ -23,6 +23,7 @@ class ProtectedState:
         self.replicas: ShardReplicas | None = None
         self.fallback = None  # (newest_step(), load_step(step)) of durable checkpoints
         self.update_applied = False  # an optimizer step ran in the step in flight
+        self.send_frozen = True  # False: frozen parameters are rebuilt by each worker, not sent
 
     def protect(self, **objects) -> None:
         for name, obj in list(objects.items()):
@@ -50,14 +51,27 @@ class ProtectedState:
         return [o for o in self.objects.values() if isinstance(o, torch.nn.Module)]
 
     def state(self) -> dict:
-        return {name: obj.state_dict() for name, obj in self.objects.items()}
+        return {name: self._state_of(obj) for name, obj in self.objects.items()}
+
+    def _state_of(self, obj) -> dict:
+        if self.send_frozen or not isinstance(obj, torch.nn.Module):
+            return obj.state_dict()
+        frozen = _frozen_keys(obj)
+        return {k: v for k, v in obj.state_dict().items() if k not in frozen}
 
     def load(self, state: dict) -> None:
         for name, obj in self.objects.items():
             value = state[name]
             if self.replicas is not None:  # plain local shards -> DTensors placed like the live ones
                 value = _as_sharded(obj, value)
-            obj.load_state_dict(value)
+            if self.send_frozen or not isinstance(obj, torch.nn.Module):
+                obj.load_state_dict(value)
+                continue
+            result = obj.load_state_dict(value, strict=False)
+            missing = set(result.missing_keys) - _frozen_keys(obj)
+            if missing or result.unexpected_keys:  # only the frozen part may be absent
+                raise RuntimeError(f"protected {name}: the received state lacks {sorted(missing)}"
+                                   f" and has unexpected {sorted(result.unexpected_keys)}")
 
     def zero_grads(self) -> None:
         for m in self.modules():
@@ -79,6 +93,12 @@ class ProtectedState:
                 f"{need / 1e9:.1f} GB of host memory per worker for peer copies, but this node "
                 f"has {per_worker / 1e9:.1f} GB available per worker. Lower the factor, raise "
                 "checkpointless.replication.interval (same memory, fewer copies) or add nodes")
+
+
+def _frozen_keys(module: torch.nn.Module) -> set[str]:
+    """State-dict keys of the parameters that do not train (requires_grad=False)."""
+    frozen = {id(p) for p in module.parameters() if not p.requires_grad}
+    return {k for k, v in module.state_dict(keep_vars=True).items() if id(v) in frozen}
 
 
 def _refuse_torch_ddp(name: str, obj) -> None:

@@ -1,5 +1,11 @@
 """Training data: load text, tokenize, pack into fixed-length sequences, cache, serve by step.
 
+data.format=text: documents + end-of-text laid end to end and cut into seq_len rows of
+`input_ids` (every token in the loss). data.format=chat / instruction: examples tokenized with a
+loss mask (`labels`, -100 outside the responses) and packed into rows with `position_ids`, or
+padded one per row with `attention_mask` (launcher/sft_data.py). `prepare(cfg, tok, "eval")` is
+the validation data, processed the same way.
+
 The position is a pure function: the rows a rank trains on at global step S follow from
 (seed, S, rank, world size, micro-batch) alone, so a run resumed or recovered at any step sees
 exactly the batches of an uninterrupted run, none lost, none repeated.
@@ -11,18 +17,21 @@ import hashlib
 import json
 import os
 import random
+import shutil
 from pathlib import Path
 
 import torch
 
 DATA_FORMAT_VERSION = 1  # bump when tokenization or packing changes, to invalidate caches
+SFT_FORMAT_VERSION = 1  # bump when chat/instruction tokenization, masking or rows change
+PROJECT_ROOT = Path(__file__).resolve().parent.parent  # the folder holding launcher/
 
 _NAMES = ["alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi"]
 _THINGS = ["apples", "books", "coins", "stones", "shells", "cards"]
 _PLACES = ["the garden", "the market", "the river", "the library", "the hill"]
 
 
-def synthetic_docs(n: int, seed: int) -> list[str]:
+def synthetic_docs(n: int, seed: int | str) -> list[str]:
     """Short stories with arithmetic that a small model can learn in a few hundred steps."""
     rng = random.Random(seed)
     docs = []
@@ -37,42 +46,114 @@ def synthetic_docs(n: int, seed: int) -> list[str]:
     return docs
 
 
-def _raw_dataset(cfg):
+def resolve_files(files, key: str = "data.files") -> list[str]:
+    """Each path as given when it exists from the current directory, else (relative) from the
+    project root, so a shipped recipe's `launcher/assets/...` works from any directory."""
+    out = []
+    for f in files:
+        p = Path(f).expanduser()
+        if p.exists():
+            out.append(str(p))
+        elif not p.is_absolute() and (PROJECT_ROOT / p).exists():
+            out.append(str(PROJECT_ROOT / p))
+        else:
+            raise ValueError(f"{key}: {f!r} does not exist (looked in {Path.cwd()} and in the "
+                             f"project root {PROJECT_ROOT})")
+    return out
+
+
+def _load_files(files: list[str], key: str, d):
+    import datasets
+    ext = Path(files[0]).suffix.lstrip(".")
+    builder = {"jsonl": "json", "json": "json", "txt": "text", "parquet": "parquet"}.get(ext)
+    if builder is None:
+        raise ValueError(f"{key}: {files[0]!r} has an unsupported extension; use "
+                         ".json, .jsonl, .txt or .parquet")
+    if builder == "text" and d.format != "text":
+        raise ValueError(f"{key}: {files[0]!r} is plain text; data.format={d.format} reads "
+                         "examples from .json, .jsonl or .parquet files")
+    ds = datasets.load_dataset(builder, data_files=list(files), split="train")
+    if builder == "text" and d.text_field != "text":
+        ds = ds.rename_column("text", d.text_field)
+    return ds
+
+
+def _eval_source(cfg) -> tuple[str, object]:
+    """Where the validation data comes from: ("files", paths), ("hub", split) or
+    ("synthetic", (docs, seed)); a ValueError when the recipe names none."""
+    d, e = cfg.data, cfg.eval
+    if e.files:
+        return "files", resolve_files(e.files, "eval.files")
+    if d.source == "hub":
+        if not e.split:
+            raise ValueError(f"validation data: set eval.split to a split of {d.id!r} other "
+                             f"than data.split={d.split!r} (e.g. validation or test), or "
+                             "eval.files")
+        return "hub", e.split
+    if d.source == "synthetic":
+        # seeded apart from the training text: a string seed is a stream no int seed gives
+        return "synthetic", (max(64, d.synthetic_docs // 10), f"eval:{e.seed}")
+    raise ValueError("validation data: data.source=files has no held-out split; set eval.files "
+                     "to the validation files (same format as data.files)")
+
+
+def _raw_dataset(cfg, part: str = "train"):
     import datasets
     d = cfg.data
-    if d.source == "synthetic":
+    if d.source == "synthetic" and d.format != "text":
+        raise ValueError(f"data.source=synthetic generates raw text; data.format={d.format} needs "
+                         "examples from data.source=files (e.g. launcher/assets/tiny_chat.jsonl) "
+                         "or hub")
+    if part == "eval":
+        kind, where = _eval_source(cfg)
+        if kind == "files":
+            ds = _load_files(where, "eval.files", d)
+        elif kind == "hub":
+            ds = datasets.load_dataset(d.id, d.subset, split=where)
+        else:
+            ds = datasets.Dataset.from_dict({d.text_field: synthetic_docs(*where)})
+    elif d.source == "synthetic":
         ds = datasets.Dataset.from_dict({d.text_field: synthetic_docs(d.synthetic_docs,
                                                                       cfg.run.seed)})
     elif d.source == "hub":
         ds = datasets.load_dataset(d.id, d.subset, split=d.split)
     else:
-        ext = Path(d.files[0]).suffix.lstrip(".")
-        builder = {"jsonl": "json", "json": "json", "txt": "text", "parquet": "parquet"}.get(ext)
-        if builder is None:
-            raise ValueError(f"data.files: {d.files[0]!r} has an unsupported extension; use "
-                             ".json, .jsonl, .txt or .parquet")
-        ds = datasets.load_dataset(builder, data_files=list(d.files), split="train")
-        if builder == "text" and d.text_field != "text":
-            ds = ds.rename_column("text", d.text_field)
-    if d.max_docs:
+        ds = _load_files(resolve_files(d.files), "data.files", d)
+    if part == "train" and d.max_docs:
         ds = ds.select(range(min(d.max_docs, len(ds))))
-    if d.text_field not in ds.column_names:
+    if d.format == "text" and d.text_field not in ds.column_names:
         raise ValueError(f"data.text_field={d.text_field!r} is not a column of the dataset "
                          f"(columns: {ds.column_names})")
     return ds
 
 
-def cache_key(cfg, tokenizer) -> str:
+def _stat(files: list[str], resolved: list[str]) -> list:
+    return [(f, os.path.getsize(r), os.path.getmtime(r)) for f, r in zip(files, resolved)]
+
+
+def cache_key(cfg, tokenizer, part: str = "train") -> str:
+    """Names the cached rows; it covers everything the rows depend on. The training rows of
+    format=text keep the key they had before chat/instruction/eval data existed."""
     d = cfg.data
-    files = [(f, os.path.getsize(f), os.path.getmtime(f)) for f in d.files] \
-        if d.source == "files" else []
+    files = _stat(d.files, resolve_files(d.files)) if d.source == "files" else []
     vocab = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()
-    ident = json.dumps({"v": DATA_FORMAT_VERSION, "source": d.source, "id": d.id,
-                        "subset": d.subset, "split": d.split, "files": files,
-                        "field": d.text_field, "max_docs": d.max_docs, "seq_len": d.seq_len,
-                        "synthetic": [d.synthetic_docs, cfg.run.seed] if d.source == "synthetic"
-                        else None, "tokenizer": vocab}, sort_keys=True)
-    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+    ident = {"v": DATA_FORMAT_VERSION, "source": d.source, "id": d.id,
+             "subset": d.subset, "split": d.split, "files": files,
+             "field": d.text_field, "max_docs": d.max_docs, "seq_len": d.seq_len,
+             "synthetic": [d.synthetic_docs, cfg.run.seed] if d.source == "synthetic"
+             else None, "tokenizer": vocab}
+    if part != "train":
+        kind, where = _eval_source(cfg)
+        ident.update(part=part, max_docs=None, files=[], synthetic=None, split=None,
+                     eval=[kind, _stat(cfg.eval.files, where) if kind == "files" else where])
+    if d.format != "text":
+        ident.update(format=d.format, sft=SFT_FORMAT_VERSION, train_on_prompt=d.train_on_prompt,
+                     packing=d.packing, pad=tokenizer.pad_token_id, eos=tokenizer.eos_token_id,
+                     fields=[d.messages_field] if d.format == "chat"
+                     else [d.prompt_field, d.response_field],
+                     chat_template=getattr(tokenizer, "chat_template", None)
+                     if d.format == "chat" else None)
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _pack(ds, tokenizer, seq_len: int, text_field: str):
@@ -91,27 +172,52 @@ def _pack(ds, tokenizer, seq_len: int, text_field: str):
     return ds.map(group, batched=True, batch_size=1000, remove_columns=["ids"])
 
 
-def prepare(cfg, tokenizer):
-    """The packed dataset, built once and memory-mapped from the Arrow cache afterwards.
+def prepare(cfg, tokenizer, part: str = "train"):
+    """The rows of `part` (train, or eval: the validation data, see `_eval_source`), built once
+    and memory-mapped from the Arrow cache afterwards.
 
     Workers start together; a file lock lets the first build the cache while the others wait.
     """
     import datasets
+    if part not in ("train", "eval"):
+        raise ValueError(f"part={part!r}: use 'train' or 'eval'")
     root = Path(cfg.data.cache_dir)
     root.mkdir(parents=True, exist_ok=True)
-    path = root / cache_key(cfg, tokenizer)
+    path = root / cache_key(cfg, tokenizer, part)
     with open(str(path) + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (path / "dataset_info.json").exists():
-            packed = _pack(_raw_dataset(cfg), tokenizer, cfg.data.seq_len, cfg.data.text_field)
-            tmp = Path(str(path) + f".tmp{os.getpid()}")
-            packed.save_to_disk(str(tmp))
-            os.replace(tmp, path)
+            _build(cfg, tokenizer, part, path)
     ds = datasets.load_from_disk(str(path))
     if len(ds) == 0:
-        raise ValueError(f"the dataset yields no sequence of data.seq_len={cfg.data.seq_len} "
-                         "tokens; lower seq_len or add data")
+        what = "the dataset" if part == "train" else "the validation data"
+        raise ValueError(f"{what} yields no sequence of data.seq_len={cfg.data.seq_len} "
+                         "tokens; lower seq_len or add data" if cfg.data.format == "text" else
+                         f"{what} yields no example with a token in the loss")
     return ds.with_format("torch")
+
+
+def _build(cfg, tokenizer, part: str, path: Path) -> None:
+    raw = _raw_dataset(cfg, part)
+    tmp = Path(str(path) + f".tmp{os.getpid()}")
+    if cfg.data.format == "text":
+        _pack(raw, tokenizer, cfg.data.seq_len, cfg.data.text_field).save_to_disk(str(tmp))
+    else:
+        from .sft_data import build_rows, tokenize_examples
+        scratch = str(path) + f".scratch{os.getpid()}"
+        try:
+            rows, _ = build_rows(tokenize_examples(raw, tokenizer, cfg.data), tokenizer,
+                                 cfg.data, scratch, part)
+            rows.save_to_disk(str(tmp))
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    os.replace(tmp, path)
+
+
+def eval_rows(ds, max_batches: int, micro_batch_size: int) -> list[int]:
+    """The validation rows: the first min(len(ds), max_batches * micro_batch_size), the same set
+    at any world size (ranks split it, see launcher/evaluate.py)."""
+    return list(range(min(len(ds), max_batches * micro_batch_size)))
 
 
 class StepSampler:

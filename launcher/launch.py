@@ -99,6 +99,7 @@ def _report(cfg, run: dict, t0: float, **extra) -> dict:
         "tokens": r0.get("tokens"),
         "wall_s": round(time.time() - t0, 3),
         "final_loss": r0.get("final_loss"),
+        "eval": r0.get("eval"),
         "params_sha256": r0.get("params_sha256"),
         "params_sha256_by_rank": {str(r): v.get("params_sha256") for r, v in results.items()},
         "goodput": run["goodput"],

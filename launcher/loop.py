@@ -16,6 +16,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -27,6 +28,7 @@ import checkpointless
 from checkpointless.digest import state_sha256
 
 from .data import to_device
+from .evaluate import evaluate
 from .schema import Recipe
 
 
@@ -111,6 +113,17 @@ class Metrics:
             self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{self.tokens_per_step / (t1 - t0):.0f}",
                                  refresh=False)
 
+    def record(self, rec: dict) -> None:
+        """A line that is not a step's (a validation result)."""
+        self.file.write(json.dumps(rec) + "\n")
+        self.file.flush()
+        line = (f"validation after {rec['eval_after_steps']} steps: loss {rec['eval_loss']:.4f}, "
+                f"perplexity {rec['eval_ppl']:.2f} ({rec['eval_tokens']} tokens)")
+        if self.bar is None:
+            print(line, flush=True)
+        else:
+            self.bar.write(line)
+
     def close(self):
         if self.bar is not None:
             self.bar.close()
@@ -138,12 +151,17 @@ def build(cfg, device):
     """Tokenizer, model (seeded, on `device`, in train mode) and the step sampler: everything a
     worker builds before it holds a rank."""
     import datasets
+    import transformers
     datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()  # save_pretrained's, at the end
+    # peft asks transformers a question transformers now words differently: not the user's concern
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
     from models import build_model, build_tokenizer
 
     from .data import StepSampler, prepare
 
-    tokenizer = build_tokenizer(cfg.tokenizer.kind, cfg.tokenizer.id or cfg.model.id)
+    tokenizer = build_tokenizer(cfg.tokenizer.kind, cfg.tokenizer.id or cfg.model.id,
+                                cfg.tokenizer.chat_template)
     torch.manual_seed(cfg.run.seed)
     model = build_model(cfg.model.name, cfg.model.init, cfg.model.id,
                         OmegaConf.to_container(cfg.model.config), vocab_size=len(tokenizer),
@@ -152,11 +170,26 @@ def build(cfg, device):
                                    "pad_token_id": tokenizer.pad_token_id})
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
+    if cfg.peft.method == "lora":  # adapters drawn from the same seeded RNG on every worker
+        from models.lora import apply_lora
+        if cfg.model.gradient_checkpointing:  # frozen inputs would give checkpointing no grads
+            model.enable_input_require_grads()
+        p = cfg.peft
+        model = apply_lora(model, p.r, p.alpha, p.dropout, list(p.target_modules))
     model.to(device).train()
     t = cfg.trainer
     sampler = StepSampler(prepare(cfg, tokenizer), cfg.run.seed, t.micro_batch_size,
                           t.grad_accum_steps)
     return tokenizer, model, sampler
+
+
+def build_eval(cfg, tokenizer):
+    """(validation rows, the fixed row set) when eval.every > 0, else None; built before join."""
+    if cfg.eval.every <= 0:
+        return None
+    from .data import eval_rows, prepare
+    ds = prepare(cfg, tokenizer, part="eval")
+    return ds, eval_rows(ds, cfg.eval.max_batches, cfg.trainer.micro_batch_size)
 
 
 def main(recipe_file: str) -> None:
@@ -167,6 +200,7 @@ def main(recipe_file: str) -> None:
 
     # --- warm-up: everything a worker needs before it holds a rank ---------------------------
     tokenizer, model, sampler = build(cfg, device)
+    evalset = build_eval(cfg, tokenizer)
 
     catch_up_threads = torch.get_num_threads()
     if checkpointless.started_as_spare() and d.strategy == "ddp":
@@ -187,15 +221,23 @@ def main(recipe_file: str) -> None:
         wrapped = model
     overlapped = d.strategy == "ddp" and d.grad_sync == "buckets"
     optimizer = build_optimizer(model, cfg)
-    job.protect(model=wrapped, optimizer=optimizer)
+    # under LoRA a replacement rebuilds the frozen base as every worker did: only the adapters
+    # and their optimizer state are sent
+    job.protect(model=wrapped, optimizer=optimizer, send_frozen=cfg.peft.method == "none")
     ckpt = durable_checkpoints(cfg, job, model, optimizer)
     metrics = Metrics(cfg, out_dir, job.completed_steps) if job.rank == 0 else None
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.precision == "bf16")
     tokens = 0
     loss_value = float("nan")
+    validate = (lambda: evaluate(model, *evalset, job.rank, job.world_size, t.micro_batch_size,
+                                 device, autocast)) if evalset else None
+    last_eval = None
 
     for step in job.steps(t.max_steps):
         with job.step():
+            # validation after `step` steps, inside the step: a failure in it is recovered and
+            # the step redone, and a replacement starting at this step validates too
+            pending = validate() if validate and step and step % cfg.eval.every == 0 else None
             lr = lr_at(step, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -237,26 +279,37 @@ def main(recipe_file: str) -> None:
                                             cfg.data.seq_len * job.world_size)
             if metrics:
                 metrics.step(step, loss_value, lr, float(grad_norm), job.step_started_at, time.time())
+            if pending:
+                last_eval = dict(pending, eval_after_steps=step)
+                if metrics:
+                    metrics.record(last_eval)
 
-    # --- the end: digest of the full state on every rank, model export on rank 0 -------------
+    # --- the end: validation, digest of the full state on every rank, export on rank 0 -------
+    if validate:  # collectives after the loop: a failure here is recovered too
+        last_eval = dict(job.between_steps(validate), eval_after_steps=job.completed_steps)
+        if metrics:
+            metrics.record(last_eval)
     if ckpt:
         ckpt.close()
-    state = full_state(model, d.strategy)
+    state = job.between_steps(lambda: full_state(model, d.strategy))
     digest = state_sha256(state)
     if job.rank == 0:
         if metrics:
             metrics.close()
-        if t.save_model:
+        if t.save_model and cfg.peft.method == "lora":
+            export_lora(cfg, model, state, tokenizer, out_dir)
+        elif t.save_model:
             export(model, state, tokenizer, out_dir / "model")
     local = sum(getattr(p, "_local_tensor", p).numel() for p in model.parameters())
     result = {"params_sha256": digest, "local_params": local, "rank": job.rank,
               "replica_host_bytes": getattr(job, "replica_host_bytes", lambda: None)(),
               "full_params": sum(v.numel() for v in state.values()),
-              "final_loss": loss_value, "steps": job.completed_steps}
+              "final_loss": loss_value, "steps": job.completed_steps, "eval": last_eval}
     (out_dir / "results").mkdir(exist_ok=True)
     (out_dir / "results" / f"rank{job.rank}.json").write_text(json.dumps(result))
     job.finish({"params_sha256": digest, "local_params": local,
-                "full_params": sum(v.numel() for v in state.values()), "final_loss": loss_value, "tokens": tokens,
+                "full_params": sum(v.numel() for v in state.values()), "final_loss": loss_value,
+                "tokens": tokens, "eval": last_eval,
                 "steps": job.completed_steps, "worker_id": job.worker_id, "pid": os.getpid()})
 
 
@@ -385,6 +438,37 @@ def export(model, state: dict, tokenizer, path: Path) -> None:
              for k, v in state.items()}
     model.save_pretrained(str(path), state_dict=state, safe_serialization=True)
     tokenizer.save_pretrained(str(path))
+
+
+def export_lora(cfg, model, state: dict, tokenizer, out_dir: Path) -> None:
+    """The adapter in `adapter/` (save_pretrained: loadable with PeftModel.from_pretrained on its
+    base); the base in `base/` when it came from a seeded init rather than a model id (nothing
+    else could rebuild it); with peft.merge=true the merged model in `model/`.
+
+    The live model is left untouched (merging or unloading it would change this rank's
+    parameters before the replicas are compared): copies are built on the CPU from `state`."""
+    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
+             for k, v in state.items()}
+
+    def copy():
+        _, fresh, _ = build(cfg, torch.device("cpu"))
+        fresh.load_state_dict(state)
+        return fresh
+
+    adapter_dir, base_dir = out_dir / "adapter", None if cfg.model.id else out_dir / "base"
+    local = copy()
+    local.save_pretrained(str(adapter_dir))
+    tokenizer.save_pretrained(str(adapter_dir))
+    if base_dir:  # the base beside the adapter, which points at it
+        local.unload().save_pretrained(str(base_dir), safe_serialization=True)
+        tokenizer.save_pretrained(str(base_dir))
+        config = json.loads((adapter_dir / "adapter_config.json").read_text())
+        config["base_model_name_or_path"] = str(base_dir.resolve())
+        (adapter_dir / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    if cfg.peft.merge:
+        merged = (copy() if base_dir else local).merge_and_unload()
+        merged.save_pretrained(str(out_dir / "model"), safe_serialization=True)
+        tokenizer.save_pretrained(str(out_dir / "model"))
 
 
 if __name__ == "__main__":

@@ -443,6 +443,28 @@ def validate(cfg: DictConfig) -> None:
     if cfg.data.source == "files":
         need(len(cfg.data.files) > 0, "data.files", list(cfg.data.files),
              "data.source=files needs at least one file")
+    ev, pf = cfg.eval, cfg.peft
+    need(ev.every >= 0, "eval.every", ev.every, "must be >= 0 steps (0: no validation)")
+    need(ev.max_batches >= 1, "eval.max_batches", ev.max_batches, "must be >= 1")
+    if ev.every > 0 and not ev.files:
+        need(cfg.data.source != "files", "eval.files", list(ev.files),
+             "validation of a data.source=files recipe needs its own files, e.g. "
+             "eval.files=[val.jsonl] (or eval.every=0)")
+        need(cfg.data.source != "hub" or ev.split, "eval.split", ev.split,
+             f"validation of hub data needs a split of {cfg.data.id} other than the training "
+             "one, e.g. eval.split=validation, or eval.files=[...] (or eval.every=0)")
+    need(not (ev.split and cfg.data.source == "hub" and ev.split == cfg.data.split),
+         "eval.split", ev.split, f"is the training split (data.split={cfg.data.split}): "
+         "validating on training rows says nothing; name another split")
+    if pf.method == "lora":
+        need(pf.r >= 1, "peft.r", pf.r, "must be >= 1 (a rank of 8 or 16 is typical)")
+        need(pf.alpha > 0, "peft.alpha", pf.alpha, "must be > 0 (often 2 x peft.r)")
+        need(0 <= pf.dropout < 1, "peft.dropout", pf.dropout, "must be in [0, 1)")
+        need(len(pf.target_modules) > 0, "peft.target_modules", list(pf.target_modules),
+             "name the modules to adapt, e.g. peft.target_modules=[q_proj,v_proj], or "
+             "[all-linear]")
+    need(not pf.merge or pf.method == "lora", "peft.merge", pf.merge,
+         "only applies to peft.method=lora (a full fine-tune already exports the whole model)")
     for i, f in enumerate(cfg.faults):
         need(f.kind in KINDS, f"faults[{i}].kind", f.kind,
              f"choose one of {', '.join(KINDS)}")

@@ -32,6 +32,7 @@ class ModelConfig:
 class TokenizerConfig:
     kind: str = "byte"  # byte: built-in byte-level tokenizer (no download); hub: load `id`
     id: Optional[str] = None  # hub id or local folder when kind=hub (defaults to model.id)
+    chat_template: str = "own"  # data.format=chat: own (the tokenizer's template) or simple (the project's role-tagged one, for tokenizers without a template)
 
 
 @dataclass
@@ -166,6 +167,7 @@ class Recipe:
 CHOICES = {
     "model.init": ("random", "pretrained"),
     "tokenizer.kind": ("byte", "hub"),
+    "tokenizer.chat_template": ("own", "simple"),
     "data.source": ("synthetic", "hub", "files"),
     "data.format": ("text", "chat", "instruction"),
     "peft.method": ("none", "lora"),

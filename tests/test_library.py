@@ -297,3 +297,32 @@ def test_the_params_checksum_sees_one_flipped_bit_and_the_odd_rank_is_named():
         consistency.judge([5, 7, 5], 1, 3)
     with pytest.raises(consistency.NoMajority):
         consistency.judge([5, 7], 0, 3)
+
+
+def test_frozen_parameters_are_not_sent_when_every_worker_rebuilds_them():
+    from checkpointless import protocol
+    from checkpointless.state import ProtectedState
+
+    def model():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+        m[0].requires_grad_(False)  # a frozen base
+        return m
+
+    src, dst = model(), model()
+    with torch.no_grad():
+        src[1].weight.add_(1.0)
+    sent = ProtectedState(protocol.Spec())
+    sent.send_frozen = False
+    sent.protect(model=src)
+    state = sent.state()
+    assert sorted(state["model"]) == ["1.bias", "1.weight"]  # the trainable part only
+    got = ProtectedState(protocol.Spec())
+    got.send_frozen = False
+    got.protect(model=dst)
+    got.load(state)
+    assert all(torch.equal(a, b) for a, b in zip(src.state_dict().values(),
+                                                 dst.state_dict().values()))
+    del state["model"]["1.bias"]
+    with pytest.raises(RuntimeError, match="lacks"):
+        got.load(state)

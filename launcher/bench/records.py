@@ -20,9 +20,11 @@ def read_records(run_dir: Path) -> list[dict]:
     if path.exists():
         for line in path.read_text().splitlines():
             try:  # a worker killed mid-write can leave a torn line: skip it
-                out.append(json.loads(line))
+                rec = json.loads(line)
             except json.JSONDecodeError:
                 continue
+            if "step" in rec:  # validation lines are not steps
+                out.append(rec)
     return out
 
 
