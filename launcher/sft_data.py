@@ -35,8 +35,9 @@ def check_chat_template(tokenizer) -> None:
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             f"data.format=chat renders conversations with the tokenizer's chat template, and "
-            f"{tokenizer_name(tokenizer)} has none; use a tokenizer that has one (tokenizer.kind="
-            "byte, or the tokenizer of an instruct/chat model), or data.format=instruction")
+            f"{tokenizer_name(tokenizer)} has none; set tokenizer.chat_template=simple (the "
+            "project's role-tagged template), use the tokenizer of an instruct/chat model "
+            "(tokenizer.id=...), or data.format=instruction")
 
 
 def check_messages(messages, index: int, field: str) -> list[dict]:

@@ -91,3 +91,15 @@ def test_lora_under_fsdp_with_padded_examples_recovers_and_exports_merged(tmp_pa
     merged = AutoModelForCausalLM.from_pretrained(out / "model")  # adapters folded into the base
     assert not any("lora" in k for k in merged.state_dict())
     assert (out / "adapter" / "adapter_config.json").exists() and (out / "base").exists()
+
+
+def test_tiny_sft_full_fine_tune_validates_and_exports_the_model(tmp_path):
+    out, rep, r = train(tmp_path, "sft", "tiny-sft", "distributed.num_processes=2",
+                        "checkpointless.spares=0", "trainer.max_steps=30", "eval.every=15",
+                        "eval.max_batches=4")
+    ev = evals(out)
+    assert [e["eval_after_steps"] for e in ev] == [15, 30]
+    assert ev[1]["eval_loss"] < ev[0]["eval_loss"] < 5.6  # from uniform over 257 tokens, down
+    assert rep["eval"] == ev[1] and len(set(rep["params_sha256_by_rank"].values())) == 1
+    assert "validation after 15 steps" in r.stdout
+    assert (out / "model" / "model.safetensors").exists() and not (out / "adapter").exists()

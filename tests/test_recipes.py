@@ -10,7 +10,8 @@ from launcher.recipes import RecipeError, load, recipe_names
 from tests.conftest import ROOT
 
 SHIPPED = ["llama3-8b", "llama3-70b", "llama3.2-1b", "gpt2", "gpt2-xl", "gpt-oss-20b",
-           "tiny-llama", "tiny-gpt2", "tiny-demo"]
+           "tiny-llama", "tiny-gpt2", "tiny-demo", "tiny-sft", "tiny-lora", "llama3-8b-lora",
+           "llama3.2-1b-sft", "gpt2-sft"]
 
 
 def test_every_required_recipe_is_shipped():
