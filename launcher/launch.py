@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 from checkpointless.protocol import replica_offset
 from checkpointless.supervisor import JobFailed, Supervisor, SupervisorConfig
 
+from .preflight import preflight
 from .recipes import RecipeError
 
 
@@ -19,7 +20,7 @@ def supervisor_config(cfg) -> SupervisorConfig:
     backend = d.backend
     if backend == "auto":
         import torch
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = "nccl" if d.device != "cpu" and torch.cuda.is_available() else "gloo"
     if c.replication.placement == "nodes":
         # every worker of this run lives on this machine: copies a node apart cannot exist
         raise RecipeError("checkpointless.replication.placement=nodes puts each shard's copies "
@@ -46,6 +47,7 @@ def train(cfg, on_start=None) -> dict | None:
     """Run a resolved recipe under the supervisor; `on_start(supervisor)` is called once the
     workers are spawned (the benchmark uses it to inject failures from outside)."""
     sup_cfg = supervisor_config(cfg)  # refuses bad settings before anything is written
+    preflight(cfg)  # devices, model, tokenizer, data, memory: once, here, not in every worker
     out = Path(cfg.run.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     recipe_file = out / "recipe.yaml"

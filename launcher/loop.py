@@ -133,8 +133,8 @@ class Metrics:
 def setup(cfg):
     """(backend, device) of this worker; the thread count of a CPU worker is set here."""
     d = cfg.distributed
-    backend = d.backend if d.backend != "auto" else ("nccl" if torch.cuda.is_available() else
-                                                     "gloo")
+    on_gpu = d.device != "cpu" and torch.cuda.is_available()
+    backend = d.backend if d.backend != "auto" else ("nccl" if on_gpu else "gloo")
     if backend == "nccl":
         # the supervisor's device slot, or torchrun's local rank (the off and restart modes)
         slot = int(os.environ.get("CL_DEVICE_SLOT", os.environ.get("LOCAL_RANK", "0")))

@@ -83,6 +83,7 @@ class DistributedConfig:
     num_processes: int = 2  # active workers (world size); one per GPU on GPUs
     strategy: str = "ddp"  # ddp: full replica per worker; fsdp: parameters and optimizer sharded
     backend: str = "auto"  # auto (nccl with GPUs, else gloo), gloo or nccl
+    device: str = "auto"  # what the recipe is sized for: cuda (refused on a machine without enough GPUs), cpu, or auto (cuda when present)
     master_addr: str = "127.0.0.1"  # address the coordination store listens on
     master_port: int = 0  # port of the coordination store (0: any free port)
     threads_per_worker: int = 0  # torch CPU threads per worker (0: cores / processes)
@@ -175,6 +176,7 @@ CHOICES = {
     "trainer.precision": ("fp32", "bf16"),
     "distributed.strategy": ("ddp", "fsdp"),
     "distributed.backend": ("auto", "gloo", "nccl"),
+    "distributed.device": ("auto", "cuda", "cpu"),
     "checkpoint.resume": ("never", "auto"),
     "checkpointless.replication.placement": ("ring", "nodes"),
 }

@@ -1,0 +1,150 @@
+"""Pre-flight: before any worker starts, check once what the recipe needs, and say in one message
+everything that is missing.
+
+Without it, each of N workers and the spares finds the problem on its own (N tracebacks, each
+after the hub's retries) and the run ends with "worker 5 exited before it finished starting up".
+Checked here, in the launcher:
+  * the devices: a recipe sized for GPUs on a machine without enough of them;
+  * the model config and the tokenizer, when the recipe names a hub id or folder: resolved once,
+    an unreachable hub, a gated model, a wrong id each get their own sentence;
+  * the data: local files exist; a hub dataset id can be resolved;
+  * the memory plan (launcher/plan.py), when it is available.
+"""
+from __future__ import annotations
+
+from .recipes import RecipeError
+
+
+def preflight(cfg) -> None:
+    """Raise RecipeError listing every problem found, each with its fix; return when none."""
+    _offline_unless_reachable(cfg)
+    problems = [p for p in (_devices(cfg), _model(cfg), _tokenizer(cfg), _data(cfg)) if p]
+    if not problems:
+        problems += _memory(cfg)
+    if problems:
+        raise RecipeError("this recipe cannot start on this machine:\n  - " +
+                          "\n  - ".join(problems))
+
+
+def _offline_unless_reachable(cfg) -> None:
+    """When the recipe names hub ids and the hub cannot be reached, go offline at once (for this
+    process and the workers it starts), so each check reads the local cache instead of retrying
+    the network for minutes. HF_HUB_OFFLINE is read when huggingface_hub is imported: this runs
+    before any import of it here."""
+    import os
+    import socket
+    from pathlib import Path
+    ids = [cfg.model.id, cfg.tokenizer.id if cfg.tokenizer.kind == "hub" else None,
+           cfg.data.id if cfg.data.source == "hub" else None]
+    remote = [i for i in ids if i and not Path(i).expanduser().exists()]
+    if not remote or os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false"):
+        return
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=3).close()
+    except OSError:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        print("[launcher] the Hugging Face hub cannot be reached: working offline from the "
+              "local cache", flush=True)
+
+
+def _devices(cfg) -> str | None:
+    d, c = cfg.distributed, cfg.checkpointless
+    if d.device != "cuda":
+        return None
+    import torch
+    need = d.num_processes + (c.spares if c.enabled else 0)
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have >= need:
+        return None
+    if have == 0:
+        return (f"distributed.device=cuda: the recipe is sized for GPUs ({d.num_processes} "
+                f"workers + {need - d.num_processes} spare(s), one GPU each) and this machine has "
+                "none. To run it on CPU anyway, add distributed.device=cpu (and a smaller model "
+                "or fewer processes: distributed.num_processes=2)")
+    return (f"distributed.device=cuda: {d.num_processes} workers + {need - d.num_processes} "
+            f"spare(s) need {need} GPUs and this machine has {have}. Lower "
+            f"distributed.num_processes (e.g. distributed.num_processes={max(1, have - 1)} "
+            f"checkpointless.spares={min(1, have - 1)})")
+
+
+def _hub_problem(exc: Exception, what: str, key: str, ident: str) -> str:
+    """One sentence for why `ident` could not be resolved, told apart by the exception's type."""
+    from huggingface_hub import errors
+    gated = getattr(errors, "GatedRepoError", ())
+    missing = getattr(errors, "RepositoryNotFoundError", ())
+    offline = tuple(t for t in (getattr(errors, "LocalEntryNotFoundError", None),
+                                getattr(errors, "OfflineModeIsEnabled", None)) if t)
+    kind = "--repo-type dataset " if what == "dataset" else ""
+    chain, cur = [], exc
+    while cur is not None and len(chain) < 8:
+        chain.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    if gated and any(isinstance(e, gated) for e in chain):
+        return (f"{key}={ident}: the {what} is gated on the Hugging Face hub. Accept its license "
+                f"on https://huggingface.co/{ident} and log in (`huggingface-cli login`, or "
+                "HF_TOKEN)")
+    if missing and any(isinstance(e, missing) for e in chain):
+        return (f"{key}={ident}: no such {what} on the Hugging Face hub (or it is private). "
+                "Check the id, or point it at a local folder")
+    if (offline and any(isinstance(e, offline) for e in chain)) or any(
+            isinstance(e, (ConnectionError, TimeoutError)) for e in chain):
+        return (f"{key}={ident}: the {what} is not in the local cache and the Hugging Face hub "
+                "cannot be reached (no network, or HF_HUB_OFFLINE=1). Download it where there is "
+                f"a network (`huggingface-cli download {kind}{ident}`) and copy the cache here, "
+                f"or point {key} at a local folder")
+    return f"{key}={ident}: the {what} could not be loaded: {type(exc).__name__}: {exc}"
+
+
+def _model(cfg) -> str | None:
+    if not cfg.model.id:
+        return None
+    from transformers import AutoConfig
+    try:
+        AutoConfig.from_pretrained(cfg.model.id)
+    except Exception as exc:  # noqa: BLE001  every kind is told apart in _hub_problem
+        return _hub_problem(exc, "model", "model.id", cfg.model.id)
+    return None
+
+
+def _tokenizer(cfg) -> str | None:
+    if cfg.tokenizer.kind != "hub":
+        return None
+    ident = cfg.tokenizer.id or cfg.model.id
+    from transformers import AutoTokenizer
+    try:
+        AutoTokenizer.from_pretrained(ident)
+    except Exception as exc:  # noqa: BLE001
+        key = "tokenizer.id" if cfg.tokenizer.id else "model.id"
+        return _hub_problem(exc, "tokenizer", key, ident)
+    return None
+
+
+def _data(cfg) -> str | None:
+    d = cfg.data
+    try:
+        if d.source == "files":
+            from .data import resolve_files
+            resolve_files(list(d.files))
+            if cfg.eval.every > 0 and cfg.eval.files:
+                resolve_files(list(cfg.eval.files), key="eval.files")
+        elif d.source == "hub":
+            import datasets
+            try:
+                datasets.load_dataset_builder(d.id, d.subset)
+            except Exception as exc:  # noqa: BLE001
+                return _hub_problem(exc, "dataset", "data.id", d.id)
+    except (ValueError, FileNotFoundError) as exc:
+        return str(exc)
+    return None
+
+
+def _memory(cfg) -> list[str]:
+    try:
+        from .plan import check_fits
+    except ImportError:  # the plan is optional for the pre-flight
+        return []
+    try:
+        check_fits(cfg)
+    except RecipeError as exc:
+        return [str(exc)]
+    return []

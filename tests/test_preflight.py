@@ -1,0 +1,61 @@
+"""Pre-flight: what a recipe needs is checked once, in the launcher, and every missing thing is said
+in one message, before any worker starts."""
+import os
+import subprocess
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+
+from launcher.preflight import _hub_problem, preflight
+from launcher.recipes import RecipeError, load
+from tests.conftest import ROOT
+
+
+def test_a_gpu_recipe_on_a_machine_without_gpus_says_everything_missing_at_once():
+    with pytest.raises(RecipeError) as err:
+        preflight(load("llama3-8b"))
+    text = str(err.value)
+    assert "distributed.device=cpu" in text  # the override that runs it anyway
+    assert "model.id=meta-llama/Meta-Llama-3-8B" in text
+    assert "tokenizer.id=meta-llama/Meta-Llama-3-8B" in text
+    assert "data.id=HuggingFaceFW/fineweb-edu" in text and "--repo-type dataset" in text
+
+
+def test_tiny_recipes_pass_and_missing_files_are_named(tmp_path):
+    preflight(load("tiny-llama"))
+    preflight(load("tiny-sft"))  # shipped files, found from the project root
+    with pytest.raises(RecipeError, match="data.files: 'nowhere.jsonl' does not exist"):
+        preflight(load("tiny-sft", ["data.files=[nowhere.jsonl]"]))
+
+
+def test_a_model_in_a_local_folder_is_resolved_and_a_wrong_one_is_named(tmp_path):
+    from transformers import LlamaConfig
+    LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=2, vocab_size=257).save_pretrained(tmp_path / "m")
+    preflight(load("tiny-llama", [f"model.id={tmp_path / 'm'}"]))
+    with pytest.raises(RecipeError, match="model.id=no-such-org/no-such-model"):
+        preflight(load("tiny-llama", ["model.id=no-such-org/no-such-model"]))
+
+
+def test_each_hub_failure_gets_its_own_sentence():
+    from huggingface_hub import errors
+    gated = errors.GatedRepoError.__new__(errors.GatedRepoError)  # built as the hub does, minus
+    missing = errors.RepositoryNotFoundError.__new__(errors.RepositoryNotFoundError)  # a response
+    offline = errors.LocalEntryNotFoundError("not cached")
+    wrapped = OSError("could not load")
+    wrapped.__cause__ = gated  # transformers re-raises hub errors as OSError
+    assert "license" in _hub_problem(wrapped, "model", "model.id", "meta-llama/X")
+    assert "huggingface-cli login" in _hub_problem(gated, "model", "model.id", "meta-llama/X")
+    assert "no such model" in _hub_problem(missing, "model", "model.id", "nobody/x")
+    assert "cannot be reached" in _hub_problem(offline, "model", "model.id", "a/b")
+
+
+def test_train_refuses_with_one_message_and_no_traceback():
+    r = subprocess.run([sys.executable, "-m", "launcher", "train", "llama3-8b"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT,
+                       env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert r.returncode != 0
+    assert "this recipe cannot start on this machine" in r.stderr + r.stdout
+    assert "Traceback" not in r.stderr and "exited" not in r.stderr  # no worker started
