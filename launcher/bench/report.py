@@ -33,7 +33,8 @@ def model_table(measured: dict, overhead, save_cost_s: float):
     lines = ["GOODPUT MODEL (not a measurement). Inputs: 16 B/param of state; 400 TFLOP/s per "
              "GPU; 1 GB/s checkpoint write per GPU; 50 GB/s peer link; restart recovery 10/15/30 "
              "min (HyperPod's '15-30 minutes or more');",
-             f"regroup 1/2/5 s (assumed); measured here: steady overhead {ov:+.1%}, local "
+             f"regroup 1/2/5 s (assumed); measured here: steady overhead {ov:+.1%}"
+             f"{' (below zero is noise: counted as 0)' if ov < 0 else ''}, local "
              f"checkpointless recovery median {cl.get('recovery_s_median')} s, local save "
              f"{save_cost_s * 1000:.0f} ms.",
              ""]
