@@ -11,6 +11,15 @@ from dataclasses import dataclass
 from . import protocol
 
 
+def die_with_parent() -> None:
+    """In a child, before exec: get SIGKILL when the parent (the launcher or agent) dies."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 @dataclass
 class Worker:
     """One started process: its id, its device slot, the rank it holds (or spare/lost)."""
@@ -23,6 +32,9 @@ class Worker:
     pidfd: int | None = None  # readable once the process has exited (Linux 5.3+)
     refilled: bool = False  # a refill has been started for it (when it was lost)
     gone_seen: bool = False  # its exit as a spare has been handled
+    node: int = 0  # the node it runs on (nodes.py; always 0 on one machine)
+    node_lost: bool = False  # it went down with its whole node
+    lost_at: float = 0.0  # then, when its node was last heard from
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -40,18 +52,20 @@ class WorkerPool:
         self.workers: dict[int, Worker] = {}
         self._next_wid = 0
 
-    def spawn(self, slot: int, background: bool = False) -> Worker:
+    def spawn(self, slot: int, background: bool = False, spare: bool | None = None) -> Worker:
         """Start a worker. A background refill warms up at `refill_nice` and takes normal
         priority when given a rank. Every process but the first generation's ranks starts as a
         spare."""
         wid = self._next_wid
         self._next_wid += 1
-        spare = background or slot >= self.spares_from_slot
+        if spare is None:
+            spare = background or slot >= self.spares_from_slot
         env = dict(self.env, **protocol.worker_env(self.host, self.port, wid, slot, spare))
         nice = self.refill_nice if background else 0
 
         def setup():  # its own process group: its children (DataLoader workers) die with it
             os.setpgid(0, 0)
+            die_with_parent()  # and it dies with the launcher, even a SIGKILLed one
             if nice:
                 os.nice(nice)
 
@@ -99,6 +113,15 @@ class WorkerPool:
             except ProcessLookupError:
                 pass
         w.proc.wait()
+
+    def respawn(self, w: Worker) -> Worker | None:
+        """A refill for a lost worker: a new spare in its device slot."""
+        return self.spawn(w.slot, background=True)
+
+    def choose_spares(self, store, failed: list[tuple[int, int]]) -> list[Worker] | None:
+        """Ready spares for the failed (node, slot) pairs, in order; None when too few."""
+        ready = self.spares(store, ready=True)
+        return ready[:len(failed)] if len(ready) >= len(failed) else None
 
     def spares(self, store, ready: bool) -> list[Worker]:
         """Live spares; with ready=True only those that finished warming up."""

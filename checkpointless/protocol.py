@@ -126,6 +126,9 @@ class Defaults:
     plan_poll_s: float = 0.002  # how often a rank in recovery looks for the next plan
     gather_window_s: float = 0.02  # failures seen this close together join one generation
     refill_delay_s: float = 3.0  # a refill waits this long when spares suffice for now
+    # a node whose launcher is silent this long is lost; below confirm_s, so that survivors whose
+    # collectives failed with the node's workers hear of the loss before they give up waiting
+    node_timeout_s: float = 3.0
 
 
 DEFAULTS = Defaults()

@@ -25,6 +25,8 @@ class Failure:
     gen: int = -1  # the generation that replaced it
     t_spare: float = 0.0  # when a spare was available
     new_wid: int = -1
+    node: int = 0  # the node it was on
+    new_node: int = 0  # the node of the spare that took its rank
 
 
 def _json(store, key: str):
@@ -52,6 +54,7 @@ def recovery_entry(store, f: Failure, nproc: int, last_gen: int) -> dict | None:
     mine = [r for r in recs if r["worker_id"] == f.new_wid]
     return {
         "failed_rank": f.rank, "cause": f.cause, "failed_worker": f.wid,
+        "failed_node": f.node, "replacement_node": f.new_node,
         "replacement_worker": f.new_wid, "generation": f.gen, "failed_at_step": f.step,
         "error": f.error,
         "detect_s": round(f.t_detect - f.t_fail, 4),

@@ -54,6 +54,11 @@ class SupervisorConfig:
     # on 2 cores: minutes), leaving the job without a spare for longer. So none by default.
     refill_nice: int = 0
     enabled: bool = True
+    # many machines (nodes.py): active nodes of nproc / nodes workers (+ `spares` each), spare
+    # nodes of as many spares, a node lost after node_timeout_s of silence
+    nodes: int = 1
+    spare_nodes: int = 0
+    node_timeout_s: float = D.node_timeout_s
     replication: dict = field(default_factory=lambda: {
         "factor": D.replication_factor, "interval": D.replication_interval, "offset": 1})
 
@@ -75,13 +80,22 @@ class Supervisor:
         self.cfg = cfg
         self.log = log
         self.on_start = on_start
-        self.pool = WorkerPool(cmd, dict(os.environ if env is None else env), cfg.host,
-                               spares_from_slot=cfg.nproc, refill_nice=cfg.refill_nice)
+        env = dict(os.environ if env is None else env)
+        self.cluster = cfg.nodes > 1 or cfg.spare_nodes > 0
+        if self.cluster:
+            from .nodes import ClusterPool
+            per_node = cfg.nproc // cfg.nodes
+            self.pool = ClusterPool(cmd, env, cfg.host, per_node, cfg.refill_nice, cfg.nodes,
+                                    cfg.spare_nodes, per_node, cfg.spares, cfg.node_timeout_s,
+                                    log=log)
+        else:
+            self.pool = WorkerPool(cmd, env, cfg.host, spares_from_slot=cfg.nproc,
+                                   refill_nice=cfg.refill_nice)
         self.workers = self.pool.workers
         self.failures: list[Failure] = []
         self.gen = -1
         self.ranks: dict[int, int] = {}  # active worker id -> rank
-        self._refills: list[tuple[float, int]] = []  # (when, device slot) of delayed refills
+        self._refills: list[tuple[float, Worker]] = []  # (when, lost worker) of delayed refills
         self._crashes: dict[int, int] = {}  # rank -> its replacements lost before a first step
         self.store = None
         self.port = 0
@@ -134,13 +148,16 @@ class Supervisor:
             if self.store.check([protocol.fault_time_key(w.wid)]) else None
         beat = detection.read_beat(self.store, w.wid)
         diverged = self.store.check([protocol.diverged_key(w.wid)])
-        cause = "hang" if hung else "diverged" if diverged else "error" if err else "exit"
+        cause = "node_lost" if w.node_lost else "hang" if hung else "diverged" if diverged \
+            else "error" if err else "exit"
         f = Failure(wid=w.wid, rank=w.rank, cause=cause,
-                    t_fail=json.loads(fault)["t"] if fault else now, t_detect=now,
+                    t_fail=json.loads(fault)["t"] if fault else w.lost_at or now, t_detect=now,
                     step=beat["step"] if beat else self._job_step(),
                     error=json.loads(err)["error"] if err else None)
         self.failures.append(f)
-        self.log(f"[checkpointless] rank {w.rank} lost ({f.cause}, worker {w.wid}, "
+        f.node = w.node
+        where = f", node {w.node}" if self.cluster else ""
+        self.log(f"[checkpointless] rank {w.rank} lost ({f.cause}, worker {w.wid}{where}, "
                  f"exit code {w.proc.returncode}) at step {f.step}; detected "
                  f"{f.t_detect - f.t_fail:.2f} s after the failure")
         if f.error:
@@ -202,9 +219,11 @@ class Supervisor:
         deadline = time.time() + self.cfg.spare_wait_s
         said = False
         while True:
-            spares = self.pool.spares(self.store, ready=True)
-            if len(spares) >= len(pending):
+            spares = self.pool.choose_spares(
+                self.store, [(self.workers[f.wid].node, self.workers[f.wid].slot) for f in pending])
+            if spares is not None:
                 break
+            spares = self.pool.spares(self.store, ready=True)
             if not self.pool.spares(self.store, ready=False):
                 self._stop(f"{len(pending)} rank(s) lost and no spare left (checkpointless."
                            f"spares={self.cfg.spares}, refill={self.cfg.refill}); the run stops "
@@ -228,7 +247,7 @@ class Supervisor:
         for f, spare in zip(pending, spares):
             spare.rank = f.rank
             self.ranks[spare.wid] = f.rank
-            f.t_spare, f.new_wid = t, spare.wid
+            f.t_spare, f.new_wid, f.new_node = t, spare.wid, spare.node
         self._publish()
         for f, spare in zip(pending, spares):
             f.gen = spare.took_over_gen = self.gen
@@ -238,24 +257,24 @@ class Supervisor:
             return
         w.refilled = True
         if later:
-            self._refills.append((time.time() + D.refill_delay_s, w.slot))
+            self._refills.append((time.time() + D.refill_delay_s, w))
         else:
-            self.pool.spawn(w.slot, background=True)
+            self.pool.respawn(w)
 
     def _refill_dead_spares(self) -> None:
         """A spare that died while waiting is replaced too."""
         for w in list(self.workers.values()):
             if w.rank == -1 and not w.alive() and not w.gone_seen:
                 w.gone_seen = True
-                if self.store.check([protocol.SHUTDOWN]):
+                if self.store.check([protocol.SHUTDOWN]) or w.node_lost:
                     continue
                 self.log(f"[checkpointless] spare worker {w.wid} exited (code "
                          f"{w.proc.returncode})" + ("; starting another" if self.cfg.refill else ""))
                 if self.cfg.refill:
-                    self.pool.spawn(w.slot, background=True)
+                    self.pool.respawn(w)
         for r in [r for r in self._refills if r[0] <= time.time()]:
             self._refills.remove(r)
-            self.pool.spawn(r[1], background=True)
+            self.pool.respawn(r[1])
 
     # ---- main loop -----------------------------------------------------------------------
     def run(self) -> dict:
@@ -268,14 +287,17 @@ class Supervisor:
                              pg_timeout_s=cfg.pg_timeout_s, confirm_s=cfg.confirm_s,
                              consistency_every=cfg.consistency_every,
                              replication=cfg.replication,
-                             workers_per_node=cfg.nproc + cfg.spares)
+                             workers_per_node=cfg.nproc // cfg.nodes + cfg.spares)
         self.store.set(protocol.SPEC, spec.to_json())
         self.t_start = time.time()
-        for slot in range(cfg.nproc + cfg.spares):
-            w = self.pool.spawn(slot)
-            if slot < cfg.nproc:
-                w.rank = slot
-                self.ranks[w.wid] = slot
+        if self.cluster:
+            self._start_cluster()
+        else:
+            for slot in range(cfg.nproc + cfg.spares):
+                w = self.pool.spawn(slot)
+                if slot < cfg.nproc:
+                    w.rank = slot
+                    self.ranks[w.wid] = slot
         self.pids_at_start = {w.rank: w.proc.pid for w in self.workers.values() if w.rank >= 0}
         self._publish()
         if self.on_start:
@@ -289,6 +311,24 @@ class Supervisor:
             self.pool.stop_all()
         self._say_recoveries()
         return self._report()
+
+    def _start_cluster(self) -> None:
+        """Every node's agent joins; then each active node K starts ranks K*P..K*P+P-1 in its
+        slots 0..P-1 and its own spares after them, and each spare node P spares."""
+        cfg, pool = self.cfg, self.pool
+        pool.store = self.store
+        pool.wait_for_nodes(cfg.spare_wait_s)
+        per_node = cfg.nproc // cfg.nodes
+        for node in range(cfg.nodes + cfg.spare_nodes):
+            spare_node = node >= cfg.nodes
+            for slot in range(per_node if spare_node else per_node + cfg.spares):
+                active = not spare_node and slot < per_node
+                w = pool.spawn_on(node, slot, spare=not active)
+                if active:
+                    w.rank = node * per_node + slot
+                    self.ranks[w.wid] = w.rank
+        self.log(f"[checkpointless] {cfg.nodes} node(s) x {per_node} workers "
+                 f"(+{cfg.spares} spare(s) each) and {cfg.spare_nodes} spare node(s) started")
 
     def _watch(self) -> None:
         cfg = self.cfg
@@ -314,9 +354,17 @@ class Supervisor:
                 next_beats = now + 0.5
                 active = {wid: self.workers[wid] for wid in self.ranks}
                 beats = {wid: detection.read_beat(self.store, wid) for wid in active}
-                pids = {wid: w.proc.pid for wid, w in active.items()}
+                # a stopped process can be seen in /proc only on this node
+                pids = {wid: w.proc.pid if w.node == 0 else -1 for wid, w in active.items()}
                 for wid in detection.find_hung(beats, pids, cfg.heartbeat_timeout_s):
                     lost.append((active[wid], True))
+            if self.cluster and slow:
+                for node in self.pool.lost_nodes():
+                    self.log(f"[checkpointless] node {node} lost: its launcher has been silent "
+                             f"for {cfg.node_timeout_s:g} s; its workers fail together and the "
+                             "node is fenced")
+                    lost += [(w, False) for w in self._exited() if w.node == node
+                             and all(w is not x for x, _ in lost)]
             if lost:
                 self._handle(lost)
             if not slow:

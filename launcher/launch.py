@@ -21,7 +21,8 @@ def supervisor_config(cfg) -> SupervisorConfig:
     if backend == "auto":
         import torch
         backend = "nccl" if d.device != "cpu" and torch.cuda.is_available() else "gloo"
-    if c.replication.placement == "nodes":
+    per_node = d.num_processes // d.num_nodes
+    if c.replication.placement == "nodes" and d.num_nodes == 1:
         # every worker of this run lives on this machine: copies a node apart cannot exist
         raise RecipeError("checkpointless.replication.placement=nodes puts each shard's copies "
                           "on another node, but this run has one node (all "
@@ -33,8 +34,9 @@ def supervisor_config(cfg) -> SupervisorConfig:
         spare_wait_s=c.spare_wait_s, confirm_s=c.confirm_s, enabled=c.enabled,
         max_replacement_failures=c.max_replacement_failures,
         consistency_every=c.consistency_every,
+        nodes=d.num_nodes, spare_nodes=c.spare_nodes, node_timeout_s=c.node_timeout_s,
         replication={"factor": c.replication.factor, "interval": c.replication.interval,
-                     "offset": replica_offset(c.replication.placement, d.num_processes)},
+                     "offset": replica_offset(c.replication.placement, per_node)},
         faults=[dict(f) for f in OmegaConf.to_container(cfg.faults)])
 
 
@@ -50,6 +52,11 @@ def train(cfg, on_start=None) -> dict | None:
     preflight(cfg)  # devices, model, tokenizer, data, memory: once, here, not in every worker
     out = Path(cfg.run.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    d = cfg.distributed
+    if d.node_rank > 0:  # not the coordinator: this node's agent (its own copy of the recipe:
+        recipe_file = out / f"recipe.node{d.node_rank}.yaml"  # output dirs may be shared)
+        recipe_file.write_text(OmegaConf.to_yaml(cfg))
+        return _node_agent(cfg, recipe_file)
     recipe_file = out / "recipe.yaml"
     recipe_file.write_text(OmegaConf.to_yaml(cfg))
     if cfg.checkpoint.resume != "auto":
@@ -58,6 +65,9 @@ def train(cfg, on_start=None) -> dict | None:
           f"{cfg.checkpointless.spares if cfg.checkpointless.enabled else 0} spares, "
           f"strategy {cfg.distributed.strategy}, {cfg.trainer.max_steps} steps -> {out}",
           flush=True)
+    if d.num_nodes > 1 or cfg.checkpointless.spare_nodes > 0:
+        print(f"[launcher] node 0 of {d.num_nodes} (+{cfg.checkpointless.spare_nodes} spare): "
+              f"coordinator on {d.master_addr}:{d.master_port}", flush=True)
     sup = Supervisor([sys.executable, "-m", "launcher.loop", str(recipe_file)], sup_cfg,
                      log=_log, on_start=on_start)
     t0 = time.time()
@@ -86,6 +96,24 @@ def train(cfg, on_start=None) -> dict | None:
         print("[launcher] ERROR: ranks ended with different parameters", file=sys.stderr)
         return None
     return report
+
+
+def _node_agent(cfg, recipe_file: Path) -> dict | None:
+    """Serve the coordinator as node `node_rank`; a report of this node's exit."""
+    from checkpointless.nodes import run_agent
+    d, c = cfg.distributed, cfg.checkpointless
+    per_node = d.num_processes // d.num_nodes
+    spare_node = d.node_rank >= d.num_nodes
+    here = per_node + (0 if spare_node else c.spares)
+    print(f"[launcher] {cfg.run.name}: node {d.node_rank} ({'spare node' if spare_node else 'active'}"
+          f", {here} processes) joining the coordinator at {d.master_addr}:{d.master_port}",
+          flush=True)
+    rc = run_agent(d.node_rank, [sys.executable, "-m", "launcher.loop", str(recipe_file)],
+                   d.master_addr, d.master_port, c.node_timeout_s, here)
+    why = {0: "the job is over", 3: "this node was fenced (declared lost)",
+           4: "the coordinator is gone"}.get(rc, f"exit {rc}")
+    print(f"[launcher] node {d.node_rank}: {why}", flush=True)
+    return {"node": d.node_rank, "exit": rc} if rc == 0 else None
 
 
 def _report(cfg, run: dict, t0: float, **extra) -> dict:

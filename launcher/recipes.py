@@ -321,8 +321,18 @@ def load(name_or_path: str, overrides: list[str] = ()) -> DictConfig:
         raise RecipeError(f"recipe interpolation failed{where}: {str(exc).splitlines()[0]}. A "
                           "${...} reference must name another key, e.g. ${run.name}, and must "
                           "not refer to itself") from None
+    _world_from_nodes(merged, overrides)
     validate(merged)
     return merged
+
+
+def _world_from_nodes(cfg: DictConfig, overrides) -> None:
+    """With distributed.nproc_per_node given and num_processes not, the world is nodes x per
+    node (a recipe's own num_processes is its one-node default, not a request)."""
+    d = cfg.distributed
+    asked = any(o.split("=", 1)[0].strip() == "distributed.num_processes" for o in overrides)
+    if d.nproc_per_node > 0 and not asked:
+        d.num_processes = d.num_nodes * d.nproc_per_node
 
 
 def _require_model(cfg: DictConfig, path: Path) -> None:
@@ -443,6 +453,24 @@ def validate(cfg: DictConfig) -> None:
     if cfg.data.source == "files":
         need(len(cfg.data.files) > 0, "data.files", list(cfg.data.files),
              "data.source=files needs at least one file")
+    nodes = d.num_nodes
+    need(nodes >= 1, "distributed.num_nodes", nodes, "must be >= 1")
+    need(c.spare_nodes >= 0, "checkpointless.spare_nodes", c.spare_nodes, "must be >= 0")
+    need(c.node_timeout_s > 0, "checkpointless.node_timeout_s", c.node_timeout_s,
+         "must be > 0 seconds")
+    per = d.nproc_per_node or (d.num_processes // nodes)
+    need(per * nodes == d.num_processes, "distributed.num_processes", d.num_processes,
+         f"must equal distributed.num_nodes x distributed.nproc_per_node = {nodes} x {per} = "
+         f"{nodes * per}; set one consistent pair (or leave num_processes to follow)")
+    need(0 <= d.node_rank < nodes + c.spare_nodes, "distributed.node_rank", d.node_rank,
+         f"must be in 0..{nodes + c.spare_nodes - 1} (0..{nodes - 1} active, then spare nodes)")
+    if nodes > 1 or c.spare_nodes > 0:
+        need(d.master_port > 0, "distributed.master_port", d.master_port,
+             "several nodes need a fixed port for the coordinator, e.g. distributed.master_port="
+             "29400, the same on every node")
+        need(c.node_timeout_s < c.confirm_s, "checkpointless.node_timeout_s", c.node_timeout_s,
+             f"must be below checkpointless.confirm_s={c.confirm_s:g}: survivors whose "
+             "collectives failed with a lost node wait that long to hear of the loss")
     ev, pf = cfg.eval, cfg.peft
     need(ev.every >= 0, "eval.every", ev.every, "must be >= 0 steps (0: no validation)")
     need(ev.max_batches >= 1, "eval.max_batches", ev.max_batches, "must be >= 1")

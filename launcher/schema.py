@@ -84,11 +84,15 @@ class DistributedConfig:
     strategy: str = "ddp"  # ddp: full replica per worker; fsdp: parameters and optimizer sharded
     backend: str = "auto"  # auto (nccl with GPUs, else gloo), gloo or nccl
     device: str = "auto"  # what the recipe is sized for: cuda (refused on a machine without enough GPUs), cpu, or auto (cuda when present)
+    device_memory_gb: float = 0.0  # memory of one device, GB (0: the real device's when there is one, else 80)
     master_addr: str = "127.0.0.1"  # address the coordination store listens on
     master_port: int = 0  # port of the coordination store (0: any free port)
     threads_per_worker: int = 0  # torch CPU threads per worker (0: cores / processes)
     bucket_cap_mb: float = 25.0  # ddp: gradient bucket size; a bucket's all-reduce starts as soon as it is full
     grad_sync: str = "buckets"  # ddp: buckets (all-reduces overlapped with backward) or flat (one after backward)
+    num_nodes: int = 1  # active nodes; run the same command on each, with its own node_rank
+    nproc_per_node: int = 0  # workers per node (0: num_processes / num_nodes); num_processes must equal num_nodes x nproc_per_node
+    node_rank: int = 0  # this node: 0 hosts the coordinator, 1..num_nodes-1 active, num_nodes.. spare nodes
 
 
 @dataclass
@@ -109,6 +113,8 @@ class CheckpointlessConfig:
     confirm_s: float = CL.confirm_s  # how long a failed collective waits for a peer's loss to be confirmed
     consistency_every: int = CL.consistency_every  # steps between checks that replicas hold the same parameters (0: end only)
     max_replacement_failures: int = CL.max_replacement_failures  # replacements dying before a first step, in a row, before the run stops
+    spare_nodes: int = 0  # extra nodes whose launchers start nproc_per_node warm spares each: a lost node's ranks move to one of them together
+    node_timeout_s: float = CL.node_timeout_s  # silence of a node's launcher after which the node is lost, failed whole and fenced
     replication: ReplicationConfig = field(default_factory=ReplicationConfig)
 
 

@@ -1,0 +1,119 @@
+"""Several nodes: one launcher per node, the coordinator in node 0's, a spare node, a whole node lost.
+
+The nodes here are launcher processes on this machine talking over loopback ports (each node's
+launcher and workers are their own processes; no network namespaces are made by these tests, so a
+cut link, as opposed to a dead node, is not exercised). Real processes, tiny-llama, gloo.
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+ENV = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(tmp_path, node: int, port: int, *extra):
+    args = [sys.executable, "-m", "launcher", "train", "tiny-llama", "distributed.num_nodes=2",
+            "distributed.nproc_per_node=2", "checkpointless.spare_nodes=1",
+            "checkpointless.spares=0", f"distributed.master_port={port}",
+            "trainer.max_steps=30", "trainer.progress_bar=false",
+            f"run.output_dir={tmp_path / 'out'}", f"data.cache_dir={tmp_path / 'cache'}",
+            f"distributed.node_rank={node}", *extra]
+    log = open(tmp_path / f"node{node}.log", "w")
+    return subprocess.Popen(args, cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _steps(tmp_path) -> int:
+    path = tmp_path / "out" / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _job_processes(tmp_path) -> list[str]:
+    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    return [l for l in out.splitlines() if str(tmp_path) in l and "ps -eo" not in l]
+
+
+def _wait_steps(tmp_path, n: int, procs, timeout_s=240.0):
+    deadline = time.time() + timeout_s
+    while _steps(tmp_path) < n:
+        assert time.time() < deadline, (tmp_path / "node0.log").read_text()[-3000:]
+        assert all(p.poll() is None for p in procs), [p.returncode for p in procs]
+        time.sleep(0.2)
+
+
+@pytest.fixture
+def one_node_digest(tmp_path_factory):
+    out = tmp_path_factory.mktemp("one")
+    r = subprocess.run([sys.executable, "-m", "launcher", "train", "tiny-llama",
+                        "checkpointless.spares=0", "trainer.max_steps=30",
+                        "trainer.progress_bar=false", f"run.output_dir={out / 'out'}",
+                        f"data.cache_dir={out / 'cache'}"], cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads((out / "out" / "report.json").read_text())["params_sha256"]
+
+
+def test_a_lost_node_moves_whole_to_the_spare_node_with_the_one_node_bits(tmp_path,
+                                                                          one_node_digest):
+    port = _port()
+    procs = [_launch(tmp_path, k, port) for k in range(3)]
+    try:
+        _wait_steps(tmp_path, 12, procs)
+        os.killpg(procs[1].pid, signal.SIGKILL)  # node 1's launcher; its workers die with it
+        assert procs[0].wait(timeout=240) == 0, (tmp_path / "node0.log").read_text()[-3000:]
+        assert procs[2].wait(timeout=30) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert rep["params_sha256"] == one_node_digest  # 2 nodes x 2, a node lost = 1 node x 4
+    assert len(set(rep["params_sha256_by_rank"].values())) == 1
+    recs = rep["recoveries"]
+    assert sorted(r["failed_rank"] for r in recs) == [2, 3]
+    assert {(r["cause"], r["failed_node"], r["replacement_node"]) for r in recs} == {
+        ("node_lost", 1, 2)}
+    assert len({r["generation"] for r in recs}) == 1  # failed together, one new generation
+    log = (tmp_path / "node0.log").read_text()
+    assert "node 1 lost" in log
+    # detected within node_timeout_s (3 s) of the node's last beat, and the ranks back soon after
+    assert all(r["detect_s"] < 3.0 + 1.0 for r in recs), [r["detect_s"] for r in recs]
+    assert all(r["recovery_s"] < 3.0 + 3.0 for r in recs), [r["recovery_s"] for r in recs]
+    assert not _job_processes(tmp_path)  # nothing of the job is left on any node
+
+
+def test_losing_the_coordinator_stops_every_node_with_a_message(tmp_path):
+    port = _port()
+    procs = [_launch(tmp_path, k, port) for k in range(3)]
+    try:
+        _wait_steps(tmp_path, 5, procs)
+        os.killpg(procs[0].pid, signal.SIGKILL)  # the coordinator's node
+        t_kill = time.time()
+        for p in procs[1:]:
+            assert p.wait(timeout=3.0 + 5 + 30) != 0
+        took = time.time() - t_kill
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert took < 3.0 + 5 + 10, took
+    for k in (1, 2):
+        assert "coordinator" in (tmp_path / f"node{k}.log").read_text()
+    time.sleep(1)
+    assert not _job_processes(tmp_path)
