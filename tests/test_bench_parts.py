@@ -312,3 +312,10 @@ def test_plain_loop_trains_the_recipe_loops_bits_with_torch_ddp(tmp_path):
             assert summarize(recs, [])["step_s_median"] > 0
     assert digests["plain"] not in (None, "DISAGREE")  # both ranks reported, and agree
     assert digests["plain"] == digests["off"]
+
+
+def test_regroup_is_timed_as_the_workers_do_it():
+    from launcher.bench.regroup import measure
+    r = measure(2, 2)
+    assert r["processes"] == 2 and len(r["regroup_s_all"]) == 2
+    assert 0 < r["regroup_s_median"] < 30
