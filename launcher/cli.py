@@ -3,6 +3,7 @@
     python -m launcher ls                              the shipped recipes
     python -m launcher show RECIPE [key=value ...]     the fully resolved recipe, as YAML
     python -m launcher validate [RECIPE ...]           check recipes (all when none given)
+    python -m launcher plan RECIPE [key=value ...]     memory per rank before launch (no weights)
     python -m launcher train RECIPE [key=value ...]    train (workers + spares, supervised)
     python -m launcher bench [key=value ...]           goodput benchmark (see launcher/bench/)
 
@@ -50,10 +51,19 @@ def cmd_validate(args) -> int:
     return 1 if bad else 0
 
 
+def cmd_plan(args) -> int:
+    from .plan import main as plan_main  # imported late: it imports torch and transformers
+    return plan_main(args)
+
+
 def cmd_train(args) -> int:
     if not args:
         raise RecipeError("train needs a recipe: python -m launcher train RECIPE [key=value ...]")
-    cfg = load(args[0], args[1:])
+    from .cluster_env import from_environment
+    extra, said = from_environment(args[1:])
+    cfg = load(args[0], extra + args[1:])  # the command line's own overrides come last: they win
+    if extra:
+        print("[launcher] this node's place in the job:\n  " + "\n  ".join(said), flush=True)
     from .launch import train  # imported late: ls/show/validate stay fast
     report = train(cfg)
     return 0 if report is not None else 1
@@ -64,8 +74,8 @@ def cmd_bench(args) -> int:
     return bench(args)
 
 
-COMMANDS = {"ls": cmd_ls, "show": cmd_show, "validate": cmd_validate, "train": cmd_train,
-            "bench": cmd_bench}
+COMMANDS = {"ls": cmd_ls, "show": cmd_show, "validate": cmd_validate, "plan": cmd_plan,
+            "train": cmd_train, "bench": cmd_bench}
 
 
 def main(argv=None) -> int:

@@ -54,9 +54,11 @@ def build_optimizer(model, cfg):
 def shard(model, cfg):
     """FSDP2: each decoder block and then the root becomes a sharded unit."""
     from torch.distributed.fsdp import fully_shard
+
+    from models.lora import base_of
     blocks = None
     for attr in ("model.layers", "transformer.h"):
-        obj = model
+        obj = base_of(model)  # under LoRA the decoder blocks are inside peft's wrapper
         try:
             for part in attr.split("."):
                 obj = getattr(obj, part)
