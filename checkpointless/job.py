@@ -61,6 +61,7 @@ class Job:
         self._step_t0 = 0.0
         self._replications: dict[int, int] = {}  # generation -> replica exchanges done in it
         self._ddp: DistributedDataParallel | None = None
+        self._preempted = False
 
     # ---- where this worker stands -------------------------------------------------------------
     @property
@@ -126,12 +127,25 @@ class Job:
         self._rec.completed = step
 
     # ---- the loop ------------------------------------------------------------------------------
+    @property
+    def preempted(self) -> bool:
+        """True once the job was asked to stop (SIGTERM or SIGINT to a launcher) and this rank's
+        loop ended early at the agreed step: write a durable checkpoint now, then finish()."""
+        return self._preempted
+
+    def _stop_here(self, step: int) -> bool:
+        """The job is being stopped and every rank stops before `step` or sooner."""
+        if not self.store.check([protocol.PREEMPT]):
+            return False
+        self._preempted = step >= int(self.store.get(protocol.PREEMPT))
+        return self._preempted
+
     def steps(self, max_steps: int):
         """Yield step numbers until `max_steps` steps are committed, recovering on failure."""
         self._start()
         while True:
             step = self._turn()
-            if step >= max_steps:
+            if step >= max_steps or self._stop_here(step):
                 return
             if not self._ready(step):
                 continue
@@ -144,7 +158,8 @@ class Job:
         one after a recovery, until `num_epochs` epochs (or `max_steps` steps) are done."""
         self._start()
         pos = self._position(loader)
-        while pos.epoch < num_epochs and (max_steps is None or self.completed_steps < max_steps):
+        while pos.epoch < num_epochs and (max_steps is None or self.completed_steps < max_steps) \
+                and not self._stop_here(self.completed_steps):
             epoch = pos.epoch
             yield epoch
             if pos.epoch == epoch:  # its batches ran out here, not moved on by a recovery
@@ -159,7 +174,8 @@ class Job:
         epoch, cursor = pos.epoch, Cursor(loader)
         while True:
             step = self._turn()
-            if pos.epoch != epoch or (max_steps is not None and step >= max_steps):
+            if pos.epoch != epoch or (max_steps is not None and step >= max_steps) or \
+                    self._stop_here(step):
                 return  # the position moved to a later epoch in a recovery, or the run is done
             batch = cursor.batch(step - pos.epoch_start)  # this epoch's batch for this step
             if batch is END:

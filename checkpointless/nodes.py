@@ -90,6 +90,9 @@ class NodeAgent:
              "t": time.time()}))
         last_ok = time.time()
         next_beat = 0.0
+        asked: list[str] = []
+        for sig in (signal.SIGTERM, signal.SIGINT):  # preemption: the coordinator stops the job
+            signal.signal(sig, lambda s, _f: asked.append(signal.Signals(s).name))
         try:
             while True:
                 try:
@@ -104,6 +107,9 @@ class NodeAgent:
                         return 3
                     if self.store.check([protocol.SHUTDOWN]):
                         return 0
+                    if asked:
+                        self.store.set(protocol.PREEMPT_ASK, f"{asked[0]} on node {self.node}")
+                        asked.clear()
                     self._serve_commands()
                     self._report_exits()
                     last_ok = time.time()

@@ -25,6 +25,7 @@ class PlainJob:
     """Owns a torchrun worker's process group and step count; recovers nothing."""
 
     grads_kept = False  # a failure ends the job: no step is ever redone in-process
+    preempted = False  # torchrun handles its own signals
     catching_up = 0
     is_replacement = False
 

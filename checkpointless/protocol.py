@@ -17,6 +17,7 @@ either side reads or writes is named here, so a reader can see the whole convers
                                            <---  error/<wid>, errors   an exception of its own
                                            <---  diverged/<wid>   its replica left the majority
     lost             (counter)             --->  a worker was declared lost (before its plan)
+    preempt          (a step)              --->  stop before this step (SIGTERM somewhere)
                                            <---  result/<rank>, done/<wid>, done
     shutdown                               --->  the job is over
 """
@@ -41,6 +42,8 @@ ERRORS = "errors"  # counter: exceptions workers reported (error/<wid> holds eac
 DONE = "done"  # counter: workers that finished
 FIRST_STEP = "first_step"  # the step this launch's step records start at (resume from disk)
 SHUTDOWN = "shutdown"  # set by the supervisor when the job is over
+PREEMPT = "preempt"  # set by the supervisor on SIGTERM/SIGINT: the step before which all stop
+PREEMPT_ASK = "preempt_ask"  # set by a node agent that got SIGTERM/SIGINT: please stop the job
 
 
 def plan_key(gen: int) -> str:

@@ -99,6 +99,8 @@ class Supervisor:
         self._crashes: dict[int, int] = {}  # rank -> its replacements lost before a first step
         self.store = None
         self.port = 0
+        self.stop_asked: str | None = None  # why the job was asked to stop (a signal)
+        self.preempted_at: int | None = None  # the step before which every rank stopped
 
     def active_pids(self) -> dict[int, int]:
         """rank -> pid of the worker holding it now."""
@@ -312,6 +314,20 @@ class Supervisor:
         self._say_recoveries()
         return self._report()
 
+    def request_stop(self, why: str) -> None:
+        """From a signal handler (SIGTERM, SIGINT): stop the job at the next step boundary."""
+        self.stop_asked = why
+
+    def _preempt(self) -> None:
+        """Ask every rank to stop before the step after the one in flight: the lead step's
+        ranks finish it, every rank stops at the same boundary (where the loop may write a
+        durable checkpoint, a collective), reports done, and the run ends as preempted."""
+        beats = [detection.read_beat(self.store, wid) for wid in self.ranks]
+        stop = max((b["step"] for b in beats if b), default=0) + 1
+        self.preempted_at = stop
+        self.store.set(protocol.PREEMPT, str(stop))
+        self.log(f"[checkpointless] {self.stop_asked}: stopping every rank before step {stop}")
+
     def _start_cluster(self) -> None:
         """Every node's agent joins; then each active node K starts ranks K*P..K*P+P-1 in its
         slots 0..P-1 and its own spares after them, and each spare node P spares."""
@@ -369,6 +385,11 @@ class Supervisor:
                 self._handle(lost)
             if not slow:
                 continue
+            if self.preempted_at is None and (self.stop_asked or self.store.check(
+                    [protocol.PREEMPT_ASK])):
+                self.stop_asked = self.stop_asked or self.store.get(
+                    protocol.PREEMPT_ASK).decode()
+                self._preempt()
             self._say_recoveries()
             self._refill_dead_spares()
             if membership.counter(self.store, protocol.DONE) >= len(self.ranks) and all(

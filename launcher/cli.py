@@ -17,6 +17,7 @@ import sys
 from .recipes import RecipeError, load, recipe_names, to_yaml
 
 USAGE = __doc__
+PREEMPTED = 143  # 128 + SIGTERM: stopped on request, resumable (checkpoint.resume=auto)
 
 
 def cmd_ls(_args) -> int:
@@ -66,6 +67,8 @@ def cmd_train(args) -> int:
         print("[launcher] this node's place in the job:\n  " + "\n  ".join(said), flush=True)
     from .launch import train  # imported late: ls/show/validate stay fast
     report = train(cfg)
+    if report is not None and report.get("status") == "preempted":
+        return PREEMPTED
     return 0 if report is not None else 1
 
 

@@ -71,6 +71,7 @@ def train(cfg, on_start=None) -> dict | None:
     sup = Supervisor([sys.executable, "-m", "launcher.loop", str(recipe_file)], sup_cfg,
                      log=_log, on_start=on_start)
     t0 = time.time()
+    before = _stop_on_signals(sup)
     try:
         run = sup.run()
     except JobFailed as exc:
@@ -80,7 +81,14 @@ def train(cfg, on_start=None) -> dict | None:
             (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
             print(f"[launcher] report {out / 'report.json'}", file=sys.stderr, flush=True)
         return None
-    report = _report(cfg, run, t0, status="ok")
+    finally:
+        import signal
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    preempted = sup.preempted_at is not None
+    report = _report(cfg, run, t0, status="preempted" if preempted else "ok")
+    if preempted:
+        report["preempted"] = {"why": sup.stop_asked, "stopped_before_step": sup.preempted_at}
     agree = len(set(report["params_sha256_by_rank"].values())) == 1
     if not agree:  # replicas that drifted apart are never a success
         report.update(status="failed", error="ranks ended with different params_sha256")
@@ -95,7 +103,28 @@ def train(cfg, on_start=None) -> dict | None:
     if not agree:
         print("[launcher] ERROR: ranks ended with different parameters", file=sys.stderr)
         return None
+    if preempted:
+        print(f"[launcher] preempted ({sup.stop_asked}): every worker and spare stopped after "
+              f"step {report['steps_completed'] - 1}; continue with checkpoint.resume=auto",
+              flush=True)
     return report
+
+
+def _stop_on_signals(sup) -> None:
+    """SIGTERM or SIGINT (Slurm preemption, Ctrl-C) stops the whole job at the next step
+    boundary; a second one stops this launcher at once."""
+    import signal
+
+    def handler(sig, _frame):
+        name = signal.Signals(sig).name
+        if sup.stop_asked:
+            raise KeyboardInterrupt(f"{name} again: stopping at once")
+        sup.request_stop(f"{name} on node 0")
+
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
 
 
 def _node_agent(cfg, recipe_file: Path) -> dict | None:

@@ -286,8 +286,16 @@ def main(recipe_file: str) -> None:
                 if metrics:
                     metrics.record(last_eval)
 
+    if job.preempted:  # stopped early (SIGTERM, SIGINT): every rank at the same boundary
+        if ckpt and job.completed_steps % cfg.checkpoint.interval:  # not just written
+            job.between_steps(lambda: ckpt.save(job.completed_steps))
+        if job.rank == 0:
+            print(f"[launcher] preempted: stopped after step {job.completed_steps - 1}" +
+                  (f", checkpoint written; resume with checkpoint.resume=auto" if ckpt else
+                   " (checkpoint.interval=0: no durable checkpoint to resume from)"), flush=True)
+
     # --- the end: validation, digest of the full state on every rank, export on rank 0 -------
-    if validate:  # collectives after the loop: a failure here is recovered too
+    if validate and not job.preempted:  # collectives after the loop: a failure here is recovered too
         last_eval = dict(job.between_steps(validate), eval_after_steps=job.completed_steps)
         if metrics:
             metrics.record(last_eval)
@@ -298,7 +306,9 @@ def main(recipe_file: str) -> None:
     if job.rank == 0:
         if metrics:
             metrics.close()
-        if t.save_model and cfg.peft.method == "lora":
+        if job.preempted:
+            pass  # an unfinished model is not exported; the checkpoint holds it
+        elif t.save_model and cfg.peft.method == "lora":
             export_lora(cfg, model, state, tokenizer, out_dir)
         elif t.save_model:
             export(model, state, tokenizer, out_dir / "model")

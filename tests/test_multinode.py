@@ -117,3 +117,22 @@ def test_losing_the_coordinator_stops_every_node_with_a_message(tmp_path):
         assert "coordinator" in (tmp_path / f"node{k}.log").read_text()
     time.sleep(1)
     assert not _job_processes(tmp_path)
+
+
+def test_sigterm_to_one_nodes_launcher_stops_the_whole_job_at_one_boundary(tmp_path):
+    port = _port()
+    procs = [_launch(tmp_path, k, port, "checkpoint.interval=100") for k in range(3)]
+    try:
+        _wait_steps(tmp_path, 5, procs)
+        procs[1].send_signal(signal.SIGTERM)  # preemption reaches node 1 first
+        assert procs[0].wait(timeout=60) == 143, (tmp_path / "node0.log").read_text()[-3000:]
+        assert procs[1].wait(timeout=30) == 0 and procs[2].wait(timeout=30) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert rep["status"] == "preempted" and "SIGTERM on node 1" in rep["preempted"]["why"]
+    assert (tmp_path / "out" / "checkpoints" / f"step-{rep['steps_completed']:08d}.pt").exists()
+    time.sleep(1)
+    assert not _job_processes(tmp_path)
