@@ -22,11 +22,21 @@ def supervisor_config(cfg) -> SupervisorConfig:
         import torch
         backend = "nccl" if d.device != "cpu" and torch.cuda.is_available() else "gloo"
     per_node = d.num_processes // d.num_nodes
-    if c.replication.placement == "nodes" and d.num_nodes == 1:
+    placement = c.replication.placement
+    if placement == "auto":  # across nodes, copies a node apart: a lost node keeps no slice
+        placement = "nodes" if d.num_nodes > 1 else "ring"
+    if placement == "nodes" and d.num_nodes == 1:
         # every worker of this run lives on this machine: copies a node apart cannot exist
         raise RecipeError("checkpointless.replication.placement=nodes puts each shard's copies "
                           "on another node, but this run has one node (all "
                           f"{d.num_processes} workers here). Use placement=ring")
+    if placement == "nodes" and d.strategy == "fsdp" and c.enabled and not \
+            2 <= c.replication.factor <= d.num_nodes:
+        raise RecipeError(
+            f"checkpointless.replication.factor={c.replication.factor} with placement=nodes on "
+            f"{d.num_nodes} nodes cannot survive the loss of a node: a slice needs at least one "
+            f"copy on another node (factor >= 2) and its copies on distinct nodes (factor <= "
+            f"{d.num_nodes}). Use checkpointless.replication.factor=2")
     return SupervisorConfig(
         nproc=d.num_processes, spares=c.spares if c.enabled else 0, refill=c.refill,
         heartbeat_timeout_s=c.heartbeat_timeout_s, backend=backend, host=d.master_addr,
@@ -36,7 +46,7 @@ def supervisor_config(cfg) -> SupervisorConfig:
         consistency_every=c.consistency_every,
         nodes=d.num_nodes, spare_nodes=c.spare_nodes, node_timeout_s=c.node_timeout_s,
         replication={"factor": c.replication.factor, "interval": c.replication.interval,
-                     "offset": replica_offset(c.replication.placement, per_node)},
+                     "offset": replica_offset(placement, per_node)},
         faults=[dict(f) for f in OmegaConf.to_container(cfg.faults)])
 
 

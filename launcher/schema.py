@@ -100,7 +100,7 @@ class DistributedConfig:
 class ReplicationConfig:
     factor: int = CL.replication_factor  # copies of each rank's slice under fsdp (own + peers)
     interval: int = CL.replication_interval  # steps between peer copies (fewer: less to redo)
-    placement: str = CL.replication_placement  # ring: next ranks; nodes: a node apart (N nodes)
+    placement: str = "auto"  # auto (ring on one node, nodes on several), ring: next ranks, nodes: the same local rank on the next nodes
 
 
 @dataclass
@@ -185,5 +185,5 @@ CHOICES = {
     "distributed.backend": ("auto", "gloo", "nccl"),
     "distributed.device": ("auto", "cuda", "cpu"),
     "checkpoint.resume": ("never", "auto"),
-    "checkpointless.replication.placement": ("ring", "nodes"),
+    "checkpointless.replication.placement": ("auto", "ring", "nodes"),
 }

@@ -65,3 +65,15 @@ def test_a_world_size_that_disagrees_with_nodes_is_refused_before_anything_start
     cfg = load("tiny-llama", ["distributed.num_nodes=3", "distributed.nproc_per_node=2",
                               "distributed.master_port=29400"])
     assert cfg.distributed.num_processes == 6  # left out: nodes x per node
+
+
+def test_across_nodes_replicas_go_a_node_apart_and_a_factor_that_cannot_survive_is_refused():
+    from launcher.launch import supervisor_config
+    nodes = ["distributed.num_nodes=2", "distributed.master_port=29400",
+             "distributed.strategy=fsdp"]
+    assert supervisor_config(load("tiny-llama")).replication["offset"] == 1  # ring, one node
+    assert supervisor_config(load("tiny-llama", nodes)).replication["offset"] == 2  # next node
+    with pytest.raises(RecipeError, match="cannot survive the loss of a node"):
+        supervisor_config(load("tiny-llama", nodes + ["checkpointless.replication.factor=3"]))
+    with pytest.raises(RecipeError, match="this run has one node"):
+        supervisor_config(load("tiny-llama", ["checkpointless.replication.placement=nodes"]))
