@@ -107,7 +107,7 @@ def train(cfg, on_start=None) -> dict | None:
     print(f"[launcher] done: {report['steps_completed']} steps, final loss "
           f"{'-' if loss is None else f'{loss:.4f}'}, "
           f"goodput {'-' if good is None else f'{good:.1%}'}, "
-          f"{len(report['recoveries'])} recoveries, replicas "
+          f"{_recoveries_said(report['recoveries'])}, replicas "
           f"{'agree' if agree else 'DISAGREE'} (params_sha256 {str(report['params_sha256'])[:16]}), "
           f"report {out / 'report.json'}", flush=True)
     if not agree:
@@ -118,6 +118,15 @@ def train(cfg, on_start=None) -> dict | None:
               f"step {report['steps_completed'] - 1}; continue with checkpoint.resume=auto",
               flush=True)
     return report
+
+
+def _recoveries_said(recoveries: list) -> str:
+    """'3 recoveries', or with nodes lost '3 recoveries (2 ranks of lost nodes, 1 process)'."""
+    nodes = sum(1 for r in recoveries if r.get("cause") == "node_lost")
+    said = f"{len(recoveries)} recoveries"
+    if nodes:
+        said += f" ({nodes} ranks of lost nodes, {len(recoveries) - nodes} processes)"
+    return said
 
 
 def _stop_on_signals(sup) -> None:

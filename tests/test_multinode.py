@@ -136,3 +136,25 @@ def test_sigterm_to_one_nodes_launcher_stops_the_whole_job_at_one_boundary(tmp_p
     assert (tmp_path / "out" / "checkpoints" / f"step-{rep['steps_completed']:08d}.pt").exists()
     time.sleep(1)
     assert not _job_processes(tmp_path)
+
+
+def test_fsdp_across_nodes_restores_a_lost_nodes_slices_from_another_nodes_memory(tmp_path):
+    port = _port()
+    extra = ("distributed.strategy=fsdp", "trainer.max_steps=20")
+    procs = [_launch(tmp_path, k, port, *extra) for k in range(3)]
+    try:
+        _wait_steps(tmp_path, 8, procs)
+        os.killpg(procs[1].pid, signal.SIGKILL)
+        assert procs[0].wait(timeout=240) == 0, (tmp_path / "node0.log").read_text()[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    recs = rep["recoveries"]
+    assert sorted(r["failed_rank"] for r in recs) == [2, 3]
+    # placement=auto across nodes: ranks 2 and 3's copies were on node 0 (ranks 0 and 1)
+    assert {r["restored_from"] for r in recs} == {"peer_memory"}
+    assert set(recs[0]["served"].values()) <= {0, 1}
+    assert len(set(rep["params_sha256_by_rank"].values())) == 1
+    assert "(2 ranks of lost nodes, 0 processes)" in (tmp_path / "node0.log").read_text()
