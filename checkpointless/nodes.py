@@ -243,8 +243,12 @@ class ClusterPool(WorkerPool):
 
     def __init__(self, cmd, env, host, spares_from_slot, refill_nice, nodes: int,
                  spare_nodes: int, per_node: int, spares_per_node: int, node_timeout_s: float,
-                 log=print):
+                 log=print, local: bool = True):
         super().__init__(cmd, env, host, spares_from_slot, refill_nice)
+        # local: node 0 is this process's own machine (the coordinator runs in node 0's
+        # launcher); else every node, 0 included, is served by an agent (a stand-alone
+        # coordinator on a login node)
+        self.local = local
         self.store = None
         self.per_node, self.spares_per_node = per_node, spares_per_node
         self.node_timeout_s = node_timeout_s
@@ -258,7 +262,8 @@ class ClusterPool(WorkerPool):
         """Every node's agent says hello, or the run stops naming the missing ones."""
         deadline, said = time.time() + timeout_s, 0.0
         while True:
-            missing = [k for k in self.nodes if k and not self.store.check([hello_key(k)])]
+            missing = [k for k in self.nodes if self.remote(k) and
+                       not self.store.check([hello_key(k)])]
             if not missing:
                 break
             if time.time() > deadline:
@@ -273,8 +278,11 @@ class ClusterPool(WorkerPool):
         for k, n in self.nodes.items():
             n.beat_seen_at = now
 
+    def remote(self, node: int) -> bool:
+        return node != 0 or not self.local
+
     def spawn_on(self, node: int, slot: int, spare: bool, background: bool = False) -> Worker:
-        if node == 0:
+        if not self.remote(node):
             return self.spawn(slot, background=background, spare=spare)
         wid = self._next_wid
         self._next_wid += 1
@@ -298,7 +306,7 @@ class ClusterPool(WorkerPool):
 
     def kill(self, w: Worker) -> None:
         node = w.node
-        if node == 0:
+        if not self.remote(node):
             return WorkerPool.kill(w)
         if self.nodes[node].lost or w.proc.poll() is not None:
             if w.proc.returncode is None:
@@ -314,7 +322,7 @@ class ClusterPool(WorkerPool):
             w.proc.returncode = -9
 
     def sleep(self, active, timeout_s: float) -> None:
-        local = [wid for wid in active if self.workers[wid].node == 0]
+        local = [wid for wid in active if not self.remote(self.workers[wid].node)]
         if len(local) == len(active):
             return super().sleep(active, timeout_s)
         super().sleep(local, min(timeout_s, 0.05))
@@ -324,7 +332,7 @@ class ClusterPool(WorkerPool):
         fenced, and every worker on them counted as exited."""
         now, found = time.time(), []
         for k, n in self.nodes.items():
-            if k == 0 or n.lost:
+            if not self.remote(k) or n.lost:
                 continue
             beat = self.store.add(beat_key(k), 0)
             if beat != n.beat:

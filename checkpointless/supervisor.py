@@ -58,6 +58,7 @@ class SupervisorConfig:
     # nodes of as many spares, a node lost after node_timeout_s of silence
     nodes: int = 1
     spare_nodes: int = 0
+    standalone: bool = False  # no workers here: every node, 0 included, has its own agent
     node_timeout_s: float = D.node_timeout_s
     replication: dict = field(default_factory=lambda: {
         "factor": D.replication_factor, "interval": D.replication_interval, "offset": 1})
@@ -81,13 +82,13 @@ class Supervisor:
         self.log = log
         self.on_start = on_start
         env = dict(os.environ if env is None else env)
-        self.cluster = cfg.nodes > 1 or cfg.spare_nodes > 0
+        self.cluster = cfg.nodes > 1 or cfg.spare_nodes > 0 or cfg.standalone
         if self.cluster:
             from .nodes import ClusterPool
             per_node = cfg.nproc // cfg.nodes
             self.pool = ClusterPool(cmd, env, cfg.host, per_node, cfg.refill_nice, cfg.nodes,
                                     cfg.spare_nodes, per_node, cfg.spares, cfg.node_timeout_s,
-                                    log=log)
+                                    log=log, local=not cfg.standalone)
         else:
             self.pool = WorkerPool(cmd, env, cfg.host, spares_from_slot=cfg.nproc,
                                    refill_nice=cfg.refill_nice)
@@ -371,7 +372,8 @@ class Supervisor:
                 active = {wid: self.workers[wid] for wid in self.ranks}
                 beats = {wid: detection.read_beat(self.store, wid) for wid in active}
                 # a stopped process can be seen in /proc only on this node
-                pids = {wid: w.proc.pid if w.node == 0 else -1 for wid, w in active.items()}
+                pids = {wid: -1 if self.cluster and self.pool.remote(w.node) else w.proc.pid
+                        for wid, w in active.items()}
                 for wid in detection.find_hung(beats, pids, cfg.heartbeat_timeout_s):
                     lost.append((active[wid], True))
             if self.cluster and slow:

@@ -5,6 +5,7 @@
     python -m launcher validate [RECIPE ...]           check recipes (all when none given)
     python -m launcher plan RECIPE [key=value ...]     memory per rank before launch (no weights)
     python -m launcher train RECIPE [key=value ...]    train (workers + spares, supervised)
+    python -m launcher coordinator RECIPE [...]        a stand-alone coordinator for many nodes
     python -m launcher bench [key=value ...]           goodput benchmark (see launcher/bench/)
 
 RECIPE is a name in recipes/ or a path to a YAML file. Overrides use OmegaConf dotlist syntax
@@ -72,12 +73,27 @@ def cmd_train(args) -> int:
     return 0 if report is not None else 1
 
 
+def cmd_coordinator(args) -> int:
+    """A stand-alone coordinator (on a login node): the store and the membership, no workers;
+    every node's launcher, node 0's included, serves it as an agent."""
+    if not args:
+        raise RecipeError("coordinator needs a recipe: python -m launcher coordinator RECIPE "
+                          "distributed.num_nodes=N distributed.master_port=PORT [key=value ...]")
+    cfg = load(args[0], args[1:] + ["distributed.standalone_coordinator=true"])
+    from .launch import train
+    report = train(cfg, coordinator=True)
+    if report is not None and report.get("status") == "preempted":
+        return PREEMPTED
+    return 0 if report is not None else 1
+
+
 def cmd_bench(args) -> int:
     from .bench import bench
     return bench(args)
 
 
 COMMANDS = {"ls": cmd_ls, "show": cmd_show, "validate": cmd_validate, "plan": cmd_plan,
+            "coordinator": cmd_coordinator,
             "train": cmd_train, "bench": cmd_bench}
 
 

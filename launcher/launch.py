@@ -45,6 +45,7 @@ def supervisor_config(cfg) -> SupervisorConfig:
         max_replacement_failures=c.max_replacement_failures,
         consistency_every=c.consistency_every,
         nodes=d.num_nodes, spare_nodes=c.spare_nodes, node_timeout_s=c.node_timeout_s,
+        standalone=d.standalone_coordinator,
         replication={"factor": c.replication.factor, "interval": c.replication.interval,
                      "offset": replica_offset(placement, per_node)},
         faults=[dict(f) for f in OmegaConf.to_container(cfg.faults)])
@@ -55,16 +56,19 @@ def _log(message: str) -> None:
     print(("\n" if sys.stdout.isatty() else "") + message, flush=True)
 
 
-def train(cfg, on_start=None) -> dict | None:
+def train(cfg, on_start=None, coordinator: bool = False) -> dict | None:
     """Run a resolved recipe under the supervisor; `on_start(supervisor)` is called once the
-    workers are spawned (the benchmark uses it to inject failures from outside)."""
+    workers are spawned (the benchmark uses it to inject failures from outside). With a
+    stand-alone coordinator, `coordinator=True` is that process, and every node's launcher is an
+    agent."""
     sup_cfg = supervisor_config(cfg)  # refuses bad settings before anything is written
     preflight(cfg)  # devices, model, tokenizer, data, memory: once, here, not in every worker
     out = Path(cfg.run.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     d = cfg.distributed
-    if d.node_rank > 0:  # not the coordinator: this node's agent (its own copy of the recipe:
-        recipe_file = out / f"recipe.node{d.node_rank}.yaml"  # output dirs may be shared)
+    if d.node_rank > 0 or (d.standalone_coordinator and not coordinator):
+        # this node's agent, with its own copy of the recipe (output folders may be shared)
+        recipe_file = out / f"recipe.node{d.node_rank}.yaml"
         recipe_file.write_text(OmegaConf.to_yaml(cfg))
         return _node_agent(cfg, recipe_file)
     recipe_file = out / "recipe.yaml"

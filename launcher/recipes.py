@@ -464,7 +464,7 @@ def validate(cfg: DictConfig) -> None:
          f"{nodes * per}; set one consistent pair (or leave num_processes to follow)")
     need(0 <= d.node_rank < nodes + c.spare_nodes, "distributed.node_rank", d.node_rank,
          f"must be in 0..{nodes + c.spare_nodes - 1} (0..{nodes - 1} active, then spare nodes)")
-    if nodes > 1 or c.spare_nodes > 0:
+    if nodes > 1 or c.spare_nodes > 0 or d.standalone_coordinator:
         need(d.master_port > 0, "distributed.master_port", d.master_port,
              "several nodes need a fixed port for the coordinator, e.g. distributed.master_port="
              "29400, the same on every node")

@@ -93,6 +93,7 @@ class DistributedConfig:
     num_nodes: int = 1  # active nodes; run the same command on each, with its own node_rank
     nproc_per_node: int = 0  # workers per node (0: num_processes / num_nodes); num_processes must equal num_nodes x nproc_per_node
     node_rank: int = 0  # this node: 0 hosts the coordinator, 1..num_nodes-1 active, num_nodes.. spare nodes
+    standalone_coordinator: bool = False  # true: `python -m launcher coordinator` runs the coordinator (on a login node); node 0 is served by an agent like the others
     accelerate_config: Optional[str] = None  # an accelerate config file: num_machines, machine_rank, main_process_ip/port, num_processes fill the keys above
 
 

@@ -27,14 +27,14 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(tmp_path, node: int, port: int, *extra):
-    args = [sys.executable, "-m", "launcher", "train", "tiny-llama", "distributed.num_nodes=2",
+def _launch(tmp_path, node: int, port: int, *extra, command="train"):
+    args = [sys.executable, "-m", "launcher", command, "tiny-llama", "distributed.num_nodes=2",
             "distributed.nproc_per_node=2", "checkpointless.spare_nodes=1",
             "checkpointless.spares=0", f"distributed.master_port={port}",
             "trainer.max_steps=30", "trainer.progress_bar=false",
             f"run.output_dir={tmp_path / 'out'}", f"data.cache_dir={tmp_path / 'cache'}",
-            f"distributed.node_rank={node}", *extra]
-    log = open(tmp_path / f"node{node}.log", "w")
+            *([f"distributed.node_rank={node}"] if command == "train" else []), *extra]
+    log = open(tmp_path / (f"node{node}.log" if command == "train" else "coordinator.log"), "w")
     return subprocess.Popen(args, cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
 
@@ -158,3 +158,25 @@ def test_fsdp_across_nodes_restores_a_lost_nodes_slices_from_another_nodes_memor
     assert set(recs[0]["served"].values()) <= {0, 1}
     assert len(set(rep["params_sha256_by_rank"].values())) == 1
     assert "(2 ranks of lost nodes, 0 processes)" in (tmp_path / "node0.log").read_text()
+
+
+def test_with_a_standalone_coordinator_losing_node_0_and_rank_0_is_recovered(tmp_path,
+                                                                            one_node_digest):
+    port = _port()
+    coordinator = _launch(tmp_path, -1, port, command="coordinator")
+    procs = [_launch(tmp_path, k, port, "distributed.standalone_coordinator=true")
+             for k in range(3)]
+    try:
+        _wait_steps(tmp_path, 12, [coordinator] + procs)
+        os.killpg(procs[0].pid, signal.SIGKILL)  # node 0, holding ranks 0 and 1
+        assert coordinator.wait(timeout=240) == 0, (tmp_path / "coordinator.log").read_text()[-3000:]
+    finally:
+        for p in [coordinator] + procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert rep["params_sha256"] == one_node_digest
+    assert {(r["failed_rank"], r["cause"], r["failed_node"], r["replacement_node"])
+            for r in rep["recoveries"]} == {(0, "node_lost", 0, 2), (1, "node_lost", 0, 2)}
+    time.sleep(1)
+    assert not _job_processes(tmp_path)
