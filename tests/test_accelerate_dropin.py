@@ -1,0 +1,137 @@
+"""checkpointless.accelerate.Accelerator, the drop-in for accelerate scripts: real processes, real
+kills, same bits.
+
+examples/accelerate_checkpointless.py (accelerate_plain.py with three lines changed) runs under the
+supervisor with 2 workers and a hot spare; a worker is SIGKILLed mid-epoch, at an epoch's first
+step, or inside an evaluation's gather_for_metrics, and every run must end with the parameters of
+the failure-free run and print each epoch's accuracy once, with the failure-free figures. That a
+replacement makes no collective call before it receives the state is proven by these runs not
+deadlocking (accelerate's barriers and random-state broadcasts would meet nobody).
+"""
+import difflib
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+PLAIN = ROOT / "examples/accelerate_plain.py"
+DROPIN = ROOT / "examples/accelerate_checkpointless.py"
+EVAL_KILL = ROOT / "tests/scripts/accelerate_eval_kill.py"
+ENV = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+       "HF_HUB_OFFLINE": "1"}
+STEPS = 36  # 3 epochs of 12 steps (192 examples, batches of 8 on 2 ranks)
+
+
+def _env(**extra):
+    return dict(os.environ, **ENV, **extra)
+
+
+def _code(path):
+    lines = path.read_text().splitlines()
+    return lines[lines.index('"""', 1) + 1:]  # past the module docstring
+
+
+def _epochs(stdout: str) -> dict:
+    """{epoch: metrics} from the lines `accelerator.print` wrote; each epoch must appear once."""
+    found = re.findall(r"epoch (\d+): (\{[^}]*\})", stdout)
+    epochs = [int(e) for e, _ in found]
+    assert sorted(epochs) == sorted(set(epochs)), f"an epoch's figures were printed twice: {found}"
+    return {int(e): json.loads(m) for e, m in found}
+
+
+def test_the_dropin_changes_three_lines_and_reindents_none():
+    changed = [l for l in difflib.unified_diff(_code(PLAIN), _code(DROPIN), lineterm="", n=0)
+               if l[:1] in "+-" and l[:3] not in ("+++", "---")]
+    assert changed == [
+        "-from accelerate import Accelerator",
+        "+from checkpointless.accelerate import Accelerator",
+        "-    for epoch in range(num_epochs):",
+        "+    for epoch in accelerator.epochs(num_epochs):",
+        "-        for step, batch in enumerate(train_dataloader):",
+        "+        for step, batch in enumerate(accelerator.batches(train_dataloader)):",
+    ], changed
+
+
+def test_the_core_library_does_not_import_accelerate():
+    r = subprocess.run([sys.executable, "-c", "import sys, checkpointless; "
+                        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+                        "('accelerate', 'transformers')))"],
+                       capture_output=True, text=True, timeout=60, env=_env(), cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr[-2000:])
+
+
+def test_gradient_accumulation_is_refused_before_joining():
+    from checkpointless.accelerate import Accelerator
+    with pytest.raises(NotImplementedError, match="gradient accumulation"):
+        Accelerator(cpu=True, gradient_accumulation_steps=2)
+
+
+def _supervised(tmp_path, name, *args, script=(str(DROPIN),), **extra_env):
+    report = tmp_path / f"{name}.json"
+    r = subprocess.run([sys.executable, "-m", "checkpointless", "--nproc", "2",
+                        "--report", str(report), *args, *script, "--cpu"],
+                       capture_output=True, text=True, timeout=240, env=_env(**extra_env),
+                       cwd=ROOT)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-4000:])
+    rep = json.loads(report.read_text())
+    digests = {v["params_sha256"] for v in rep["results_by_rank"].values()}
+    assert len(rep["results_by_rank"]) == 2 and len(digests) == 1, rep["results_by_rank"]
+    assert rep["steps_completed"] == STEPS
+    return dict(rep, digest=digests.pop(), stdout=r.stdout, stderr=r.stderr)
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    rep = _supervised(tmp_path_factory.mktemp("clean"), "clean", "--spares", "0")
+    assert rep["recoveries"] == []
+    epochs = _epochs(rep["stdout"])
+    assert sorted(epochs) == [0, 1, 2] and epochs[2]["accuracy"] > 0.9  # it learned
+    return rep
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("step", [17, 12], ids=["mid-epoch", "first-step-of-an-epoch"])
+def test_a_worker_killed_in_a_training_step_is_replaced_with_the_same_bits(tmp_path, clean, step):
+    rep = _supervised(tmp_path, "kill", "--spares", "1", "--fault", f"kill:1:{step}")
+    assert rep["digest"] == clean["digest"]
+    (rec,) = rep["recoveries"]
+    assert rec["failed_rank"] == 1 and rec["cause"] == "exit" and rec["resumed_step"] == step
+    assert "a peer was lost during backward" in rep["stderr"]
+    # every epoch's evaluation printed once, with the failure-free figures: at an epoch's first
+    # step the survivors had finished the evaluation before it, and it is not run again
+    assert _epochs(rep["stdout"]) == _epochs(clean["stdout"])
+
+
+@pytest.mark.slow
+def test_a_worker_killed_during_an_evaluation_is_replaced_with_the_same_bits(tmp_path, clean):
+    """Rank 0 (the one that prints) dies inside its 6th gather_for_metrics: the 2nd batch of
+    epoch 1's evaluation, after that epoch's last step. The survivor's gather fails, the rest of
+    its evaluation is void; the spare takes rank 0 and the evaluation runs again on both."""
+    rep = _supervised(tmp_path, "eval", "--spares", "1", script=(str(EVAL_KILL), str(DROPIN)),
+                      EVAL_KILL="0:6", EVAL_KILL_MARKER=str(tmp_path / "fired"))
+    assert "[eval-kill] SIGKILL to rank 0 in gather_for_metrics call 6" in rep["stdout"]
+    assert rep["digest"] == clean["digest"]
+    (rec,) = rep["recoveries"]
+    assert rec["failed_rank"] == 0 and rec["resumed_step"] == 24  # epoch 1's steps were done
+    assert "rank 1: a peer was lost during gather" in rep["stderr"]
+    assert _epochs(rep["stdout"]) == _epochs(clean["stdout"])
+
+
+@pytest.mark.slow
+def test_under_torchrun_the_dropin_runs_without_the_supervisor(clean):
+    """checkpointless.join() returns a PlainJob under torchrun: the same script trains the same
+    bits as under the supervisor (the digest the example prints)."""
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc_per_node", "2", str(DROPIN), "--cpu"],
+                       capture_output=True, text=True, timeout=180, env=_env(), cwd=ROOT)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+    pattern = r'"params_sha256": "([0-9a-f]{64})"'
+    printed = set(re.findall(pattern, r.stdout))
+    assert len(re.findall(pattern, r.stdout)) == 2 and len(printed) == 1, r.stdout
+    assert printed == set(re.findall(pattern, clean["stdout"])) - {clean["digest"]}
+    assert _epochs(r.stdout) == _epochs(clean["stdout"])
