@@ -96,6 +96,10 @@ class Metrics:
         self.tokens_per_step = (cfg.trainer.micro_batch_size * cfg.trainer.grad_accum_steps *
                                 cfg.data.seq_len * cfg.distributed.num_processes)
         self.window_t, self.window_steps = time.time(), 0
+        self.trackers = None
+        if cfg.logging.trackers:
+            from .trackers import Trackers
+            self.trackers = Trackers(cfg)
 
     def step(self, step: int, loss: float, lr: float, grad_norm: float, t0: float, t1: float):
         self.window_steps += 1
@@ -110,6 +114,9 @@ class Metrics:
                       f"tok/s {rec['tokens_per_s']:.0f}", flush=True)
         self.file.write(json.dumps(rec) + "\n")
         self.file.flush()
+        if self.trackers:
+            self.trackers.log({k: rec[k] for k in ("loss", "lr", "grad_norm", "tokens_per_s")
+                               if k in rec}, step)
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{self.tokens_per_step / (t1 - t0):.0f}",
@@ -119,6 +126,9 @@ class Metrics:
         """A line that is not a step's (a validation result)."""
         self.file.write(json.dumps(rec) + "\n")
         self.file.flush()
+        if self.trackers:
+            self.trackers.log({k: v for k, v in rec.items() if k != "eval_after_steps"},
+                              rec["eval_after_steps"])
         line = (f"validation after {rec['eval_after_steps']} steps: loss {rec['eval_loss']:.4f}, "
                 f"perplexity {rec['eval_ppl']:.2f} ({rec['eval_tokens']} tokens)")
         if self.bar is None:
@@ -127,6 +137,8 @@ class Metrics:
             self.bar.write(line)
 
     def close(self):
+        if self.trackers:
+            self.trackers.finish()
         if self.bar is not None:
             self.bar.close()
         self.file.close()
@@ -203,6 +215,10 @@ def main(recipe_file: str) -> None:
     # --- warm-up: everything a worker needs before it holds a rank ---------------------------
     tokenizer, model, sampler = build(cfg, device)
     evalset = build_eval(cfg, tokenizer)
+    if cfg.logging.trackers:  # imported while warm: a replacement rank 0 opens them at once
+        import accelerate.tracking  # noqa: F401
+        if "tensorboard" in cfg.logging.trackers:
+            import torch.utils.tensorboard  # noqa: F401
 
     catch_up_threads = torch.get_num_threads()
     if checkpointless.started_as_spare() and d.strategy == "ddp":
@@ -281,6 +297,8 @@ def main(recipe_file: str) -> None:
                                             cfg.data.seq_len * job.world_size)
             if metrics:
                 metrics.step(step, loss_value, lr, float(grad_norm), job.step_started_at, time.time())
+                if metrics.trackers:
+                    metrics.trackers.recovery(job, step)
             if pending:
                 last_eval = dict(pending, eval_after_steps=step)
                 if metrics:

@@ -396,6 +396,10 @@ def _get(cfg, dotted):
     return node
 
 
+TRACKERS = ("tensorboard", "wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "swanlab",
+            "trackio")  # accelerate.tracking.LOGGER_TYPE_TO_CLASS, without importing accelerate
+
+
 def validate(cfg: DictConfig) -> None:
     """Checks that types alone cannot express."""
     for key, allowed in CHOICES.items():
@@ -471,6 +475,9 @@ def validate(cfg: DictConfig) -> None:
         need(c.node_timeout_s < c.confirm_s, "checkpointless.node_timeout_s", c.node_timeout_s,
              f"must be below checkpointless.confirm_s={c.confirm_s:g}: survivors whose "
              "collectives failed with a lost node wait that long to hear of the loss")
+    for i, name in enumerate(cfg.logging.trackers):
+        need(name in TRACKERS, f"logging.trackers[{i}]", name,
+             f"choose among accelerate's trackers: {', '.join(TRACKERS)}")
     ev, pf = cfg.eval, cfg.peft
     need(ev.every >= 0, "eval.every", ev.every, "must be >= 0 steps (0: no validation)")
     need(ev.max_batches >= 1, "eval.max_batches", ev.max_batches, "must be >= 1")

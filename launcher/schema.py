@@ -140,6 +140,12 @@ class EvalConfig:
 
 
 @dataclass
+class LoggingConfig:
+    trackers: List[str] = field(default_factory=list)  # accelerate trackers: tensorboard, wandb, mlflow, comet_ml, aim, clearml, dvclive, swanlab, trackio
+    dir: str = "${run.output_dir}/logs"  # where file-based trackers (tensorboard) write; the same run continues here after rank 0 is replaced
+
+
+@dataclass
 class CheckpointConfig:
     interval: int = 0  # steps between durable checkpoints (0: none; peers hold the live state)
     keep: int = 2  # newest checkpoints kept on disk
@@ -169,6 +175,7 @@ class Recipe:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
     faults: List[FaultConfig] = field(default_factory=list)  # failures to inject (rehearsal)
 
 

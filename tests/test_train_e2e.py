@@ -105,3 +105,21 @@ def test_kill_hang_and_raise_in_one_run_end_with_the_failure_free_bits(tmp_path)
     steps = [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(24))  # every step trained and logged exactly once
     assert r.stdout.count("[checkpointless] recovered rank") == 3
+
+
+def test_tensorboard_holds_every_step_once_and_the_recovery_when_rank_0_is_replaced(tmp_path):
+    out, rep, _ = train(tmp_path, "tb", "tiny-llama", "distributed.num_processes=2",
+                        "trainer.max_steps=20", "faults=[kill:0:10]",
+                        "logging.trackers=[tensorboard]")
+    assert [r["failed_rank"] for r in rep["recoveries"]] == [0]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    run = out / "logs" / "tiny-llama"
+    assert len(list(run.glob("events.out.tfevents.*"))) == 2  # rank 0, then its replacement
+    events = EventAccumulator(str(run))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == list(range(20))  # each step once
+    losses = [json.loads(l)["loss"] for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [round(e.value, 4) for e in events.Scalars("loss")] == [round(x, 4) for x in losses]
+    (rec,) = events.Scalars("recovery/generation")
+    assert rec.step == 10 and rec.value == 1
+    assert events.Scalars("recovery/bytes_received")[0].value > 1e6
