@@ -10,8 +10,15 @@ from __future__ import annotations
 import os
 import re
 
+from .recipes import RecipeError
+
 KEYS = ("distributed.num_nodes", "distributed.node_rank", "distributed.master_addr",
-        "distributed.master_port", "distributed.num_processes")
+        "distributed.master_port", "distributed.num_processes", "distributed.strategy",
+        "trainer.precision", "model.gradient_checkpointing")
+
+
+class UnsupportedConfig(RecipeError):
+    """An accelerate config file asks for something this launcher cannot honour."""
 
 
 def expand_nodelist(text: str) -> list[str]:
@@ -36,11 +43,36 @@ def expand_nodelist(text: str) -> list[str]:
 
 
 def _accelerate_file(path: str) -> dict:
-    """num_machines, machine_rank, main_process_ip/port, num_processes of an accelerate config
-    file, read with accelerate's own loader."""
+    """Recipe keys from an accelerate config file, read with accelerate's own loader: the
+    machine keys, num_processes, mixed_precision, and FSDP (with its activation checkpointing).
+    What cannot be honoured is refused, naming the file's key and the reason."""
     from accelerate.commands.config.config_args import load_config_from_file
     cfg = load_config_from_file(path)
     out = {}
+    kind = str(getattr(cfg, "distributed_type", "NO")).split(".")[-1]
+    if kind in ("DEEPSPEED", "MEGATRON_LM", "XLA") or getattr(cfg, "deepspeed_config", None) \
+            or getattr(cfg, "megatron_lm_config", None):
+        raise UnsupportedConfig(
+            f"{path}: distributed_type={kind}: this launcher runs ddp or fsdp (FSDP2) with its own "
+            "recovery; remove the DeepSpeed/Megatron settings, or use distributed_type: FSDP")
+    if kind == "FSDP":
+        out["distributed.strategy"] = "fsdp"
+        fsdp = getattr(cfg, "fsdp_config", None) or {}
+        strategy = str(fsdp.get("fsdp_sharding_strategy", "FULL_SHARD"))
+        if strategy not in ("FULL_SHARD", "1"):
+            raise UnsupportedConfig(
+                f"{path}: fsdp_config.fsdp_sharding_strategy={strategy}: only FULL_SHARD (FSDP2's "
+                "fully_shard) is supported here")
+        if fsdp.get("fsdp_activation_checkpointing"):
+            out["model.gradient_checkpointing"] = True
+    elif kind in ("MULTI_GPU", "MULTI_CPU", "NO"):
+        out["distributed.strategy"] = "ddp"
+    precision = str(getattr(cfg, "mixed_precision", "no") or "no")
+    if precision in ("fp16", "fp8"):
+        raise UnsupportedConfig(
+            f"{path}: mixed_precision={precision}: this launcher trains in bf16 or fp32 "
+            "(trainer.precision); set mixed_precision: bf16 or no")
+    out["trainer.precision"] = "bf16" if precision == "bf16" else "fp32"
     if getattr(cfg, "num_machines", None):
         out["distributed.num_nodes"] = int(cfg.num_machines)
     if getattr(cfg, "machine_rank", None) is not None:

@@ -49,11 +49,38 @@ def test_an_accelerate_config_file_is_read_with_accelerates_loader(tmp_path):
     f.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\n"
                  "num_machines: 2\nmachine_rank: 1\nmain_process_ip: 10.1.2.3\n"
                  "main_process_port: 29600\nnum_processes: 4\nmixed_precision: 'no'\n")
-    extra, said = from_environment([f"distributed.accelerate_config={f}"], {})
+    extra, said = from_environment([f"distributed.accelerate_config={f}",
+                                    "trainer.precision=bf16"], {})
     assert set(extra) == {"distributed.num_nodes=2", "distributed.node_rank=1",
                           "distributed.master_addr=10.1.2.3", "distributed.master_port=29600",
-                          "distributed.num_processes=4"}
-    assert all("accelerate config" in s for s in said)
+                          "distributed.num_processes=4", "distributed.strategy=ddp"}
+    assert "trainer.precision: from the command line" in said  # the file's 'no' overridden
+    assert all("accelerate config" in s for s in said if "command line" not in s)
+
+
+@pytest.mark.parametrize("body, says", [
+    ("distributed_type: DEEPSPEED\ndeepspeed_config: {zero_stage: 3}\n", "DEEPSPEED"),
+    ("distributed_type: MULTI_GPU\nmixed_precision: fp16\n", "mixed_precision=fp16"),
+    ("distributed_type: FSDP\nfsdp_config: {fsdp_sharding_strategy: SHARD_GRAD_OP}\n",
+     "SHARD_GRAD_OP"),
+])
+def test_an_accelerate_config_asking_for_what_cannot_be_honoured_is_refused(tmp_path, body,
+                                                                           says):
+    f = tmp_path / "acc.yaml"
+    f.write_text("compute_environment: LOCAL_MACHINE\nnum_machines: 1\nnum_processes: 2\n" + body)
+    with pytest.raises(RecipeError, match=says):
+        from_environment([f"distributed.accelerate_config={f}"], {})
+
+
+def test_an_accelerate_fsdp_config_becomes_fsdp_with_checkpointing(tmp_path):
+    f = tmp_path / "acc.yaml"
+    f.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\nnum_machines: 1\n"
+                 "num_processes: 2\nmixed_precision: bf16\nfsdp_config:\n"
+                 "  fsdp_sharding_strategy: FULL_SHARD\n  fsdp_activation_checkpointing: true\n")
+    extra, _ = from_environment([f"distributed.accelerate_config={f}"], {})
+    cfg = load("tiny-llama", extra)
+    assert cfg.distributed.strategy == "fsdp" and cfg.trainer.precision == "bf16"
+    assert cfg.model.gradient_checkpointing and cfg.distributed.num_processes == 2
 
 
 def test_a_world_size_that_disagrees_with_nodes_is_refused_before_anything_starts():
