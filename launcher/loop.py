@@ -216,9 +216,10 @@ def main(recipe_file: str) -> None:
     tokenizer, model, sampler = build(cfg, device)
     evalset = build_eval(cfg, tokenizer)
     if cfg.logging.trackers:  # imported while warm: a replacement rank 0 opens them at once
-        import accelerate.tracking  # noqa: F401
+        import importlib
+        importlib.import_module("accelerate.tracking")
         if "tensorboard" in cfg.logging.trackers:
-            import torch.utils.tensorboard  # noqa: F401
+            importlib.import_module("torch.utils.tensorboard")
 
     catch_up_threads = torch.get_num_threads()
     if checkpointless.started_as_spare() and d.strategy == "ddp":

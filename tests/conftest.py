@@ -26,3 +26,23 @@ def spawn_gloo(target, world: int, *args, timeout: float = 60.0) -> list:
     finally:
         for p in procs:
             p.join(timeout=30)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_30_steps_digest(tmp_path_factory):
+    """params_sha256 of tiny-llama, 1 node x 4 workers, 30 steps, no failure: the bits that
+    several fault tests must end with (trained once per session)."""
+    import json
+    import subprocess
+    out = tmp_path_factory.mktemp("tiny-llama-30")
+    r = subprocess.run([sys.executable, "-m", "launcher", "train", "tiny-llama",
+                        "checkpointless.spares=0", "trainer.max_steps=30",
+                        "trainer.progress_bar=false", f"run.output_dir={out / 'out'}",
+                        f"data.cache_dir={out / 'cache'}"], cwd=ROOT,
+                       env=dict(os.environ, HF_HUB_OFFLINE="1"), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads((out / "out" / "report.json").read_text())["params_sha256"]

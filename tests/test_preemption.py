@@ -23,11 +23,8 @@ def _cmd(tmp_path, name, *extra):
 
 
 def test_sigterm_stops_every_process_with_a_checkpoint_and_a_resume_ends_with_the_same_bits(
-        tmp_path):
-    clean = subprocess.run(_cmd(tmp_path, "clean", "checkpointless.spares=0"), cwd=ROOT,
-                           env=ENV, capture_output=True, text=True, timeout=300)
-    assert clean.returncode == 0, clean.stderr[-3000:]
-    want = json.loads((tmp_path / "clean" / "report.json").read_text())["params_sha256"]
+        tmp_path, tiny_llama_30_steps_digest):
+    want = tiny_llama_30_steps_digest  # checkpoints do not change the bits
 
     log = open(tmp_path / "run.log", "w")
     p = subprocess.Popen(_cmd(tmp_path, "run"), cwd=ROOT, env=ENV, stdout=log,
