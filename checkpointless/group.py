@@ -94,10 +94,24 @@ class Group:
 
 
 def reshard_all(modules) -> None:
-    """A step cut short may leave FSDP parameters gathered; put every module back in shards."""
+    """A step cut short leaves FSDP mid-iteration: parameters gathered, and the forward order of
+    the interrupted pass still recorded, by which the redo's backward would prefetch (a survivor
+    would then all-gather where a fresh replacement reduce-scatters, and both wait forever).
+    The root's iteration state is reset as torch resets it after an exception in a step
+    (FSDPState._reset_iter_state, torch 2.13); without it, every module is resharded."""
     for obj in modules:
         for module in obj.modules():
-            if hasattr(module, "reshard") and hasattr(module, "_get_fsdp_state"):
+            get_state = getattr(module, "_get_fsdp_state", None)
+            if get_state is None:
+                continue
+            state = get_state()
+            if getattr(state, "_is_root", None) and hasattr(state, "_reset_iter_state"):
+                try:
+                    state._reset_iter_state()
+                    continue
+                except Exception:  # noqa: BLE001  an older layout: resharding is what is left
+                    pass
+            if hasattr(module, "reshard"):
                 module.reshard()
 
 

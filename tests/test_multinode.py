@@ -131,10 +131,6 @@ def test_sigterm_to_one_nodes_launcher_stops_the_whole_job_at_one_boundary(tmp_p
     assert not _job_processes(tmp_path)
 
 
-@pytest.mark.skipif(os.environ.get("CL_RUN_KNOWN_HANG") != "1", reason=(
-    "open bug: passes alone; under CPU load the redo of the interrupted step runs FSDP2's "
-    "collectives in another order on a survivor than on a replacement and gloo times out "
-    "after 60 s; run with CL_RUN_KNOWN_HANG=1"))
 def test_fsdp_across_nodes_restores_a_lost_nodes_slices_from_another_nodes_memory(tmp_path):
     port = _port()
     extra = ("distributed.strategy=fsdp", "trainer.max_steps=20")
