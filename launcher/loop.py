@@ -16,7 +16,6 @@ import math
 import os
 import sys
 import time
-import warnings
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -27,10 +26,12 @@ from omegaconf import OmegaConf
 import checkpointless
 from checkpointless.digest import state_sha256
 
+from .checkpoints import durable_checkpoints
 from .data import to_device
 from .evaluate import evaluate
+from .export import export, export_lora
+from .model_setup import build, build_eval, cpu_threads, full_state, setup, shard, warm_up
 from .schema import Recipe
-
 
 def lr_at(step: int, cfg) -> float:
     """Linear warm-up then cosine decay to lr * min_lr_ratio: a pure function of the step."""
@@ -49,37 +50,6 @@ def build_optimizer(model, cfg):
     return torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}],
                              lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-
-
-def shard(model, cfg):
-    """FSDP2: each decoder block and then the root becomes a sharded unit."""
-    from torch.distributed.fsdp import fully_shard
-
-    from models.lora import base_of
-    blocks = None
-    for attr in ("model.layers", "transformer.h"):
-        obj = base_of(model)  # under LoRA the decoder blocks are inside peft's wrapper
-        try:
-            for part in attr.split("."):
-                obj = getattr(obj, part)
-            blocks = obj
-            break
-        except AttributeError:
-            continue
-    for block in blocks or []:
-        fully_shard(block)
-    fully_shard(model)
-    return model
-
-
-def full_state(model, strategy: str) -> dict:
-    """The whole model state on every rank (a collective under fsdp)."""
-    if strategy == "fsdp":
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                              get_model_state_dict)
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                                     cpu_offload=False))
-    return model.state_dict()
 
 
 class Metrics:
@@ -142,68 +112,6 @@ class Metrics:
         if self.bar is not None:
             self.bar.close()
         self.file.close()
-
-
-def setup(cfg):
-    """(backend, device) of this worker; the thread count of a CPU worker is set here."""
-    d = cfg.distributed
-    on_gpu = d.device != "cpu" and torch.cuda.is_available()
-    backend = d.backend if d.backend != "auto" else ("nccl" if on_gpu else "gloo")
-    if backend == "nccl":
-        # the supervisor's device slot, or torchrun's local rank (the off and restart modes)
-        slot = int(os.environ.get("CL_DEVICE_SLOT", os.environ.get("LOCAL_RANK", "0")))
-        device = torch.device("cuda", slot % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-        torch.set_num_threads(d.threads_per_worker or
-                              max(1, (os.cpu_count() or 1) // d.num_processes))
-    return backend, device
-
-
-def build(cfg, device):
-    """Tokenizer, model (seeded, on `device`, in train mode) and the step sampler: everything a
-    worker builds before it holds a rank."""
-    import datasets
-    import transformers
-    datasets.disable_progress_bars()
-    transformers.utils.logging.disable_progress_bar()  # save_pretrained's, at the end
-    # peft asks transformers a question transformers now words differently: not the user's concern
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
-    from models import build_model, build_tokenizer
-
-    from .data import StepSampler, prepare
-
-    tokenizer = build_tokenizer(cfg.tokenizer.kind, cfg.tokenizer.id or cfg.model.id,
-                                cfg.tokenizer.chat_template)
-    torch.manual_seed(cfg.run.seed)
-    model = build_model(cfg.model.name, cfg.model.init, cfg.model.id,
-                        OmegaConf.to_container(cfg.model.config), vocab_size=len(tokenizer),
-                        token_ids={"eos_token_id": tokenizer.eos_token_id,
-                                   "bos_token_id": tokenizer.bos_token_id,
-                                   "pad_token_id": tokenizer.pad_token_id})
-    if cfg.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    if cfg.peft.method == "lora":  # adapters drawn from the same seeded RNG on every worker
-        from models.lora import apply_lora
-        if cfg.model.gradient_checkpointing:  # frozen inputs would give checkpointing no grads
-            model.enable_input_require_grads()
-        p = cfg.peft
-        model = apply_lora(model, p.r, p.alpha, p.dropout, list(p.target_modules))
-    model.to(device).train()
-    t = cfg.trainer
-    sampler = StepSampler(prepare(cfg, tokenizer), cfg.run.seed, t.micro_batch_size,
-                          t.grad_accum_steps)
-    return tokenizer, model, sampler
-
-
-def build_eval(cfg, tokenizer):
-    """(validation rows, the fixed row set) when eval.every > 0, else None; built before join."""
-    if cfg.eval.every <= 0:
-        return None
-    from .data import eval_rows, prepare
-    ds = prepare(cfg, tokenizer, part="eval")
-    return ds, eval_rows(ds, cfg.eval.max_batches, cfg.trainer.micro_batch_size)
 
 
 def main(recipe_file: str) -> None:
@@ -342,164 +250,6 @@ def main(recipe_file: str) -> None:
                 "full_params": sum(v.numel() for v in state.values()), "final_loss": loss_value,
                 "tokens": tokens, "eval": last_eval,
                 "steps": job.completed_steps, "worker_id": job.worker_id, "pid": os.getpid()})
-
-
-def warm_up(model, sampler, cfg, device) -> int:
-    """Forward and backward off the books, in a spare before it waits; returns the CPU threads
-    its catch-up step may use.
-
-    A fresh process runs its first step about a quarter slower (kernels picked, allocator pools
-    grown). After a failure the other ranks wait on the replacement's first step, so it should
-    run at full speed. On CPU the waiting ranks' cores are idle during that step: the spare may
-    use them all if, on two batches of the recipe's shape, the gradients come out bit for bit
-    the same as with its usual thread count (kernels that split a sum by thread would not).
-    Nothing is kept: gradients are dropped and the random state is restored.
-    """
-    base, wide = torch.get_num_threads(), len(os.sched_getaffinity(0))
-
-    def grads(step: int, threads: int) -> torch.Tensor:
-        with cpu_threads(threads), torch.random.fork_rng(devices=[]):
-            torch.manual_seed(step)
-            batch = to_device(sampler.batch(step, 0, cfg.distributed.num_processes, 0), device)
-            with torch.autocast(device.type, dtype=torch.bfloat16,
-                                enabled=cfg.trainer.precision == "bf16"):
-                loss = model(**batch).loss
-            loss.backward()
-        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
-        model.zero_grad(set_to_none=True)
-        return flat
-
-    if device.type != "cpu" or wide <= base:
-        grads(0, base)
-        return base
-    same = all(torch.equal(grads(s, base), grads(s, wide)) for s in (0, 1))
-    return wide if same else base
-
-
-class cpu_threads:
-    """Run a block with `n` torch CPU threads (None: unchanged), then restore the count."""
-
-    def __init__(self, n):
-        self.n = n
-
-    def __enter__(self):
-        self.before = torch.get_num_threads()
-        if self.n and self.n != self.before:
-            torch.set_num_threads(self.n)
-
-    def __exit__(self, *exc):
-        if torch.get_num_threads() != self.before:
-            torch.set_num_threads(self.before)
-        return False
-
-
-class DurableCheckpoints:
-    """Every `checkpoint.interval` steps the full state goes to disk (rank 0 writes, async)."""
-
-    def __init__(self, cfg, job, model, optimizer):
-        from checkpointless.checkpoint import CheckpointWriter
-        self.cfg, self.job, self.model, self.optimizer = cfg, job, model, optimizer
-        self.writer = CheckpointWriter(cfg.checkpoint.dir, cfg.checkpoint.keep) \
-            if job.rank == 0 else None
-
-    def state(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                              get_model_state_dict,
-                                                              get_optimizer_state_dict)
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return {"model": get_model_state_dict(self.model, options=opts),
-                "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=opts)}
-
-    def save(self, step: int) -> None:
-        state = self.state()  # a collective under fsdp: every rank takes part
-        if self.writer:
-            self.writer.save(step, state)
-
-    def load(self, path) -> int:
-        from checkpointless.checkpoint import load
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                              set_model_state_dict,
-                                                              set_optimizer_state_dict)
-        state = load(path)
-        opts = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(self.model, state["model"], options=opts)
-        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=opts)
-        return int(state["step"])
-
-    def newest_step(self):
-        from checkpointless.checkpoint import latest
-        if self.writer:
-            self.writer.wait()  # a write in flight finishes first: it may be the newest
-        found = latest(self.cfg.checkpoint.dir)
-        return found[0] if found else None
-
-    def load_step(self, step: int) -> int:
-        return self.load(Path(self.cfg.checkpoint.dir) / f"step-{step:08d}.pt")
-
-    def close(self) -> None:
-        if self.writer:
-            self.writer.wait()
-
-
-def durable_checkpoints(cfg, job, model, optimizer):
-    """Set up checkpoints and, with checkpoint.resume=auto, continue from the newest one.
-
-    The newest checkpoint is also the job's fallback when a lost slice has no copy in any
-    peer's memory (a rank and all its replica holders lost together)."""
-    c = cfg.checkpoint
-    if c.interval <= 0 and c.resume == "never":
-        return None
-    ckpt = DurableCheckpoints(cfg, job, model, optimizer)
-    if hasattr(job, "set_fallback"):
-        job.set_fallback(ckpt.newest_step, ckpt.load_step)
-    if c.resume == "auto" and not job.is_replacement:
-        from checkpointless.checkpoint import latest
-        found = latest(c.dir)
-        if found:
-            step = ckpt.load(found[1])
-            job.resume_at(step)
-            if job.rank == 0:
-                print(f"[launcher] resumed from checkpoint {found[1]} at step {step}", flush=True)
-    return ckpt if c.interval > 0 else None
-
-
-def export(model, state: dict, tokenizer, path: Path) -> None:
-    """save_pretrained with the full (gathered) state, loadable by AutoModelForCausalLM."""
-    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
-             for k, v in state.items()}
-    model.save_pretrained(str(path), state_dict=state, safe_serialization=True)
-    tokenizer.save_pretrained(str(path))
-
-
-def export_lora(cfg, model, state: dict, tokenizer, out_dir: Path) -> None:
-    """The adapter in `adapter/` (save_pretrained: loadable with PeftModel.from_pretrained on its
-    base); the base in `base/` when it came from a seeded init rather than a model id (nothing
-    else could rebuild it); with peft.merge=true the merged model in `model/`.
-
-    The live model is left untouched (merging or unloading it would change this rank's
-    parameters before the replicas are compared): copies are built on the CPU from `state`."""
-    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
-             for k, v in state.items()}
-
-    def copy():
-        _, fresh, _ = build(cfg, torch.device("cpu"))
-        fresh.load_state_dict(state)
-        return fresh
-
-    adapter_dir, base_dir = out_dir / "adapter", None if cfg.model.id else out_dir / "base"
-    local = copy()
-    local.save_pretrained(str(adapter_dir))
-    tokenizer.save_pretrained(str(adapter_dir))
-    if base_dir:  # the base beside the adapter, which points at it
-        local.unload().save_pretrained(str(base_dir), safe_serialization=True)
-        tokenizer.save_pretrained(str(base_dir))
-        config = json.loads((adapter_dir / "adapter_config.json").read_text())
-        config["base_model_name_or_path"] = str(base_dir.resolve())
-        (adapter_dir / "adapter_config.json").write_text(json.dumps(config, indent=2))
-    if cfg.peft.merge:
-        merged = (copy() if base_dir else local).merge_and_unload()
-        merged.save_pretrained(str(out_dir / "model"), safe_serialization=True)
-        tokenizer.save_pretrained(str(out_dir / "model"))
 
 
 if __name__ == "__main__":

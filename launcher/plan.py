@@ -230,7 +230,7 @@ def _hf_config(cfg):
 
 
 def _blocks(model):
-    """The decoder blocks, found as launcher.loop.shard finds them."""
+    """The decoder blocks, found as launcher.model_setup.shard finds them."""
     for attr in ("model.layers", "transformer.h"):
         obj = model
         try:

@@ -221,15 +221,15 @@ def test_the_loop_facts_are_what_launcher_loop_does():
     """When launcher/loop.py changes one of these, CURRENT_LOOP must change with it."""
     import inspect
 
-    from launcher import loop
+    from launcher import loop, model_setup
     src = Path(loop.__file__).read_text()
     autocast = [ln for ln in src.splitlines() if "torch.autocast(" in ln]
     assert autocast and P.CURRENT_LOOP.autocast_cache == \
         all("cache_enabled=False" not in ln for ln in autocast)
     assert P.CURRENT_LOOP.fsdp_unsharded_accumulation == ("set_requires_gradient_sync(" in src)
     assert P.CURRENT_LOOP.full_state_on_device == \
-        ("cpu_offload=False" in inspect.getsource(loop.full_state))
-    assert P.CURRENT_LOOP.lora_fsdp_one_unit == ("base_of" not in inspect.getsource(loop.shard))
+        ("cpu_offload=False" in inspect.getsource(model_setup.full_state))
+    assert P.CURRENT_LOOP.lora_fsdp_one_unit == ("base_of" not in inspect.getsource(model_setup.shard))
 
 
 # ---- the command line -------------------------------------------------------------------------

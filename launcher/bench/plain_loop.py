@@ -28,7 +28,8 @@ from omegaconf import OmegaConf
 from checkpointless.digest import state_sha256
 
 from ..data import to_device
-from ..loop import Metrics, build, build_optimizer, full_state, lr_at, setup, shard
+from ..loop import Metrics, build_optimizer, lr_at
+from ..model_setup import build, full_state, setup, shard
 from ..schema import Recipe
 
 

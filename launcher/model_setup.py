@@ -1,0 +1,152 @@
+"""What a worker builds before and just after it joins: device and threads, tokenizer, model,
+data sampler, validation rows, the FSDP2 sharding, and the off-the-books warm-up of a spare."""
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+from omegaconf import OmegaConf
+
+from .data import to_device
+
+def setup(cfg):
+    """(backend, device) of this worker; the thread count of a CPU worker is set here."""
+    d = cfg.distributed
+    on_gpu = d.device != "cpu" and torch.cuda.is_available()
+    backend = d.backend if d.backend != "auto" else ("nccl" if on_gpu else "gloo")
+    if backend == "nccl":
+        # the supervisor's device slot, or torchrun's local rank (the off and restart modes)
+        slot = int(os.environ.get("CL_DEVICE_SLOT", os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device("cuda", slot % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(d.threads_per_worker or
+                              max(1, (os.cpu_count() or 1) // d.num_processes))
+    return backend, device
+
+
+def build(cfg, device):
+    """Tokenizer, model (seeded, on `device`, in train mode) and the step sampler: everything a
+    worker builds before it holds a rank."""
+    import datasets
+    import transformers
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()  # save_pretrained's, at the end
+    # peft asks transformers a question transformers now words differently: not the user's concern
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+    from models import build_model, build_tokenizer
+
+    from .data import StepSampler, prepare
+
+    tokenizer = build_tokenizer(cfg.tokenizer.kind, cfg.tokenizer.id or cfg.model.id,
+                                cfg.tokenizer.chat_template)
+    torch.manual_seed(cfg.run.seed)
+    model = build_model(cfg.model.name, cfg.model.init, cfg.model.id,
+                        OmegaConf.to_container(cfg.model.config), vocab_size=len(tokenizer),
+                        token_ids={"eos_token_id": tokenizer.eos_token_id,
+                                   "bos_token_id": tokenizer.bos_token_id,
+                                   "pad_token_id": tokenizer.pad_token_id})
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    if cfg.peft.method == "lora":  # adapters drawn from the same seeded RNG on every worker
+        from models.lora import apply_lora
+        if cfg.model.gradient_checkpointing:  # frozen inputs would give checkpointing no grads
+            model.enable_input_require_grads()
+        p = cfg.peft
+        model = apply_lora(model, p.r, p.alpha, p.dropout, list(p.target_modules))
+    model.to(device).train()
+    t = cfg.trainer
+    sampler = StepSampler(prepare(cfg, tokenizer), cfg.run.seed, t.micro_batch_size,
+                          t.grad_accum_steps)
+    return tokenizer, model, sampler
+
+
+def build_eval(cfg, tokenizer):
+    """(validation rows, the fixed row set) when eval.every > 0, else None; built before join."""
+    if cfg.eval.every <= 0:
+        return None
+    from .data import eval_rows, prepare
+    ds = prepare(cfg, tokenizer, part="eval")
+    return ds, eval_rows(ds, cfg.eval.max_batches, cfg.trainer.micro_batch_size)
+
+
+def shard(model, cfg):
+    """FSDP2: each decoder block and then the root becomes a sharded unit."""
+    from torch.distributed.fsdp import fully_shard
+
+    from models.lora import base_of
+    blocks = None
+    for attr in ("model.layers", "transformer.h"):
+        obj = base_of(model)  # under LoRA the decoder blocks are inside peft's wrapper
+        try:
+            for part in attr.split("."):
+                obj = getattr(obj, part)
+            blocks = obj
+            break
+        except AttributeError:
+            continue
+    for block in blocks or []:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def full_state(model, strategy: str) -> dict:
+    """The whole model state on every rank (a collective under fsdp)."""
+    if strategy == "fsdp":
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                              get_model_state_dict)
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                     cpu_offload=False))
+    return model.state_dict()
+
+
+def warm_up(model, sampler, cfg, device) -> int:
+    """Forward and backward off the books, in a spare before it waits; returns the CPU threads
+    its catch-up step may use.
+
+    A fresh process runs its first step about a quarter slower (kernels picked, allocator pools
+    grown). After a failure the other ranks wait on the replacement's first step, so it should
+    run at full speed. On CPU the waiting ranks' cores are idle during that step: the spare may
+    use them all if, on two batches of the recipe's shape, the gradients come out bit for bit
+    the same as with its usual thread count (kernels that split a sum by thread would not).
+    Nothing is kept: gradients are dropped and the random state is restored.
+    """
+    base, wide = torch.get_num_threads(), len(os.sched_getaffinity(0))
+
+    def grads(step: int, threads: int) -> torch.Tensor:
+        with cpu_threads(threads), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(step)
+            batch = to_device(sampler.batch(step, 0, cfg.distributed.num_processes, 0), device)
+            with torch.autocast(device.type, dtype=torch.bfloat16,
+                                enabled=cfg.trainer.precision == "bf16"):
+                loss = model(**batch).loss
+            loss.backward()
+        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+        model.zero_grad(set_to_none=True)
+        return flat
+
+    if device.type != "cpu" or wide <= base:
+        grads(0, base)
+        return base
+    same = all(torch.equal(grads(s, base), grads(s, wide)) for s in (0, 1))
+    return wide if same else base
+
+
+class cpu_threads:
+    """Run a block with `n` torch CPU threads (None: unchanged), then restore the count."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __enter__(self):
+        self.before = torch.get_num_threads()
+        if self.n and self.n != self.before:
+            torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc):
+        if torch.get_num_threads() != self.before:
+            torch.set_num_threads(self.before)
+        return False
