@@ -2,12 +2,16 @@
 
     python -m launcher.loop RUN_DIR/recipe.yaml      (started by `python -m launcher train`)
 
-One readable loop on the public checkpointless API, the same one a custom PyTorch loop uses:
-build everything (imports, tokenizer, model, data cache) *before* joining, so a spare is warm;
-join; shard (fsdp) and build the optimizer; then step. Gradients of a ddp run are averaged in
-fixed-order buckets overlapped with backward (checkpointless.DistributedDataParallel) or, with
-distributed.grad_sync=flat, in one fixed-order all-reduce after it (checkpointless.grads); either
-keeps a recovered run bit-identical to an uninterrupted one. fsdp reduce-scatters through FSDP2.
+One readable loop on the public checkpointless API and accelerate's Accelerator: build
+everything (imports, tokenizer, model, data cache) *before* joining, so a spare is warm; join;
+build the Accelerator (launcher/accelerator.py: it reads the rank join gave); shard (fsdp) and
+build the optimizer; then step. The Accelerator gives the device, autocast for trainer.precision,
+the loss scaling of gradient accumulation, the fp16 GradScaler (GPU), gradient clipping,
+main-process printing and the trackers, and on a GPU backend the FSDP2 sharding. Gradients of a
+ddp run are averaged in fixed-order buckets overlapped with backward
+(checkpointless.DistributedDataParallel) or, with distributed.grad_sync=flat, in one fixed-order
+all-reduce after it (checkpointless.grads); either keeps a recovered run bit-identical to an
+uninterrupted one. fsdp reduce-scatters through FSDP2.
 """
 from __future__ import annotations
 
@@ -53,10 +57,13 @@ def build_optimizer(model, cfg):
 
 
 class Metrics:
-    """metrics.jsonl lines and the progress bar, written by rank 0 only."""
+    """metrics.jsonl lines and the progress bar, written by rank 0 only. Given the loop's
+    Accelerator, lines are printed and figures logged to the trackers through it; without one
+    (the torch-only baseline, launcher/bench/plain_loop.py) lines are printed, nothing tracked."""
 
-    def __init__(self, cfg, out_dir: Path, start_step: int):
+    def __init__(self, cfg, out_dir: Path, start_step: int, accelerator=None):
         self.cfg = cfg
+        self.print = accelerator.print if accelerator is not None else print
         self.file = open(out_dir / "metrics.jsonl", "a")
         self.bar = None
         if cfg.trainer.progress_bar:
@@ -67,9 +74,9 @@ class Metrics:
                                 cfg.data.seq_len * cfg.distributed.num_processes)
         self.window_t, self.window_steps = time.time(), 0
         self.trackers = None
-        if cfg.logging.trackers:
+        if cfg.logging.trackers and accelerator is not None:
             from .trackers import Trackers
-            self.trackers = Trackers(cfg)
+            self.trackers = Trackers(cfg, accelerator)
 
     def step(self, step: int, loss: float, lr: float, grad_norm: float, t0: float, t1: float):
         self.window_steps += 1
@@ -80,8 +87,8 @@ class Metrics:
             rec["tokens_per_s"] = round(self.window_steps * self.tokens_per_step / elapsed, 1)
             self.window_t, self.window_steps = time.time(), 0
             if self.bar is None:
-                print(f"step {step} loss {loss:.4f} lr {lr:.2e} "
-                      f"tok/s {rec['tokens_per_s']:.0f}", flush=True)
+                self.print(f"step {step} loss {loss:.4f} lr {lr:.2e} "
+                           f"tok/s {rec['tokens_per_s']:.0f}", flush=True)
         self.file.write(json.dumps(rec) + "\n")
         self.file.flush()
         if self.trackers:
@@ -102,7 +109,7 @@ class Metrics:
         line = (f"validation after {rec['eval_after_steps']} steps: loss {rec['eval_loss']:.4f}, "
                 f"perplexity {rec['eval_ppl']:.2f} ({rec['eval_tokens']} tokens)")
         if self.bar is None:
-            print(line, flush=True)
+            self.print(line, flush=True)
         else:
             self.bar.write(line)
 
@@ -123,7 +130,9 @@ def main(recipe_file: str) -> None:
     # --- warm-up: everything a worker needs before it holds a rank ---------------------------
     tokenizer, model, sampler = build(cfg, device)
     evalset = build_eval(cfg, tokenizer)
-    if cfg.logging.trackers:  # imported while warm: a replacement rank 0 opens them at once
+    # accelerate imported while warm; so are the trackers a replacement rank 0 opens at once
+    from .accelerator import Autocast, accelerate_shards, build_accelerator, start_line
+    if cfg.logging.trackers:
         import importlib
         importlib.import_module("accelerate.tracking")
         if "tensorboard" in cfg.logging.trackers:
@@ -139,25 +148,41 @@ def main(recipe_file: str) -> None:
         raise RuntimeError(f"torch.distributed reports world size {dist.get_world_size()} but "
                            f"distributed.num_processes={d.num_processes}: refusing to train a "
                            "silently different job")
-    if d.strategy == "fsdp":
-        shard(model, cfg)
+    # built after join: accelerate reads this worker's rank once, and a spare has none before
+    accelerator = build_accelerator(cfg, job, device)
+    if accelerate_shards(cfg, device):  # a GPU backend: accelerate's FSDP2 plugin shards
+        # FSDP2 under accelerate takes the model and its optimizer together (it swaps the
+        # optimizer's parameters for the sharded ones); `opt` is accelerate's wrapper of it
+        model, opt = accelerator.prepare(model, optimizer := build_optimizer(model, cfg))
         wrapped = model
-    elif d.grad_sync == "buckets":  # averaged in fixed buckets during backward (no collective here)
-        wrapped = checkpointless.DistributedDataParallel(model, bucket_cap_mb=d.bucket_cap_mb)
-    else:  # flat: one fixed-order all-reduce of every gradient after the whole backward
-        wrapped = model
+    else:
+        if d.strategy == "fsdp":  # gloo: accelerate would ignore an FSDP plugin; shard here
+            shard(model, cfg)
+            wrapped = model
+        elif d.grad_sync == "buckets":  # averaged in fixed buckets during backward
+            wrapped = checkpointless.DistributedDataParallel(model, bucket_cap_mb=d.bucket_cap_mb)
+        else:  # flat: one fixed-order all-reduce of every gradient after the whole backward
+            wrapped = model
+        # the model is not given to accelerate under ddp: it would wrap it in torch's DDP
+        opt = accelerator.prepare_optimizer(optimizer := build_optimizer(model, cfg))
     overlapped = d.strategy == "ddp" and d.grad_sync == "buckets"
-    optimizer = build_optimizer(model, cfg)
     # under LoRA a replacement rebuilds the frozen base as every worker did: only the adapters
-    # and their optimizer state are sent
-    job.protect(model=wrapped, optimizer=optimizer, send_frozen=cfg.peft.method == "none")
+    # and their optimizer state are sent. Under fp16 the GradScaler's scale travels too: a
+    # replacement must scale its loss as the survivors do
+    scaler = {"grad_scaler": accelerator.scaler} if accelerator.scaler is not None else {}
+    job.protect(model=wrapped, optimizer=optimizer, send_frozen=cfg.peft.method == "none",
+                **scaler)
     ckpt = durable_checkpoints(cfg, job, model, optimizer)
-    metrics = Metrics(cfg, out_dir, job.completed_steps) if job.rank == 0 else None
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.precision == "bf16")
+    if not job.is_replacement:
+        accelerator.print(start_line(cfg, accelerator), flush=True)
+    metrics = (Metrics(cfg, out_dir, job.completed_steps, accelerator)
+               if accelerator.is_main_process else None)
+    device = accelerator.device
+    clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
     tokens = 0
     loss_value = float("nan")
     validate = (lambda: evaluate(model, *evalset, job.rank, job.world_size, t.micro_batch_size,
-                                 device, autocast)) if evalset else None
+                                 device, Autocast(accelerator))) if evalset else None
     last_eval = None
 
     for step in job.steps(t.max_steps):
@@ -179,25 +204,30 @@ def main(recipe_file: str) -> None:
                     last = micro == t.grad_accum_steps - 1
                     if d.strategy == "fsdp" and t.grad_accum_steps > 1:
                         model.set_requires_gradient_sync(last)
-                    with autocast:
-                        loss = wrapped(**batch).loss
-                    loss_sum += loss.detach().float()
-                    if overlapped and last:  # summed with the last gradient bucket
-                        wrapped.reduce_with(loss_sum)
-                    # buckets: earlier micro-batches accumulate; the last backward reduces them all
-                    with wrapped.no_sync() if overlapped and not last else nullcontext():
-                        (loss / t.grad_accum_steps).backward()
+                    # earlier micro-batches accumulate locally, the last backward reduces them
+                    # all (accelerate's no_sync: our buckets' own switch under ddp). The last one
+                    # is known by its index: accelerate's accumulate() would count micro-batches
+                    # in the Accelerator, and a redone step or a replacement's first step would
+                    # find that count mid-step
+                    with nullcontext() if last else accelerator.no_sync(wrapped):
+                        with accelerator.autocast():
+                            loss = wrapped(**batch).loss
+                        loss_sum += loss.detach().float()
+                        if overlapped and last:  # summed with the last gradient bucket
+                            wrapped.reduce_with(loss_sum)
+                        # loss / grad_accum_steps, through the GradScaler under fp16
+                        accelerator.backward(loss)
             if d.strategy == "ddp":
                 loss_total = job.all_reduce_grads(model.parameters(), extra=loss_sum)
             else:  # FSDP already averaged the gradients; the loss needs its own collective
                 loss_total = loss_sum.clone()
                 dist.all_reduce(loss_total)
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                model.parameters(), cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf"))
+            # unscaled first under fp16; torch's clip_grad_norm_ otherwise (the same bits)
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), clip)
             if hasattr(grad_norm, "full_tensor"):
                 grad_norm = grad_norm.full_tensor()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            opt.step()  # under fp16 the GradScaler skips an update with inf/nan gradients
+            opt.zero_grad(set_to_none=True)
         if ckpt and job.completed_steps == step + 1 and (step + 1) % cfg.checkpoint.interval == 0:
             ckpt.save(step + 1)
         if job.completed_steps == step + 1:  # committed (not rolled into a recovery)
@@ -216,10 +246,11 @@ def main(recipe_file: str) -> None:
     if job.preempted:  # stopped early (SIGTERM, SIGINT): every rank at the same boundary
         if ckpt and job.completed_steps % cfg.checkpoint.interval:  # not just written
             job.between_steps(lambda: ckpt.save(job.completed_steps))
-        if job.rank == 0:
-            print(f"[launcher] preempted: stopped after step {job.completed_steps - 1}" +
-                  (f", checkpoint written; resume with checkpoint.resume=auto" if ckpt else
-                   " (checkpoint.interval=0: no durable checkpoint to resume from)"), flush=True)
+        if accelerator.is_main_process:
+            accelerator.print(
+                f"[launcher] preempted: stopped after step {job.completed_steps - 1}" +
+                (", checkpoint written; resume with checkpoint.resume=auto" if ckpt else
+                 " (checkpoint.interval=0: no durable checkpoint to resume from)"), flush=True)
 
     # --- the end: validation, digest of the full state on every rank, export on rank 0 -------
     if validate and not job.preempted:  # collectives after the loop: a failure here is recovered too
@@ -230,7 +261,7 @@ def main(recipe_file: str) -> None:
         ckpt.close()
     state = job.between_steps(lambda: full_state(model, d.strategy))
     digest = state_sha256(state)
-    if job.rank == 0:
+    if accelerator.is_main_process:
         if metrics:
             metrics.close()
         if job.preempted:
@@ -241,6 +272,13 @@ def main(recipe_file: str) -> None:
             export(model, state, tokenizer, out_dir / "model")
     local = sum(getattr(p, "_local_tensor", p).numel() for p in model.parameters())
     result = {"params_sha256": digest, "local_params": local, "rank": job.rank,
+              "accelerator": {"device": str(accelerator.device),
+                              "mixed_precision": accelerator.mixed_precision,
+                              "grad_scaler": accelerator.scaler is not None,
+                              "gradient_accumulation_steps":
+                                  accelerator.gradient_accumulation_steps,
+                              "distributed_type": str(accelerator.distributed_type),
+                              "torch_threads": torch.get_num_threads()},
               "replica_host_bytes": getattr(job, "replica_host_bytes", lambda: None)(),
               "full_params": sum(v.numel() for v in state.values()),
               "final_loss": loss_value, "steps": job.completed_steps, "eval": last_eval}

@@ -22,8 +22,11 @@ def setup(cfg):
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        torch.set_num_threads(d.threads_per_worker or
-                              max(1, (os.cpu_count() or 1) // d.num_processes))
+        threads = d.threads_per_worker or max(1, (os.cpu_count() or 1) // d.num_processes)
+        torch.set_num_threads(threads)
+        # accelerate, whose Accelerator the loop builds after join, resets the thread count to
+        # physical cores / local processes when OMP_NUM_THREADS is unset; this keeps ours
+        os.environ["OMP_NUM_THREADS"] = str(threads)
     return backend, device
 
 

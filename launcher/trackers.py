@@ -1,30 +1,28 @@
-"""Experiment trackers through accelerate (`logging.trackers`): every committed step's figures,
-each validation, and each recovery as a marked event with its phases, written by rank 0.
+"""Experiment trackers through the loop's Accelerator (`logging.trackers`): every committed step's
+figures, each validation, and each recovery as a marked event with its phases, written by rank 0
+(accelerate's main process) with `accelerator.init_trackers` and `accelerator.log`.
 
 A step is logged once, when it commits: a step cut short by a failure and redone is logged in its
-final attempt only. When rank 0 itself is replaced, the replacement opens the same run again
-(the same `logging.dir` for file-based trackers) and goes on from the agreed step.
+final attempt only. When rank 0 itself is replaced, the replacement's Accelerator opens the same
+run again (the same `logging.dir` for file-based trackers, the same W&B run id: see
+launcher/accelerator.py) and goes on from the agreed step.
 """
 from __future__ import annotations
 
+from .accelerator import tracker_kwargs
+
 
 class Trackers:
-    """Owns accelerate's tracker objects on rank 0."""
+    """accelerate's trackers on rank 0, and which recoveries were logged."""
 
-    def __init__(self, cfg):
-        from accelerate.tracking import LOGGER_TYPE_TO_CLASS
-        self.trackers = []
-        for name in cfg.logging.trackers:
-            kwargs = {"logging_dir": cfg.logging.dir} if name == "tensorboard" else {}
-            tracker = LOGGER_TYPE_TO_CLASS[name](cfg.run.name, **kwargs)
-            if hasattr(tracker, "start"):  # accelerate opens a tracker's run here, lazily
-                tracker.start()
-            self.trackers.append(tracker)
+    def __init__(self, cfg, accelerator):
+        self.accelerator = accelerator
+        # the Accelerator was built with log_with=logging.trackers, logging_dir=logging.dir
+        accelerator.init_trackers(cfg.run.name, init_kwargs=tracker_kwargs(cfg))
         self.gen_seen: int | None = None
 
     def log(self, values: dict, step: int) -> None:
-        for t in self.trackers:
-            t.log(values, step=step)
+        self.accelerator.log(values, step=step)
 
     def recovery(self, job, step: int) -> None:
         """After the first step committed in a new generation (past the first), log how that
@@ -49,5 +47,7 @@ class Trackers:
         self.log(values, step)
 
     def finish(self) -> None:
-        for t in self.trackers:
-            t.finish()
+        # not accelerator.end_training(): it would destroy the process group, which the job
+        # still needs for the final digest and leaves itself in job.finish()
+        for tracker in self.accelerator.trackers:
+            tracker.finish()

@@ -1,0 +1,153 @@
+"""The recipe loop's `accelerate.Accelerator`, built after `checkpointless.join()`.
+
+What the loop takes from accelerate: the device, autocast for `trainer.precision`, the loss
+scaling of gradient accumulation (`accelerator.backward`), the fp16 GradScaler (GPU only),
+gradient clipping, main-process printing, the trackers, and under fsdp on a GPU backend the
+FSDP2 sharding (`accelerator.prepare`). What stays the launcher's: the gradient reduction, in
+checkpointless.DistributedDataParallel's fixed-order buckets or job.all_reduce_grads. accelerate
+would wrap the model in torch's DDP, which keeps the process group it was built with (a recovery
+builds a new one) and sums in an order of its own, so the model is never given to it under ddp.
+
+Why after join, not before: accelerate reads the rank and world size once, when its first
+Accelerator is built, and a spare has neither until join() hands it a failed rank. Survivors keep
+their rank and a spare takes the failed one's, so what accelerate read stays true across
+recoveries; its own collectives use the default group, which join() rebuilds. Its constructor
+makes no collective call, so a replacement builds it before it receives the state without waiting
+on survivors that are not there. Importing this module imports accelerate: the loop does it before
+join(), so a spare pays for the import while it waits, not during a recovery.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import accelerate
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from accelerate.utils import ProjectConfiguration
+
+from checkpointless.plain import PlainJob
+
+# trainer.precision -> accelerate's mixed_precision
+MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
+
+
+def accelerate_shards(cfg, device: torch.device) -> bool:
+    """Whether accelerate's FSDP2 plugin shards the model. Only on a GPU backend: on CPU (gloo)
+    accelerate ignores an FSDP plugin and would wrap the model in DDP, so there the launcher
+    shards with its own `shard()` (each decoder block, then the root)."""
+    return cfg.distributed.strategy == "fsdp" and device.type == "cuda"
+
+
+def build_accelerator(cfg, job, device: torch.device) -> Accelerator:
+    """The Accelerator of this worker; `device` is the one setup() chose (and the model was built
+    on, before join): accelerate must agree, or the run stops here."""
+    t = cfg.trainer
+    _environment(cfg, job, device)
+    accelerator = Accelerator(
+        cpu=device.type == "cpu",
+        mixed_precision=MIXED_PRECISION[t.precision],
+        # accelerator.backward divides the loss by it; which micro-batch reduces is the loop's
+        # choice (see launcher/loop.py)
+        gradient_accumulation_steps=t.grad_accum_steps,
+        fsdp_plugin=_fsdp_plugin() if accelerate_shards(cfg, device) else None,
+        log_with=list(cfg.logging.trackers) or None,
+        project_config=ProjectConfiguration(project_dir=str(Path(cfg.run.output_dir)),
+                                            logging_dir=cfg.logging.dir),
+    )
+    if accelerator.device != device:
+        raise RuntimeError(f"accelerate placed this worker on {accelerator.device} but the "
+                           f"launcher built the model on {device}")
+    return accelerator
+
+
+def start_line(cfg, accelerator: Accelerator) -> str:
+    """One line, printed once at start, saying what the loop runs on."""
+    d, t = cfg.distributed, cfg.trainer
+    line = (f"[launcher] on accelerate {accelerate.__version__}'s Accelerator: device "
+            f"{accelerator.device}, mixed precision {accelerator.mixed_precision}"
+            f"{' with a GradScaler' if accelerator.scaler is not None else ''}, gradient "
+            f"accumulation {accelerator.gradient_accumulation_steps}")
+    if d.strategy == "ddp":
+        return line + ("; gradients averaged by checkpointless in fixed-order "
+                       f"{'buckets during backward' if d.grad_sync == 'buckets' else 'one all-reduce after backward'}")
+    if accelerator.is_fsdp2:
+        return line + "; fsdp: accelerate's FSDP2 plugin shards each decoder block"
+    return line + (f"; fsdp: accelerate's FSDP plugin needs a GPU backend and this run uses "
+                   f"{dist.get_backend()}, so the launcher shards each decoder block with "
+                   "torch's fully_shard itself")
+
+
+class Autocast:
+    """`accelerator.autocast()` as a reusable context manager (launcher/evaluate.py enters the
+    one it is given once per batch; accelerate's is a one-shot generator)."""
+
+    def __init__(self, accelerator: Accelerator):
+        self.accelerator = accelerator
+        self._open = []
+
+    def __enter__(self):
+        cm = self.accelerator.autocast()
+        self._open.append(cm)
+        return cm.__enter__()
+
+    def __exit__(self, *exc):
+        return self._open.pop().__exit__(*exc)
+
+
+def tracker_kwargs(cfg) -> dict:
+    """Per-tracker arguments to init_trackers. A W&B run is resumed by an id of this launch (the
+    output folder and the time its recipe.yaml was written), so a replacement rank 0 continues the
+    same run rather than opening a second one. File-based trackers (TensorBoard) continue in the
+    same `logging.dir` on their own."""
+    if "wandb" not in cfg.logging.trackers:
+        return {}
+    recipe = Path(cfg.run.output_dir).resolve() / "recipe.yaml"
+    stamp = recipe.stat().st_mtime_ns if recipe.exists() else 0
+    run_id = hashlib.sha256(f"{recipe}:{stamp}".encode()).hexdigest()[:16]
+    return {"wandb": {"id": run_id, "resume": "allow"}}
+
+
+def _environment(cfg, job, device: torch.device) -> None:
+    """What accelerate reads from the environment when the Accelerator is built.
+
+    Under torchrun (a PlainJob: the benchmark's off and restart modes) torchrun has set it all.
+    Under the supervisor: RANK and WORLD_SIZE are the job's; LOCAL_RANK is the worker's index
+    among the node's active workers, which accelerate's main-process printing counts from (a
+    replacement of rank 0 is its node's local main process, whatever device slot it took); and
+    the device is named outright (ACCELERATE_TORCH_DEVICE), since accelerate would otherwise pick
+    the GPU numbered by LOCAL_RANK, and a spare holds the failed worker's slot, not that one.
+    Without LOCAL_RANK a GPU worker would run as a single process. accelerate's thread count is
+    left alone because setup() exported OMP_NUM_THREADS."""
+    os.environ["ACCELERATE_TORCH_DEVICE"] = str(device)
+    if isinstance(job, PlainJob):
+        return
+    d = cfg.distributed
+    per_node = d.nproc_per_node or max(1, d.num_processes // max(1, d.num_nodes))
+    os.environ.update(RANK=str(job.rank), WORLD_SIZE=str(job.world_size),
+                      LOCAL_RANK=str(job.rank % per_node), LOCAL_WORLD_SIZE=str(per_node))
+    # the group exists already; accelerate only checks MASTER_ADDR is known on several nodes
+    os.environ.setdefault("MASTER_ADDR", d.master_addr)
+
+
+def _fsdp_plugin():
+    """accelerate's FSDP2 plugin, shaped like the launcher's own sharding.
+
+    Each decoder block (the model's `_no_split_modules`) is a unit, as in `shard()`; accelerate
+    1.15 also gives the embedding and the final norm with the output head units of their own.
+    Parameters stay fp32 and gradients are reduce-scattered in fp32: accelerate's default policy
+    under bf16 would all-gather and reduce in bf16, rounding every partial sum. Compute runs in
+    the loop's autocast, as on CPU. No rank-0 broadcast of the weights (cpu_ram_efficient_loading):
+    every worker built the same seeded model, and a replacement sharding after join must not wait
+    on a broadcast the survivors never make.
+
+    Not run on a multi-GPU machine in this project's tests (see README)."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    return FullyShardedDataParallelPlugin(
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap", reshard_after_forward=True,
+        mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
+                                                    reduce_dtype=torch.float32),
+        cpu_ram_efficient_loading=False, activation_checkpointing=False)
