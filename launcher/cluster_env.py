@@ -68,11 +68,12 @@ def _accelerate_file(path: str) -> dict:
     elif kind in ("MULTI_GPU", "MULTI_CPU", "NO"):
         out["distributed.strategy"] = "ddp"
     precision = str(getattr(cfg, "mixed_precision", "no") or "no")
-    if precision in ("fp16", "fp8"):
+    if precision == "fp8":
         raise UnsupportedConfig(
-            f"{path}: mixed_precision={precision}: this launcher trains in bf16 or fp32 "
-            "(trainer.precision); set mixed_precision: bf16 or no")
-    out["trainer.precision"] = "bf16" if precision == "bf16" else "fp32"
+            f"{path}: mixed_precision={precision}: this launcher trains in bf16, fp16 (GPU) or "
+            "fp32 (trainer.precision); set mixed_precision: bf16, fp16 or no")
+    # fp16 on CPU is refused by the recipe's validation, naming trainer.precision
+    out["trainer.precision"] = {"bf16": "bf16", "fp16": "fp16"}.get(precision, "fp32")
     if getattr(cfg, "num_machines", None):
         out["distributed.num_nodes"] = int(cfg.num_machines)
     if getattr(cfg, "machine_rank", None) is not None:

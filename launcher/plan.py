@@ -539,7 +539,7 @@ def plan(cfg, facts: ModelFacts | None = None, loop: LoopFacts = CURRENT_LOOP,
     ckpt = bool(m.gradient_checkpointing)
     accum = t.grad_accum_steps
     pb = facts.param_bytes
-    bf16 = t.precision == "bf16"
+    bf16 = t.precision in ("bf16", "fp16")  # half-precision autocast: 2-byte activations
     p = 2 if (bf16 or pb == 2) else 4
     r = pb
     tokens = t.micro_batch_size * cfg.data.seq_len

@@ -49,6 +49,12 @@ def _offline_unless_reachable(cfg) -> None:
 
 def _devices(cfg) -> str | None:
     d, c = cfg.distributed, cfg.checkpointless
+    if d.device == "auto" and cfg.trainer.precision == "fp16":
+        import torch
+        if not torch.cuda.is_available():  # workers would run on CPU, where fp16 is refused
+            return ("trainer.precision=fp16: fp16 needs a GPU (float16 autocast with a "
+                    "GradScaler) and this machine has none, so the workers would run on CPU; use "
+                    "trainer.precision=bf16 on CPU (or fp32)")
     if d.device != "cuda":
         return None
     import torch

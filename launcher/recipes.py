@@ -422,6 +422,15 @@ def validate(cfg: DictConfig) -> None:
     need(t.micro_batch_size >= 1, "trainer.micro_batch_size", t.micro_batch_size, "must be >= 1")
     need(t.grad_accum_steps >= 1, "trainer.grad_accum_steps", t.grad_accum_steps, "must be >= 1")
     need(t.log_every >= 1, "trainer.log_every", t.log_every, "must be >= 1")
+    if t.precision == "fp16":  # accelerate would silently train fp32 on CPU
+        on_cpu = "distributed.device=cpu" if d.device == "cpu" else \
+            "distributed.backend=gloo" if d.backend == "gloo" else None
+        need(on_cpu is None, "trainer.precision", t.precision,
+             f"fp16 needs a GPU (float16 autocast with a GradScaler) and this recipe runs on CPU "
+             f"({on_cpu}); use trainer.precision=bf16 on CPU (or fp32)")
+        need(d.strategy == "ddp", "trainer.precision", t.precision,
+             "fp16 is supported under distributed.strategy=ddp only; under fsdp use "
+             "trainer.precision=bf16")
     need(d.num_processes >= 1, "distributed.num_processes", d.num_processes, "must be >= 1")
     need(0 <= d.master_port < 65536, "distributed.master_port", d.master_port, "0..65535")
     need(d.bucket_cap_mb > 0, "distributed.bucket_cap_mb", d.bucket_cap_mb, "must be > 0 MB")

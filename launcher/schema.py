@@ -72,7 +72,7 @@ class TrainerConfig:
     max_steps: int = 1000  # optimizer steps to train
     micro_batch_size: int = 4  # sequences per forward pass on each worker
     grad_accum_steps: int = 1  # micro-batches per optimizer step on each worker
-    precision: str = "fp32"  # fp32, or bf16 (autocast; master weights and optimizer stay fp32)
+    precision: str = "fp32"  # fp32, bf16 (autocast; master weights and optimizer stay fp32), or fp16 (GPU and ddp only: autocast with a GradScaler, which a replacement receives with the model)
     log_every: int = 10  # steps between metric lines
     progress_bar: bool = True  # show a progress bar with loss and tokens/s on rank 0
     save_model: bool = True  # write the final model with save_pretrained
@@ -188,7 +188,7 @@ CHOICES = {
     "data.format": ("text", "chat", "instruction"),
     "peft.method": ("none", "lora"),
     "distributed.grad_sync": ("buckets", "flat"),
-    "trainer.precision": ("fp32", "bf16"),
+    "trainer.precision": ("fp32", "bf16", "fp16"),
     "distributed.strategy": ("ddp", "fsdp"),
     "distributed.backend": ("auto", "gloo", "nccl"),
     "distributed.device": ("auto", "cuda", "cpu"),

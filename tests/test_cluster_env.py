@@ -60,7 +60,7 @@ def test_an_accelerate_config_file_is_read_with_accelerates_loader(tmp_path):
 
 @pytest.mark.parametrize("body, says", [
     ("distributed_type: DEEPSPEED\ndeepspeed_config: {zero_stage: 3}\n", "DEEPSPEED"),
-    ("distributed_type: MULTI_GPU\nmixed_precision: fp16\n", "mixed_precision=fp16"),
+    ("distributed_type: MULTI_GPU\nmixed_precision: fp8\n", "mixed_precision=fp8"),
     ("distributed_type: FSDP\nfsdp_config: {fsdp_sharding_strategy: SHARD_GRAD_OP}\n",
      "SHARD_GRAD_OP"),
 ])

@@ -59,3 +59,13 @@ def test_train_refuses_with_one_message_and_no_traceback():
     assert r.returncode != 0
     assert "this recipe cannot start on this machine" in r.stderr + r.stdout
     assert "Traceback" not in r.stderr and "exited" not in r.stderr  # no worker started
+
+
+def test_fp16_on_a_machine_without_gpus_is_refused_when_the_device_is_left_to_auto(monkeypatch):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = load("tiny-llama", ["distributed.device=auto", "distributed.backend=auto",
+                              "trainer.precision=fp16"])
+    with pytest.raises(RecipeError) as err:
+        preflight(cfg)
+    assert "trainer.precision=fp16" in str(err.value) and "trainer.precision=bf16" in str(err.value)

@@ -79,6 +79,8 @@ def test_interpolation_resolves_output_dir():
     (["model.init=pretrained"], ["model.id", "pretrained"]),
     (["trainer.max_steps"], ["key=value"]),
     (["~trainer.nope"], ["trainer.nope"]),
+    (["trainer.precision=fp16"], ["trainer.precision='fp16'", "needs a GPU",
+                                  "distributed.device=cpu", "trainer.precision=bf16"]),
 ])
 def test_bad_input_is_refused_naming_key_value_and_fix(overrides, must_say):
     with pytest.raises(RecipeError) as err:
@@ -299,6 +301,22 @@ def test_cli_train_refuses_an_output_dir_that_is_a_file(tmp_path):
 def _cli(*args):
     return subprocess.run([sys.executable, "-m", "launcher", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
+
+
+def test_cli_train_refuses_fp16_on_cpu_before_any_worker_starts(tmp_path):
+    out = tmp_path / "out"
+    r = _cli("train", "tiny-llama", "trainer.precision=fp16", f"run.output_dir={out}")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "trainer.precision='fp16'" in r.stderr and "trainer.precision=bf16" in r.stderr
+    assert not out.exists()  # nothing started, nothing written
+
+
+def test_fp16_is_for_ddp_on_gpus_only():
+    assert load("llama3.2-1b", ["trainer.precision=fp16"]).trainer.precision == "fp16"
+    _refused("llama3-8b", ["trainer.precision=fp16"], must_say=["fp16", "distributed.strategy=ddp",
+                                                              "trainer.precision=bf16"])
+    _refused("llama3.2-1b", ["trainer.precision=fp16", "distributed.backend=gloo"],
+             must_say=["distributed.backend=gloo"])
 
 
 def test_cli_show_prints_the_resolved_recipe():
