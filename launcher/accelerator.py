@@ -65,7 +65,7 @@ def build_accelerator(cfg, job, device: torch.device) -> Accelerator:
 
 def start_line(cfg, accelerator: Accelerator) -> str:
     """One line, printed once at start, saying what the loop runs on."""
-    d, t = cfg.distributed, cfg.trainer
+    d = cfg.distributed
     line = (f"[launcher] on accelerate {accelerate.__version__}'s Accelerator: device "
             f"{accelerator.device}, mixed precision {accelerator.mixed_precision}"
             f"{' with a GradScaler' if accelerator.scaler is not None else ''}, gradient "
