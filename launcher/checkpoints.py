@@ -38,32 +38,11 @@ class DurableCheckpoints:
         """Load checkpoint `path` at this job's world size and strategy (a collective)."""
         from torch.distributed.checkpoint.state_dict import set_state_dict
         state = self.state(-1)
-        self.check(path, state)
+        refuse_another_model(path, state["model"])
         durable.load(path, state)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
         return int(state["step"])
-
-    def check(self, path, state: dict) -> None:
-        """Refuse a checkpoint of another model before any tensor is read, saying why."""
-        saved = durable.saved_shapes(path)
-        here = {f"model.{k}": tuple(v.shape) for k, v in state["model"].items()}
-        missing = [k for k in here if k not in saved]
-        differ = [k for k in here if k in saved and saved[k] != here[k]]
-        if not missing and not differ:
-            return
-        why = []
-        if missing:
-            why.append(f"{len(missing)} of this model's {len(here)} tensors are not in it "
-                       f"(first: '{missing[0][6:]}')")
-        if differ:
-            k = differ[0]
-            why.append(f"{len(differ)} have another shape (first: '{k[6:]}', {list(saved[k])} "
-                       f"there, {list(here[k])} here)")
-        raise CheckpointMismatch(
-            f"checkpoint.resume=auto: {path} is a checkpoint of a different model: "
-            f"{'; '.join(why)}. Fix: point checkpoint.dir at this recipe's own checkpoints, or "
-            "start from scratch with checkpoint.resume=never (or an empty checkpoint.dir)")
 
     def newest_step(self):
         self.writer.wait()  # a write in flight finishes first: it may be the newest
@@ -75,6 +54,28 @@ class DurableCheckpoints:
 
     def close(self) -> None:
         self.writer.wait()
+
+
+def refuse_another_model(path, model_state: dict) -> None:
+    """Refuse a checkpoint of another model before any tensor is read, saying why and the fix."""
+    saved = durable.saved_shapes(path)
+    here = {f"model.{k}": tuple(v.shape) for k, v in model_state.items()}
+    missing = [k for k in here if k not in saved]
+    differ = [k for k in here if k in saved and saved[k] != here[k]]
+    if not missing and not differ:
+        return
+    why = []
+    if missing:
+        why.append(f"{len(missing)} of this model's {len(here)} tensors are not in it "
+                   f"(first: '{missing[0][6:]}')")
+    if differ:
+        k = differ[0]
+        why.append(f"{len(differ)} have another shape (first: '{k[6:]}', {list(saved[k])} "
+                   f"there, {list(here[k])} here)")
+    raise CheckpointMismatch(
+        f"checkpoint.resume=auto: {path} is a checkpoint of a different model: "
+        f"{'; '.join(why)}. Fix: point checkpoint.dir at this recipe's own checkpoints, or "
+        "start from scratch with checkpoint.resume=never (or an empty checkpoint.dir)")
 
 
 def old_format_error(directory) -> str | None:

@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from tests.conftest import spawn_gloo
 
-pytestmark = [pytest.mark.slow,  # real processes
-              pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
+# a checkpoint read or written here without a process group is DCP's single-process mode
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
 def _model():
@@ -52,6 +52,7 @@ def _killed_mid_write(rank, port, q, directory):
         ck.wait()
 
 
+@pytest.mark.slow  # real processes
 def test_a_rank_killed_mid_write_never_replaces_the_newest_checkpoint(tmp_path):
     import torch.multiprocessing as mp
 
@@ -113,6 +114,7 @@ def _digest_and_export(rank, port, q, out):
     q.put((rank, want, got, n))
 
 
+@pytest.mark.slow
 def test_the_streamed_digest_is_the_gathered_one_and_the_sharded_export_reloads(tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -129,3 +131,29 @@ def test_the_streamed_digest_is_the_gathered_one_and_the_sharded_export_reloads(
     model = AutoModelForCausalLM.from_pretrained(out)
     assert type(model).__name__ == "GPT2LMHeadModel"
     assert model_sha256(model) == digests.pop()  # the export is the trained state, bit for bit
+
+
+def test_resume_over_old_single_file_checkpoints_is_refused_before_launch(tmp_path):
+    from launcher.preflight import _checkpoints
+    from launcher.recipes import load
+    (tmp_path / "step-00000008.pt").write_bytes(b"")
+    cfg = load("tiny-llama", [f"checkpoint.dir={tmp_path}", "checkpoint.resume=auto"])
+    msg = _checkpoints(cfg)
+    assert f"checkpoint.dir={tmp_path} holds step-00000008.pt" in msg
+    assert "single-file" in msg and "Fix:" in msg and "checkpoint.resume=never" in msg
+    assert _checkpoints(load("tiny-llama", [f"checkpoint.dir={tmp_path}"])) is None  # never
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_the_tensor(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from launcher.checkpoints import CheckpointMismatch, refuse_another_model
+    saved = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 8))
+    dcp.save({"model": saved.state_dict(), "step": 4}, checkpoint_id=str(tmp_path / "step"))
+    refuse_another_model(tmp_path / "step", saved.state_dict())  # the same model: no error
+    wider = torch.nn.Sequential(torch.nn.Linear(32, 96), torch.nn.Linear(96, 8))
+    with pytest.raises(CheckpointMismatch) as err:
+        refuse_another_model(tmp_path / "step", wider.state_dict())
+    msg = str(err.value)
+    assert "checkpoint.resume=auto" in msg and "a different model" in msg
+    assert "'0.weight', [64, 32] there, [96, 32] here" in msg and "Fix:" in msg
