@@ -107,8 +107,9 @@ def _write_files(model, tokenizer, path: Path, files, rank: int, keep: dict) -> 
         return
     if len(files) > 1:
         _write_index(path, len(files))
-    config = model.config
-    config.architectures = [type(model).__name__.removeprefix("FSDP")]
+    config = model.config  # what save_pretrained records: the class (FSDP2's subclass named as
+    config.architectures = [type(model).__name__.removeprefix("FSDP")]  # the plain one) and
+    config.dtype = str(model.dtype).removeprefix("torch.")  # the dtype from_pretrained restores
     config.save_pretrained(str(path))
     if getattr(model, "generation_config", None) is not None and model.can_generate():
         model.generation_config.save_pretrained(str(path))
