@@ -1,4 +1,8 @@
-"""Durable checkpoints: the fallback for what peer redundancy cannot cover.
+"""Single-file checkpoints: the whole state in one `step-<n>.pt`, written by one process.
+
+The recipe loop's durable checkpoints are sharded (durable.py: every rank writes its own part);
+this writer remains for what needs one file of the whole state, such as the benchmark timing a
+synchronous save of a recipe's state to size the restart baseline's checkpoint interval.
 
 Written asynchronously (the state is snapshotted to host memory, then a background thread writes
 it), atomically (a temporary file renamed into place: a crash mid-write leaves the previous

@@ -131,6 +131,10 @@ def _restore_from_disk(state: ProtectedState, me: Position, info: dict, newest: 
     newest_step, load_step = state.fallback
     found = [None] * me.world_size
     with communicating("agreeing on the durable checkpoint to load"):
+        # newest_step() first finishes this rank's checkpoint write in flight, whose commit may
+        # add a newer checkpoint and rotate an older one away; once this gather returns no rank
+        # writes any more, so the second answer is the same on every rank and stays on disk
+        dist.all_gather_object(found, newest_step())
         dist.all_gather_object(found, newest_step())  # every rank must load the same one
     if None in found:
         raise RuntimeError("a lost slice has no copy in any peer's memory and no durable "

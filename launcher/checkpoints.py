@@ -1,55 +1,93 @@
 """Durable checkpoints of the recipe loop: the fallback for what peer redundancy cannot cover,
-and what `checkpoint.resume=auto` continues from."""
+and what `checkpoint.resume=auto` continues from.
+
+Sharded (checkpointless/durable.py): each rank writes its own part of the model and optimizer
+state in the background; `step-<n>/` appears only once every part is on disk. The state is
+saved with its sharding (DTensors under fsdp, plain tensors under ddp, written once) and loaded
+into whatever sharding the loading job has, so a job stopped at 4 workers resumes at 2 or 8.
+"""
 from __future__ import annotations
 
 from pathlib import Path
 
+from checkpointless import durable
+
+
+class CheckpointMismatch(RuntimeError):
+    """The checkpoint directory holds something this run cannot continue from."""
+
+
 class DurableCheckpoints:
-    """Every `checkpoint.interval` steps the full state goes to disk (rank 0 writes, async)."""
+    """Every `checkpoint.interval` steps the state goes to disk (every rank its part, async)."""
 
     def __init__(self, cfg, job, model, optimizer):
-        from checkpointless.checkpoint import CheckpointWriter
         self.cfg, self.job, self.model, self.optimizer = cfg, job, model, optimizer
-        self.writer = CheckpointWriter(cfg.checkpoint.dir, cfg.checkpoint.keep) \
-            if job.rank == 0 else None
+        self.writer = durable.ShardedCheckpoints(cfg.checkpoint.dir, cfg.checkpoint.keep)
 
-    def state(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                              get_model_state_dict,
-                                                              get_optimizer_state_dict)
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return {"model": get_model_state_dict(self.model, options=opts),
-                "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=opts)}
+    def state(self, step: int) -> dict:
+        """Model and optimizer state as this rank holds it (no gather: shards under fsdp)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        model, optim = get_state_dict(self.model, self.optimizer)
+        return {"model": model, "optimizer": optim, "step": step}
 
     def save(self, step: int) -> None:
-        state = self.state()  # a collective under fsdp: every rank takes part
-        if self.writer:
-            self.writer.save(step, state)
+        """A collective (planning; every rank, the same step); the write goes on in a thread."""
+        self.writer.save(step, self.state(step), gen=getattr(self.job, "gen", 0))
 
     def load(self, path) -> int:
-        from checkpointless.checkpoint import load
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                              set_model_state_dict,
-                                                              set_optimizer_state_dict)
-        state = load(path)
-        opts = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(self.model, state["model"], options=opts)
-        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=opts)
+        """Load checkpoint `path` at this job's world size and strategy (a collective)."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+        state = self.state(-1)
+        refuse_another_model(path, state["model"])
+        durable.load(path, state)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
         return int(state["step"])
 
     def newest_step(self):
-        from checkpointless.checkpoint import latest
-        if self.writer:
-            self.writer.wait()  # a write in flight finishes first: it may be the newest
-        found = latest(self.cfg.checkpoint.dir)
+        self.writer.wait()  # a write in flight finishes first: it may be the newest
+        found = durable.latest(self.cfg.checkpoint.dir)
         return found[0] if found else None
 
     def load_step(self, step: int) -> int:
-        return self.load(Path(self.cfg.checkpoint.dir) / f"step-{step:08d}.pt")
+        return self.load(Path(self.cfg.checkpoint.dir) / f"step-{step:08d}")
 
     def close(self) -> None:
-        if self.writer:
-            self.writer.wait()
+        self.writer.wait()
+
+
+def refuse_another_model(path, model_state: dict) -> None:
+    """Refuse a checkpoint of another model before any tensor is read, saying why and the fix."""
+    saved = durable.saved_shapes(path)
+    here = {f"model.{k}": tuple(v.shape) for k, v in model_state.items()}
+    missing = [k for k in here if k not in saved]
+    differ = [k for k in here if k in saved and saved[k] != here[k]]
+    if not missing and not differ:
+        return
+    why = []
+    if missing:
+        why.append(f"{len(missing)} of this model's {len(here)} tensors are not in it "
+                   f"(first: '{missing[0][6:]}')")
+    if differ:
+        k = differ[0]
+        why.append(f"{len(differ)} have another shape (first: '{k[6:]}', {list(saved[k])} "
+                   f"there, {list(here[k])} here)")
+    raise CheckpointMismatch(
+        f"checkpoint.resume=auto: {path} is a checkpoint of a different model: "
+        f"{'; '.join(why)}. Fix: point checkpoint.dir at this recipe's own checkpoints, or "
+        "start from scratch with checkpoint.resume=never (or an empty checkpoint.dir)")
+
+
+def old_format_error(directory) -> str | None:
+    """The message for a directory holding single-file checkpoints of earlier versions."""
+    old = durable.old_format_files(directory)
+    if not old:
+        return None
+    return (f"checkpoint.dir={directory} holds {old[-1].name}, a single-file checkpoint written "
+            "before checkpoints were sharded (now step-<n>/ directories, one set of files per "
+            "rank); checkpoint.resume=auto cannot continue from it. Fix: finish that run with the "
+            "version that wrote it, or move those files away (or set checkpoint.resume=never) to "
+            "start from scratch")
 
 
 def durable_checkpoints(cfg, job, model, optimizer):
@@ -63,12 +101,18 @@ def durable_checkpoints(cfg, job, model, optimizer):
     ckpt = DurableCheckpoints(cfg, job, model, optimizer)
     if hasattr(job, "set_fallback"):
         job.set_fallback(ckpt.newest_step, ckpt.load_step)
+    if not job.is_replacement and job.rank == 0:
+        # a launch: no write of this job is in flight yet (the first save comes after a step,
+        # which rank 0 joins after this), so every temporary directory is a dead write's
+        durable.remove_partial(c.dir)
     if c.resume == "auto" and not job.is_replacement:
-        from checkpointless.checkpoint import latest
-        found = latest(c.dir)
+        if (msg := old_format_error(c.dir)) is not None:
+            raise CheckpointMismatch(msg)
+        found = durable.latest(c.dir)
         if found:
             step = ckpt.load(found[1])
             job.resume_at(step)
             if job.rank == 0:
-                print(f"[launcher] resumed from checkpoint {found[1]} at step {step}", flush=True)
+                print(f"[launcher] resumed from checkpoint {found[1]} at step {step} "
+                      f"({job.world_size} workers)", flush=True)
     return ckpt if c.interval > 0 else None

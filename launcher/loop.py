@@ -28,12 +28,11 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 import checkpointless
-from checkpointless.digest import state_sha256
 
 from .checkpoints import durable_checkpoints
 from .data import to_device
 from .evaluate import evaluate
-from .export import export, export_lora
+from .export import digest_and_export, export_lora
 from .model_setup import build, build_eval, cpu_threads, full_state, setup, shard, warm_up
 from .schema import Recipe
 
@@ -228,8 +227,11 @@ def main(recipe_file: str) -> None:
                 grad_norm = grad_norm.full_tensor()
             opt.step()  # under fp16 the GradScaler skips an update with inf/nan gradients
             opt.zero_grad(set_to_none=True)
-        if ckpt and job.completed_steps == step + 1 and (step + 1) % cfg.checkpoint.interval == 0:
-            ckpt.save(step + 1)
+            if ckpt and (step + 1) % cfg.checkpoint.interval == 0:
+                # inside the step: planned with the peers on this generation's group (a peer's
+                # failure here is recovered like any in the step); each rank's files are then
+                # written by a thread while training goes on
+                ckpt.save(step + 1)
         if job.completed_steps == step + 1:  # committed (not rolled into a recovery)
             loss_value = loss_total.item() / (job.world_size * t.grad_accum_steps)
             tokens = job.completed_steps * (t.micro_batch_size * t.grad_accum_steps *
@@ -252,24 +254,25 @@ def main(recipe_file: str) -> None:
                 (", checkpoint written; resume with checkpoint.resume=auto" if ckpt else
                  " (checkpoint.interval=0: no durable checkpoint to resume from)"), flush=True)
 
-    # --- the end: validation, digest of the full state on every rank, export on rank 0 -------
+    # --- the end: validation; the digest of the full state on every rank and the sharded export,
+    # one tensor gathered at a time, each file written by its own rank ---------------------------
     if validate and not job.preempted:  # collectives after the loop: a failure here is recovered too
         last_eval = dict(job.between_steps(validate), eval_after_steps=job.completed_steps)
         if metrics:
             metrics.record(last_eval)
-    if ckpt:
-        ckpt.close()
-    state = job.between_steps(lambda: full_state(model, d.strategy))
-    digest = state_sha256(state)
-    if accelerator.is_main_process:
-        if metrics:
-            metrics.close()
-        if job.preempted:
-            pass  # an unfinished model is not exported; the checkpoint holds it
-        elif t.save_model and cfg.peft.method == "lora":
+    lora = cfg.peft.method == "lora"
+    # an unfinished (preempted) model is not exported: the checkpoint holds it
+    export_to = out_dir / "model" if t.save_model and not job.preempted and not lora else None
+    digest, full_params = job.between_steps(lambda: digest_and_export(
+        model, d.strategy, tokenizer, export_to, job.rank, job.world_size))
+    if lora and t.save_model and not job.preempted:  # adapters are small; the base goes to
+        state = job.between_steps(lambda: full_state(model, d.strategy))  # rank 0's host
+        if job.rank == 0:
             export_lora(cfg, model, state, tokenizer, out_dir)
-        elif t.save_model:
-            export(model, state, tokenizer, out_dir / "model")
+    if ckpt:
+        ckpt.close()  # the last write overlapped the export; it is on disk before we finish
+    if metrics:
+        metrics.close()
     local = sum(getattr(p, "_local_tensor", p).numel() for p in model.parameters())
     result = {"params_sha256": digest, "local_params": local, "rank": job.rank,
               "accelerator": {"device": str(accelerator.device),
@@ -280,12 +283,12 @@ def main(recipe_file: str) -> None:
                               "distributed_type": str(accelerator.distributed_type),
                               "torch_threads": torch.get_num_threads()},
               "replica_host_bytes": getattr(job, "replica_host_bytes", lambda: None)(),
-              "full_params": sum(v.numel() for v in state.values()),
+              "full_params": full_params,
               "final_loss": loss_value, "steps": job.completed_steps, "eval": last_eval}
     (out_dir / "results").mkdir(exist_ok=True)
     (out_dir / "results" / f"rank{job.rank}.json").write_text(json.dumps(result))
     job.finish({"params_sha256": digest, "local_params": local,
-                "full_params": sum(v.numel() for v in state.values()), "final_loss": loss_value,
+                "full_params": full_params, "final_loss": loss_value,
                 "tokens": tokens, "eval": last_eval,
                 "steps": job.completed_steps, "worker_id": job.worker_id, "pid": os.getpid()})
 

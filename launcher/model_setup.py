@@ -97,12 +97,14 @@ def shard(model, cfg):
 
 
 def full_state(model, strategy: str) -> dict:
-    """The whole model state on every rank (a collective under fsdp)."""
+    """The whole model state in rank 0's host memory (a collective under fsdp: each tensor is
+    gathered on the device, moved to rank 0's host, and dropped before the next; the other
+    ranks get nothing). Only the LoRA export uses it; the digest and the full export stream."""
     if strategy == "fsdp":
         from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                               get_model_state_dict)
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                                     cpu_offload=False))
+                                                                     cpu_offload=True))
     return model.state_dict()
 
 

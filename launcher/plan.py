@@ -107,10 +107,12 @@ class LoopFacts:
     autocast_cache: bool = True  # torch.autocast(...) with its default cache_enabled=True
     fsdp_unsharded_accumulation: bool = True  # set_requires_gradient_sync(False) in accumulation
     full_state_on_device: bool = True  # full_state(): get_model_state_dict(cpu_offload=False)
+    # (the loop now streams the digest and the export one tensor at a time: False)
     lora_fsdp_one_unit: bool = True  # shard() looks for the blocks on the peft wrapper: none found
 
 
-CURRENT_LOOP = LoopFacts(lora_fsdp_one_unit=False)  # shard() looks through peft's wrapper
+CURRENT_LOOP = LoopFacts(lora_fsdp_one_unit=False,  # shard() looks through peft's wrapper
+                         full_state_on_device=False)  # launcher/export.py streams the state
 
 # Configs of the models the shipped recipes name, from their public config.json files, for when
 # the hub cannot be reached (a plan needs shapes, not weights). Only what shapes the model.
@@ -660,6 +662,10 @@ def plan(cfg, facts: ModelFacts | None = None, loop: LoopFacts = CURRENT_LOOP,
         items.append(Item("full state gathered", at(facts.n_params * pb + adapters * ab,
                                                     "end of run"),
                           note="loop.full_state: whole model on every device"))
+    elif fsdp:  # digest and export gather one tensor at a time; each rank keeps its file's
+        items.append(Item("export, one tensor gathered", at(facts.head_matmul * pb, "end of run"),
+                          host=-(-facts.n_params * pb // world),
+                          note="the largest on the device; this rank's file on the host"))
     runtime = CUDA_RUNTIME if device_type == "cuda" else CPU_RUNTIME
     items.append(Item("runtime allowance", at(runtime),
                       note="CUDA context, NCCL, allocator" if device_type == "cuda" else

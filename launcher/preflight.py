@@ -8,6 +8,7 @@ Checked here, in the launcher:
   * the model config and the tokenizer, when the recipe names a hub id or folder: resolved once,
     an unreachable hub, a gated model, a wrong id each get their own sentence;
   * the data: local files exist; a hub dataset id can be resolved;
+  * checkpoint.resume=auto over checkpoints this version cannot read (the old single-file ones);
   * the memory plan (launcher/plan.py), when it is available.
 """
 from __future__ import annotations
@@ -18,7 +19,8 @@ from .recipes import RecipeError
 def preflight(cfg) -> None:
     """Raise RecipeError listing every problem found, each with its fix; return when none."""
     _offline_unless_reachable(cfg)
-    problems = [p for p in (_devices(cfg), _model(cfg), _tokenizer(cfg), _data(cfg)) if p]
+    problems = [p for p in (_devices(cfg), _model(cfg), _tokenizer(cfg), _data(cfg),
+                            _checkpoints(cfg)) if p]
     if not problems:
         problems += _memory(cfg)
     if problems:
@@ -45,6 +47,14 @@ def _offline_unless_reachable(cfg) -> None:
         os.environ["HF_HUB_OFFLINE"] = "1"
         print("[launcher] the Hugging Face hub cannot be reached: working offline from the "
               "local cache", flush=True)
+
+
+def _checkpoints(cfg) -> str | None:
+    """checkpoint.resume=auto over single-file checkpoints of an earlier version."""
+    if cfg.checkpoint.resume != "auto":
+        return None
+    from .checkpoints import old_format_error
+    return old_format_error(cfg.checkpoint.dir)
 
 
 def _devices(cfg) -> str | None:

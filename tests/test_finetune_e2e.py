@@ -102,4 +102,5 @@ def test_tiny_sft_full_fine_tune_validates_and_exports_the_model(tmp_path):
     assert ev[1]["eval_loss"] < ev[0]["eval_loss"] < 5.6  # from uniform over 257 tokens, down
     assert rep["eval"] == ev[1] and len(set(rep["params_sha256_by_rank"].values())) == 1
     assert "validation after 15 steps" in r.stdout
-    assert (out / "model" / "model.safetensors").exists() and not (out / "adapter").exists()
+    assert (out / "model" / "model.safetensors.index.json").exists()
+    assert not (out / "adapter").exists()

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from tests.test_train_e2e import assert_replicas_agree, train
+from tests.test_train_e2e import assert_replicas_agree, losses, train
 
 pytestmark = pytest.mark.slow  # real training processes; `make test-fast` skips them
 
@@ -52,16 +52,74 @@ def test_a_slice_lost_with_its_holder_falls_back_to_the_durable_checkpoint(tmp_p
     assert "resume from the durable checkpoint at step 4" in r.stdout
 
 
+def stopped_at_step_8(reference, out):
+    """The reference's disk as a job killed while writing its step-12 checkpoint left it: step 8
+    is the newest complete checkpoint, step 12's files lie in a temporary directory without the
+    metadata only the last writer adds."""
+    shutil.copytree(reference[0], out)
+    ckpts = out / "checkpoints"
+    partial = ckpts / ".step-00000012.g0.tmp"
+    (ckpts / "step-00000012").rename(partial)
+    (partial / ".metadata").unlink()
+    (partial / "__3_0.distcp").unlink()
+    return ckpts
+
+
+def test_the_checkpoint_directory_holds_one_set_of_shard_files_per_rank(reference):
+    from checkpointless import durable
+    ckpts = reference[0] / "checkpoints"
+    assert [s for s, _ in durable.list_checkpoints(ckpts)] == [4, 8, 12]
+    assert sorted(p.name for p in ckpts.iterdir()) == [f"step-{s:08d}" for s in (4, 8, 12)]
+    for _, path in durable.list_checkpoints(ckpts):
+        assert sorted(p.name for p in path.iterdir()) == \
+            [".metadata"] + [f"__{r}_0.distcp" for r in range(4)]
+        sizes = [(path / f"__{r}_0.distcp").stat().st_size for r in range(4)]
+        assert min(sizes) > 0.8 * max(sizes)  # each rank wrote its own quarter
+
+
+def test_the_sharded_export_reloads_with_from_pretrained_and_is_the_final_state(reference):
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from checkpointless.digest import model_sha256
+    model_dir = reference[0] / "model"
+    files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    assert files == [f"model-{i:05d}-of-00004.safetensors" for i in range(1, 5)]
+    index = json.loads((model_dir / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == files
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    assert model_sha256(model) == reference[1]["params_sha256"]
+
+
 def test_a_stopped_job_resumes_with_checkpoint_resume_auto(tmp_path, reference):
     out = tmp_path / "stopped"
-    shutil.copytree(reference[0], out)  # as a job stopped after step 8 left its disk
-    for later in ("step-00000012.pt",):
-        (out / "checkpoints" / later).unlink()
+    ckpts = stopped_at_step_8(reference, out)
     _, rep, r = train(tmp_path, "stopped", "tiny-llama", *BASE, "checkpointless.spares=0",
-                      f"checkpoint.dir={out / 'checkpoints'}", "checkpoint.resume=auto")
+                      f"checkpoint.dir={ckpts}", "checkpoint.resume=auto")
     assert "resumed from checkpoint" in r.stdout and "step-00000008" in r.stdout
     assert rep["steps_this_launch"] == 4
-    assert rep["params_sha256"] == reference[1]["params_sha256"]
+    assert rep["params_sha256"] == reference[1]["params_sha256"]  # the same world size: bits
+    assert not (ckpts / ".step-00000012.g0.tmp").exists()  # the dead write was cleared
+    assert (ckpts / "step-00000012" / ".metadata").exists()
+
+
+def test_a_job_stopped_at_4_workers_resumes_at_2_and_trains_on(tmp_path, reference):
+    """DCP reshards the 4 ranks' slices into 2. Twice the rows per worker keep the global batch
+    (and so the rows of each step), so the loss curve is the uninterrupted one to float noise."""
+    out = tmp_path / "two"
+    ckpts = stopped_at_step_8(reference, out)
+    (out / "metrics.jsonl").unlink()
+    _, rep, r = train(tmp_path, "two", "tiny-llama", *BASE, "checkpointless.spares=0",
+                      "distributed.num_processes=2", "trainer.micro_batch_size=16",
+                      f"checkpoint.dir={ckpts}", "checkpoint.resume=auto")
+    assert "step-00000008" in r.stdout and "(2 workers)" in r.stdout
+    assert rep["world_size"] == 2 and rep["steps_this_launch"] == 4
+    assert_replicas_agree(rep)
+    resumed, uninterrupted = losses(out), losses(reference[0])[8:]
+    assert len(resumed) == 4 and resumed == pytest.approx(uninterrupted, rel=1e-4, abs=1e-5)
+    assert sorted(p.name for p in (ckpts / "step-00000012").iterdir()) == \
+        [".metadata", "__0_0.distcp", "__1_0.distcp"]  # now written by 2 ranks
 
 
 def test_with_checkpointless_off_a_failure_stops_the_run_and_its_checkpoints_stay(tmp_path,
@@ -72,9 +130,9 @@ def test_with_checkpointless_off_a_failure_stops_the_run_and_its_checkpoints_sta
     import json
     rep = json.loads((out / "report.json").read_text())
     assert rep["status"] == "failed" and rep["failures"][0]["rank"] == 1
-    from checkpointless.checkpoint import latest, load
+    from checkpointless.durable import latest, load
     step, path = latest(out / "checkpoints")
-    assert step == 8 and load(path)["step"] == 8  # the newest complete checkpoint, readable
+    assert step == 8 and load(path, {"step": -1})["step"] == 8  # the newest complete one, readable
     # and it is the failure-free run's state: resuming from it ends with the same bits
     _, resumed, _ = train(tmp_path, "off", "tiny-llama", *BASE, "checkpoint.resume=auto",
                           "checkpointless.spares=0")

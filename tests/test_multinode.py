@@ -126,7 +126,8 @@ def test_sigterm_to_one_nodes_launcher_stops_the_whole_job_at_one_boundary(tmp_p
                 os.killpg(p.pid, signal.SIGKILL)
     rep = json.loads((tmp_path / "out" / "report.json").read_text())
     assert rep["status"] == "preempted" and "SIGTERM on node 1" in rep["preempted"]["why"]
-    assert (tmp_path / "out" / "checkpoints" / f"step-{rep['steps_completed']:08d}.pt").exists()
+    assert (tmp_path / "out" / "checkpoints" / f"step-{rep['steps_completed']:08d}" /
+            ".metadata").exists()
     time.sleep(1)
     assert not _job_processes(tmp_path)
 

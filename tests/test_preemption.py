@@ -45,7 +45,9 @@ def test_sigterm_stops_every_process_with_a_checkpoint_and_a_resume_ends_with_th
     assert rep["status"] == "preempted" and 8 <= rep["steps_completed"] < 30
     assert len(set(rep["params_sha256_by_rank"].values())) == 1
     saved = sorted((tmp_path / "run" / "checkpoints").glob("step-*"))
-    assert saved and saved[-1].name == f"step-{rep['steps_completed']:08d}.pt"
+    assert saved and saved[-1].name == f"step-{rep['steps_completed']:08d}"
+    assert sorted(p.name for p in saved[-1].iterdir()) == \
+        [".metadata"] + [f"__{r}_0.distcp" for r in range(4)]  # each rank wrote its part
     out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert not [l for l in out.splitlines() if str(tmp_path / "run") in l]  # none left
 
