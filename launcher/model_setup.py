@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
+from contextlib import nullcontext
 
 import torch
 from omegaconf import OmegaConf
@@ -27,9 +29,20 @@ def setup(cfg):
     return backend, device
 
 
-def build(cfg, device):
-    """Tokenizer, model (seeded, on `device`, in train mode) and the step sampler: everything a
-    worker builds before it holds a rank."""
+# models built on the meta device whose values wait for shard(): model -> (init rules, seed)
+_UNFILLED = weakref.WeakKeyDictionary()
+
+
+def build(cfg, device, sharded: bool | None = None):
+    """Tokenizer, model (in train mode) and the step sampler: everything a worker builds before it
+    holds a rank.
+
+    A random init is built on the meta device with its init recorded (models/init.py). Unsharded
+    (ddp, or `sharded=False`) it is materialized here, whole, on `device`. Under fsdp it stays on
+    the meta device until shard(), after join: each rank then allocates and fills its own shard
+    only, and a spare holds no parameter memory while it waits. Either way each parameter's
+    value is a function of (run.seed, its name): the same model for any world size or strategy.
+    """
     import datasets
     import transformers
     datasets.disable_progress_bars()
@@ -42,21 +55,34 @@ def build(cfg, device):
 
     tokenizer = build_tokenizer(cfg.tokenizer.kind, cfg.tokenizer.id or cfg.model.id,
                                 cfg.tokenizer.chat_template)
+    from models.init import EmptyBuild, materialize
+    if sharded is None:
+        sharded = cfg.distributed.strategy == "fsdp"
     torch.manual_seed(cfg.run.seed)
-    model = build_model(cfg.model.name, cfg.model.init, cfg.model.id,
-                        OmegaConf.to_container(cfg.model.config), vocab_size=len(tokenizer),
-                        token_ids={"eos_token_id": tokenizer.eos_token_id,
-                                   "bos_token_id": tokenizer.bos_token_id,
-                                   "pad_token_id": tokenizer.pad_token_id})
-    if cfg.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    if cfg.peft.method == "lora":  # adapters drawn from the same seeded RNG on every worker
-        from models.lora import apply_lora
-        if cfg.model.gradient_checkpointing:  # frozen inputs would give checkpointing no grads
-            model.enable_input_require_grads()
-        p = cfg.peft
-        model = apply_lora(model, p.r, p.alpha, p.dropout, list(p.target_modules))
-    model.to(device).train()
+    random = cfg.model.init != "pretrained"
+    with EmptyBuild() if random else nullcontext() as empty:
+        model = build_model(cfg.model.name, cfg.model.init, cfg.model.id,
+                            OmegaConf.to_container(cfg.model.config), vocab_size=len(tokenizer),
+                            token_ids={"eos_token_id": tokenizer.eos_token_id,
+                                       "bos_token_id": tokenizer.bos_token_id,
+                                       "pad_token_id": tokenizer.pad_token_id})
+        if cfg.model.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        if cfg.peft.method == "lora":  # adapters initialized (and recorded) like the base
+            from models.lora import apply_lora
+            if cfg.model.gradient_checkpointing:  # frozen inputs would give checkpointing no grads
+                model.enable_input_require_grads()
+            p = cfg.peft
+            model = apply_lora(model, p.r, p.alpha, p.dropout, list(p.target_modules))
+    if random:
+        rules = empty.rules(model)
+        if sharded:
+            _UNFILLED[model] = (rules, cfg.run.seed)
+        else:
+            materialize(model, rules, cfg.run.seed, device)
+    else:
+        model.to(device)
+    model.train()
     t = cfg.trainer
     sampler = StepSampler(prepare(cfg, tokenizer), cfg.run.seed, t.micro_batch_size,
                           t.grad_accum_steps)
@@ -73,7 +99,8 @@ def build_eval(cfg, tokenizer):
 
 
 def shard(model, cfg):
-    """FSDP2: each decoder block and then the root becomes a sharded unit."""
+    """FSDP2: each decoder block and then the root becomes a sharded unit; a model still on the
+    meta device (build()) then gets its shard allocated and filled on this rank."""
     from torch.distributed.fsdp import fully_shard
 
     from models.lora import base_of
@@ -90,7 +117,27 @@ def shard(model, cfg):
     for block in blocks or []:
         fully_shard(block)
     fully_shard(model)
+    if model in _UNFILLED:
+        _fill_shards(model, cfg, *_UNFILLED.pop(model))
     return model
+
+
+def _fill_shards(model, cfg, rules, seed):
+    """Allocate this rank's shard and give it its values. A spare taking over a rank fills only
+    what it will not receive: nothing when the whole state is sent, the frozen base under LoRA
+    (protect(send_frozen=False): rebuilt bit for bit from the same rules, not sent)."""
+    import checkpointless
+    from models.init import materialize
+    fill = lambda name, p: True  # noqa: E731
+    if checkpointless.started_as_spare():
+        if cfg.peft.method == "none":
+            fill = lambda name, p: False  # noqa: E731
+        else:
+            fill = lambda name, p: not p.requires_grad  # noqa: E731
+    mesh = next(p for p in model.parameters()).device_mesh  # where fully_shard put the shards
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if mesh.device_type == "cuda" else torch.device(mesh.device_type)
+    materialize(model, rules, seed, device, fill)
 
 
 def full_state(model, strategy: str) -> dict:
