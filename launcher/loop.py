@@ -177,8 +177,8 @@ def main(recipe_file: str) -> None:
                     batch = to_device(sampler.batch(step, job.rank, job.world_size, micro),
                                       device)
                     last = micro == t.grad_accum_steps - 1
-                    if d.strategy == "fsdp" and t.grad_accum_steps > 1:
-                        model.set_requires_gradient_sync(last)
+                    # fsdp reduce-scatters every micro-batch into the sharded gradients: turning
+                    # sync off until the last would keep whole-model unsharded gradients
                     with autocast:
                         loss = wrapped(**batch).loss
                     loss_sum += loss.detach().float()

@@ -65,9 +65,14 @@ def build(cfg, device, sharded: bool | None = None):
                             OmegaConf.to_container(cfg.model.config), vocab_size=len(tokenizer),
                             token_ids={"eos_token_id": tokenizer.eos_token_id,
                                        "bos_token_id": tokenizer.bos_token_id,
-                                       "pad_token_id": tokenizer.pad_token_id})
+                                       "pad_token_id": tokenizer.pad_token_id},
+                            dtype=master_dtype(cfg))
         if cfg.model.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+            # transformers checkpoints each decoder block (its GradientCheckpointingLayer), not
+            # reentrant: under fsdp a block's recompute runs inside its own FSDP unit's hooks
+            enable = getattr(model, "activation_checkpointing_enable", None) or \
+                model.gradient_checkpointing_enable
+            enable({"use_reentrant": False})
         if cfg.peft.method == "lora":  # adapters initialized (and recorded) like the base
             from models.lora import apply_lora
             if cfg.model.gradient_checkpointing:  # frozen inputs would give checkpointing no grads
@@ -89,6 +94,14 @@ def build(cfg, device, sharded: bool | None = None):
     return tokenizer, model, sampler
 
 
+def master_dtype(cfg):
+    """fsdp with trainer.precision=bf16 keeps fp32 master parameters (FSDP2 computes in bf16, see
+    shard()), whatever dtype the model's config names; otherwise the config's dtype (None)."""
+    if cfg.distributed.strategy == "fsdp" and cfg.trainer.precision == "bf16":
+        return torch.float32
+    return None
+
+
 def build_eval(cfg, tokenizer):
     """(validation rows, the fixed row set) when eval.every > 0, else None; built before join."""
     if cfg.eval.every <= 0:
@@ -101,7 +114,7 @@ def build_eval(cfg, tokenizer):
 def shard(model, cfg):
     """FSDP2: each decoder block and then the root becomes a sharded unit; a model still on the
     meta device (build()) then gets its shard allocated and filled on this rank."""
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from models.lora import base_of
     blocks = None
@@ -114,9 +127,14 @@ def shard(model, cfg):
             break
         except AttributeError:
             continue
+    # trainer.precision=bf16: each unit is gathered in bf16 for compute (parameters, activations,
+    # gradients computed in bf16) while the sharded parameters, their gradients and AdamW stay
+    # fp32; gradients are cast to fp32 before the reduce-scatter, so the sum is fp32
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if cfg.trainer.precision == "bf16" else MixedPrecisionPolicy()
     for block in blocks or []:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
     if model in _UNFILLED:
         _fill_shards(model, cfg, *_UNFILLED.pop(model))
     return model

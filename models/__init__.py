@@ -72,7 +72,7 @@ def build_model(name: str, init: str = "random", id: str | None = None,
     if init == "pretrained":
         return AutoModelForCausalLM.from_pretrained(id, dtype=dtype, **(config or {}))
     cfg = model_config(name, id, config, vocab_size, token_ids)
-    return AutoModelForCausalLM.from_config(cfg)
+    return AutoModelForCausalLM.from_config(cfg, **({"dtype": dtype} if dtype else {}))
 
 
 __all__ = ["REGISTRY", "ModelSpec", "build_model", "model_config", "build_tokenizer",

@@ -20,7 +20,8 @@ from tests.conftest import ROOT
 
 # The fixes to launcher/loop.py that the plan says the large recipes need (see the xfails below)
 FIXED_LOOP = P.LoopFacts(autocast_cache=False, fsdp_unsharded_accumulation=False,
-                         full_state_on_device=False, lora_fsdp_one_unit=False)
+                         full_state_on_device=False, lora_fsdp_one_unit=False,
+                         fsdp_mixed_precision=True)
 
 LARGE = ["llama3-8b", "llama3-70b", "llama3.2-1b", "llama3.2-1b-sft", "gpt2", "gpt2-xl",
          "gpt-oss-20b", "llama3-8b-lora", "gpt2-sft"]
@@ -144,9 +145,10 @@ def test_the_activation_estimate_of_a_layer_is_close_to_what_autograd_keeps():
 # ---- the large recipes on their hardware -----------------------------------------------------
 
 DOES_NOT_FIT = {  # by this plan, with launcher/loop.py as it is (numbers: see the report)
-    "llama3-70b": "fsdp with grad_accum_steps=2 keeps whole-model unsharded gradients (141 GB "
-                  "bf16) and full_state() gathers the whole model on every GPU at the end",
-    "gpt-oss-20b": "fsdp with grad_accum_steps=8 keeps whole-model unsharded gradients (42 GB)",
+    "llama3-70b": "full_state() gathers the whole model on every GPU at the end (282 GB of fp32 "
+                  "master parameters); training itself peaks at 52 GB",
+    "gpt-oss-20b": "full_state() gathers the whole model on every GPU at the end (84 GB of fp32 "
+                   "master parameters); training itself peaks at 69 GB",
     "llama3.2-1b": "~65 GB on a 24 GB GPU: 16k tokens per micro-batch without checkpointing; "
                    "the logits alone are 25 GB",
     "llama3.2-1b-sft": "~66 GB on a 24 GB GPU, as llama3.2-1b",
@@ -163,20 +165,29 @@ def test_every_large_recipe_fits_the_hardware_its_header_names(name):
 
 @pytest.mark.parametrize("name", ["llama3-70b", "gpt-oss-20b"])
 def test_the_sharded_recipes_fit_once_the_loop_stops_holding_whole_model_state(name):
-    """With gradient sync on every micro-batch and full_state() offloaded to the host."""
+    """With full_state() offloaded to the host (gradients are already reduce-scattered every
+    micro-batch). gpt-oss-20b keeps fp32 master state under the bf16 policy: 42 GB of its 80 GB
+    per rank is parameters, gradients and AdamW moments (1/8 of 21B x 16 bytes)."""
     result = plan_on_its_hardware(name, loop=FIXED_LOOP)
-    assert result.fits and result.headroom > 0.3, result.report()
+    assert result.fits and result.headroom > (0.3 if name == "llama3-70b" else 0.1), \
+        result.report()
 
 
 def test_llama3_70b_plan_shards_its_state_over_64_gpus():
     result = plan_on_its_hardware("llama3-70b")
     items = {i.name: i for i in result.items}
     n = facts("llama3-70b").n_params
-    assert items["parameters"].device_max == -(-n // 64) * 2
-    assert items["optimizer state"].device_max == 2 * -(-n // 64) * 2
-    assert items["peer replicas"].host == 2 * (-(-n // 64) * 2 * 3)  # 1 peer x 2 versions
-    assert items["unsharded gradient accumulation"].device_max == n * 2
-    assert items["full state gathered"].device["end of run"] == n * 2
+    # trainer.precision=bf16 under fsdp: fp32 master state, sharded; units gathered in bf16
+    assert items["parameters"].device_max == -(-n // 64) * 4
+    assert items["optimizer state"].device_max == 2 * -(-n // 64) * 4
+    assert items["peer replicas"].host == 2 * (-(-n // 64) * 4 * 3)  # 1 peer x 2 versions
+    assert items["two blocks unsharded"].device_max == 2 * facts("llama3-70b").block_params * 2
+    # gradients are reduce-scattered every micro-batch: no whole-model unsharded gradients
+    assert "unsharded gradient accumulation" not in items
+    assert "bf16 weight copies" not in items  # autocast sees bf16 weights: nothing to copy
+    assert items["full state gathered"].device["end of run"] == n * 4
+    old = plan_on_its_hardware("llama3-70b", loop=P.LoopFacts(lora_fsdp_one_unit=False))
+    assert {i.name: i for i in old.items}["unsharded gradient accumulation"].device_max == n * 2
 
 
 # ---- refusal and the override that fits -------------------------------------------------------
@@ -230,6 +241,9 @@ def test_the_loop_facts_are_what_launcher_loop_does():
     assert P.CURRENT_LOOP.full_state_on_device == \
         ("cpu_offload=False" in inspect.getsource(model_setup.full_state))
     assert P.CURRENT_LOOP.lora_fsdp_one_unit == ("base_of" not in inspect.getsource(model_setup.shard))
+    assert P.CURRENT_LOOP.fsdp_mixed_precision == (
+        "MixedPrecisionPolicy(param_dtype=torch.bfloat16" in inspect.getsource(model_setup.shard)
+        and "torch.float32" in inspect.getsource(model_setup.master_dtype))
 
 
 # ---- the command line -------------------------------------------------------------------------
