@@ -29,6 +29,7 @@ from checkpointless.digest import state_sha256
 from .checkpoints import durable_checkpoints
 from .data import to_device
 from .evaluate import evaluate
+from .memory import held
 from .export import export, export_lora
 from .model_setup import build, build_eval, cpu_threads, full_state, setup, shard, warm_up
 from .schema import Recipe
@@ -221,6 +222,8 @@ def main(recipe_file: str) -> None:
                   (f", checkpoint written; resume with checkpoint.resume=auto" if ckpt else
                    " (checkpoint.interval=0: no durable checkpoint to resume from)"), flush=True)
 
+    # what this rank's memory held, read before the end-of-run gather below (report.json)
+    memory = held(model, optimizer, getattr(job, "replica_host_bytes", lambda: None)())
     # --- the end: validation, digest of the full state on every rank, export on rank 0 -------
     if validate and not job.preempted:  # collectives after the loop: a failure here is recovered too
         last_eval = dict(job.between_steps(validate), eval_after_steps=job.completed_steps)
@@ -249,7 +252,8 @@ def main(recipe_file: str) -> None:
     job.finish({"params_sha256": digest, "local_params": local,
                 "full_params": sum(v.numel() for v in state.values()), "final_loss": loss_value,
                 "tokens": tokens, "eval": last_eval,
-                "steps": job.completed_steps, "worker_id": job.worker_id, "pid": os.getpid()})
+                "steps": job.completed_steps, "worker_id": job.worker_id, "pid": os.getpid(),
+                "memory": memory})
 
 
 if __name__ == "__main__":

@@ -52,6 +52,8 @@ def build(cfg, device, sharded: bool | None = None):
     from models import build_model, build_tokenizer
 
     from .data import StepSampler, prepare
+    from .memory import mark_baseline
+    mark_baseline()  # the resident set once imported, before any model or data (report.json)
 
     tokenizer = build_tokenizer(cfg.tokenizer.kind, cfg.tokenizer.id or cfg.model.id,
                                 cfg.tokenizer.chat_template)
@@ -60,13 +62,15 @@ def build(cfg, device, sharded: bool | None = None):
         sharded = cfg.distributed.strategy == "fsdp"
     torch.manual_seed(cfg.run.seed)
     random = cfg.model.init != "pretrained"
-    with EmptyBuild() if random else nullcontext() as empty:
+    # pretrained under fsdp: built on the meta device too, each rank then reads its shard only
+    on_meta = random or sharded
+    with EmptyBuild() if on_meta else nullcontext() as empty:
         model = build_model(cfg.model.name, cfg.model.init, cfg.model.id,
                             OmegaConf.to_container(cfg.model.config), vocab_size=len(tokenizer),
                             token_ids={"eos_token_id": tokenizer.eos_token_id,
                                        "bos_token_id": tokenizer.bos_token_id,
                                        "pad_token_id": tokenizer.pad_token_id},
-                            dtype=master_dtype(cfg))
+                            dtype=master_dtype(cfg), load_weights=not on_meta)
         if cfg.model.gradient_checkpointing:
             # transformers checkpoints each decoder block (its GradientCheckpointingLayer), not
             # reentrant: under fsdp a block's recompute runs inside its own FSDP unit's hooks
@@ -79,7 +83,7 @@ def build(cfg, device, sharded: bool | None = None):
                 model.enable_input_require_grads()
             p = cfg.peft
             model = apply_lora(model, p.r, p.alpha, p.dropout, list(p.target_modules))
-    if random:
+    if on_meta:
         rules = empty.rules(model)
         if sharded:
             _UNFILLED[model] = (rules, cfg.run.seed)
@@ -141,11 +145,18 @@ def shard(model, cfg):
 
 
 def _fill_shards(model, cfg, rules, seed):
-    """Allocate this rank's shard and give it its values. A spare taking over a rank fills only
-    what it will not receive: nothing when the whole state is sent, the frozen base under LoRA
-    (protect(send_frozen=False): rebuilt bit for bit from the same rules, not sent)."""
+    """Allocate this rank's shard and give it its values: under model.init=pretrained read from
+    the checkpoint's safetensors files, this rank's rows only (a parameter the files lack, such
+    as a LoRA adapter, gets its init); else drawn by the recorded init rules. A spare taking
+    over a rank fills only what it will not receive: nothing when the whole state is sent, the
+    frozen base under LoRA (protect(send_frozen=False): rebuilt bit for bit, not sent)."""
     import checkpointless
     from models.init import materialize
+    from models.lora import base_of
+    weights = None
+    if cfg.model.init == "pretrained":
+        from models.pretrained import SafetensorsFiles
+        weights = SafetensorsFiles.locate(cfg.model.id)
     fill = lambda name, p: True  # noqa: E731
     if checkpointless.started_as_spare():
         if cfg.peft.method == "none":
@@ -155,7 +166,10 @@ def _fill_shards(model, cfg, rules, seed):
     mesh = next(p for p in model.parameters()).device_mesh  # where fully_shard put the shards
     device = torch.device("cuda", torch.cuda.current_device()) \
         if mesh.device_type == "cuda" else torch.device(mesh.device_type)
-    materialize(model, rules, seed, device, fill)
+    materialize(model, rules, seed, device, fill, weights=weights,
+                prefixes=(getattr(base_of(model), "base_model_prefix", ""),))
+    if weights is not None:
+        weights.close()
 
 
 def full_state(model, strategy: str) -> dict:

@@ -199,11 +199,13 @@ def _local(p):
 
 
 def materialize(model: torch.nn.Module, rules: InitRules, seed: int, device,
-                fill=lambda name, p: True) -> int:
+                fill=lambda name, p: True, weights=None, prefixes=()) -> int:
     """Allocate the model's parameters on `device` (under FSDP2 each rank's shard only) and give
     every parameter for which `fill(name, param)` holds the value the model's init gives it,
     drawn as a whole from its own stream and cut to this rank's part. Parameters not filled stay
-    uninitialized: a replacement receives them from a peer. Returns the bytes allocated."""
+    uninitialized: a replacement receives them from a peer. With `weights`
+    (models.pretrained.SafetensorsFiles) a parameter the checkpoint holds is read from it, this
+    rank's part only. Returns the bytes allocated."""
     buffers = {name: b for name, b in model.named_buffers()}  # real already: kept
     # swap in place: a tied parameter (lm_head = embed_tokens) stays one object; a plain
     # meta -> device conversion would give each module its own new parameter and untie them
@@ -222,6 +224,10 @@ def materialize(model: torch.nn.Module, rules: InitRules, seed: int, device,
             local = _local(p)
             total += local.numel() * local.element_size()
             if not fill(name, p):
+                continue
+            key = weights.key_for(name, prefixes) if weights is not None else None
+            if key is not None:
+                local.copy_(weights.read_part(key, p))
                 continue
             full = rules.full_value(name, p.shape, p.dtype, local.device, seed)
             local.copy_(_my_part(full, p))

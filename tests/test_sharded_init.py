@@ -114,3 +114,46 @@ def test_an_init_that_cannot_be_replayed_is_refused_by_name():
         m = Odd()
     with pytest.raises(UnknownInit, match="'w'"):
         materialize(m, b.rules(m), 0, "cpu")
+
+
+# ---- model.init=pretrained under fsdp: each rank reads its rows from the safetensors files ----
+
+def _pretrained_digest(rank, port, q, world, folder):
+    import torch.distributed as dist
+
+    from launcher.model_setup import build, full_state, shard
+    from models import pretrained
+    read = []
+    original = pretrained.SafetensorsFiles.read_part
+
+    def counted(self, key, param):  # what this rank reads from the files, element by element
+        part = original(self, key, param)
+        read.append(part.numel())
+        return part
+    pretrained.SafetensorsFiles.read_part = counted
+    dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", port, is_master=False),
+                            rank=rank, world_size=world)
+    cfg = _tiny_cfg(**{"distributed.strategy": "fsdp", "distributed.num_processes": world,
+                       "model.init": "pretrained", "model.id": folder})
+    _, model, _ = build(cfg, torch.device("cpu"))
+    shard(model, cfg)
+    q.put((rank, sum(read), _digest(full_state(model, "fsdp"))))
+    dist.destroy_process_group()
+
+
+def test_pretrained_weights_are_read_shard_by_shard_and_equal_the_saved_model(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from launcher.model_setup import build
+    torch.manual_seed(123)  # other values than the seeded init would give
+    _, like, _ = build(_tiny_cfg(), torch.device("cpu"))
+    saved = AutoModelForCausalLM.from_config(like.config)
+    # several files and an index, as save_pretrained writes a large model
+    saved.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    expected = _digest(saved.state_dict())
+    n = sum(p.numel() for p in saved.parameters())
+    got = spawn_gloo(_pretrained_digest, 2, 2, str(tmp_path), timeout=180)
+    assert {g[2] for g in got} == {expected}
+    for _, elements, _ in got:  # each rank read about half of the model, never all of it
+        assert elements < 0.55 * n, (elements, n)
