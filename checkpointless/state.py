@@ -79,6 +79,8 @@ class ProtectedState:
 
     def check_host_memory(self) -> None:
         """Refuse to start when the peer copies would not fit in this node's memory."""
+        if self.replicas.factor <= 1:  # no copies are made (ShardReplicas.due): nothing to hold
+            return
         local = sum(local_part(p).numel() * local_part(p).element_size()
                     for m in self.modules() for p in m.parameters())
         need = local * 3 * self.replicas.factor * 2  # params + 2 Adam moments, 2 versions each

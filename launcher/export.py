@@ -151,7 +151,7 @@ def export_lora(cfg, model, state: dict, tokenizer, out_dir: Path) -> None:
 
     def copy():
         from .model_setup import build
-        _, fresh, _ = build(cfg, torch.device("cpu"))
+        _, fresh, _ = build(cfg, torch.device("cpu"), sharded=False)  # whole, on the CPU
         fresh.load_state_dict(state)
         return fresh
 

@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 from checkpointless.protocol import replica_offset
 from checkpointless.supervisor import JobFailed, Supervisor, SupervisorConfig
 
+from .memory import by_rank as memory_by_rank
 from .preflight import preflight
 from .recipes import RecipeError
 
@@ -191,4 +192,5 @@ def _report(cfg, run: dict, t0: float, **extra) -> dict:
         "pids_at_end": {str(r): p for r, p in run["pids_at_end"].items()},
         "local_params_by_rank": {str(r): v.get("local_params") for r, v in results.items()},
         "full_params": r0.get("full_params"),
+        "memory": memory_by_rank(results),
     }

@@ -33,6 +33,7 @@ from .checkpoints import durable_checkpoints
 from .data import to_device
 from .evaluate import evaluate
 from .export import digest_and_export, export_lora
+from .memory import held
 from .model_setup import build, build_eval, cpu_threads, full_state, setup, shard, warm_up
 from .schema import Recipe
 
@@ -201,8 +202,9 @@ def main(recipe_file: str) -> None:
                     batch = to_device(sampler.batch(step, job.rank, job.world_size, micro),
                                       device)
                     last = micro == t.grad_accum_steps - 1
-                    if d.strategy == "fsdp" and t.grad_accum_steps > 1:
-                        model.set_requires_gradient_sync(last)
+                    # fsdp reduce-scatters every micro-batch into the sharded gradients (FSDP2
+                    # modules have no no_sync): turning sync off until the last would keep
+                    # whole-model unsharded gradients.
                     # earlier micro-batches accumulate locally, the last backward reduces them
                     # all (accelerate's no_sync: our buckets' own switch under ddp). The last one
                     # is known by its index: accelerate's accumulate() would count micro-batches
@@ -254,6 +256,8 @@ def main(recipe_file: str) -> None:
                 (", checkpoint written; resume with checkpoint.resume=auto" if ckpt else
                  " (checkpoint.interval=0: no durable checkpoint to resume from)"), flush=True)
 
+    # what this rank's memory held, read before the end-of-run digest and export (report.json)
+    memory = held(model, optimizer, getattr(job, "replica_host_bytes", lambda: None)())
     # --- the end: validation; the digest of the full state on every rank and the sharded export,
     # one tensor gathered at a time, each file written by its own rank ---------------------------
     if validate and not job.preempted:  # collectives after the loop: a failure here is recovered too
@@ -290,7 +294,8 @@ def main(recipe_file: str) -> None:
     job.finish({"params_sha256": digest, "local_params": local,
                 "full_params": full_params, "final_loss": loss_value,
                 "tokens": tokens, "eval": last_eval,
-                "steps": job.completed_steps, "worker_id": job.worker_id, "pid": os.getpid()})
+                "steps": job.completed_steps, "worker_id": job.worker_id, "pid": os.getpid(),
+                "memory": memory})
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
+from contextlib import nullcontext
 
 import torch
 from omegaconf import OmegaConf
@@ -30,9 +32,20 @@ def setup(cfg):
     return backend, device
 
 
-def build(cfg, device):
-    """Tokenizer, model (seeded, on `device`, in train mode) and the step sampler: everything a
-    worker builds before it holds a rank."""
+# models built on the meta device whose values wait for shard(): model -> (init rules, seed)
+_UNFILLED = weakref.WeakKeyDictionary()
+
+
+def build(cfg, device, sharded: bool | None = None):
+    """Tokenizer, model (in train mode) and the step sampler: everything a worker builds before it
+    holds a rank.
+
+    A random init is built on the meta device with its init recorded (models/init.py). Unsharded
+    (ddp, or `sharded=False`) it is materialized here, whole, on `device`. Under fsdp it stays on
+    the meta device until shard(), after join: each rank then allocates and fills its own shard
+    only, and a spare holds no parameter memory while it waits. Either way each parameter's
+    value is a function of (run.seed, its name): the same model for any world size or strategy.
+    """
     import datasets
     import transformers
     datasets.disable_progress_bars()
@@ -42,28 +55,58 @@ def build(cfg, device):
     from models import build_model, build_tokenizer
 
     from .data import StepSampler, prepare
+    from .memory import mark_baseline
+    mark_baseline()  # the resident set once imported, before any model or data (report.json)
 
     tokenizer = build_tokenizer(cfg.tokenizer.kind, cfg.tokenizer.id or cfg.model.id,
                                 cfg.tokenizer.chat_template)
+    from models.init import EmptyBuild, materialize
+    if sharded is None:
+        sharded = cfg.distributed.strategy == "fsdp"
     torch.manual_seed(cfg.run.seed)
-    model = build_model(cfg.model.name, cfg.model.init, cfg.model.id,
-                        OmegaConf.to_container(cfg.model.config), vocab_size=len(tokenizer),
-                        token_ids={"eos_token_id": tokenizer.eos_token_id,
-                                   "bos_token_id": tokenizer.bos_token_id,
-                                   "pad_token_id": tokenizer.pad_token_id})
-    if cfg.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    if cfg.peft.method == "lora":  # adapters drawn from the same seeded RNG on every worker
-        from models.lora import apply_lora
-        if cfg.model.gradient_checkpointing:  # frozen inputs would give checkpointing no grads
-            model.enable_input_require_grads()
-        p = cfg.peft
-        model = apply_lora(model, p.r, p.alpha, p.dropout, list(p.target_modules))
-    model.to(device).train()
+    random = cfg.model.init != "pretrained"
+    # pretrained under fsdp: built on the meta device too, each rank then reads its shard only
+    on_meta = random or sharded
+    with EmptyBuild() if on_meta else nullcontext() as empty:
+        model = build_model(cfg.model.name, cfg.model.init, cfg.model.id,
+                            OmegaConf.to_container(cfg.model.config), vocab_size=len(tokenizer),
+                            token_ids={"eos_token_id": tokenizer.eos_token_id,
+                                       "bos_token_id": tokenizer.bos_token_id,
+                                       "pad_token_id": tokenizer.pad_token_id},
+                            dtype=master_dtype(cfg), load_weights=not on_meta)
+        if cfg.model.gradient_checkpointing:
+            # transformers checkpoints each decoder block (its GradientCheckpointingLayer), not
+            # reentrant: under fsdp a block's recompute runs inside its own FSDP unit's hooks
+            enable = getattr(model, "activation_checkpointing_enable", None) or \
+                model.gradient_checkpointing_enable
+            enable({"use_reentrant": False})
+        if cfg.peft.method == "lora":  # adapters initialized (and recorded) like the base
+            from models.lora import apply_lora
+            if cfg.model.gradient_checkpointing:  # frozen inputs would give checkpointing no grads
+                model.enable_input_require_grads()
+            p = cfg.peft
+            model = apply_lora(model, p.r, p.alpha, p.dropout, list(p.target_modules))
+    if on_meta:
+        rules = empty.rules(model)
+        if sharded:
+            _UNFILLED[model] = (rules, cfg.run.seed)
+        else:
+            materialize(model, rules, cfg.run.seed, device)
+    else:
+        model.to(device)
+    model.train()
     t = cfg.trainer
     sampler = StepSampler(prepare(cfg, tokenizer), cfg.run.seed, t.micro_batch_size,
                           t.grad_accum_steps)
     return tokenizer, model, sampler
+
+
+def master_dtype(cfg):
+    """fsdp with trainer.precision=bf16 keeps fp32 master parameters (FSDP2 computes in bf16, see
+    shard()), whatever dtype the model's config names; otherwise the config's dtype (None)."""
+    if cfg.distributed.strategy == "fsdp" and cfg.trainer.precision == "bf16":
+        return torch.float32
+    return None
 
 
 def build_eval(cfg, tokenizer):
@@ -76,8 +119,9 @@ def build_eval(cfg, tokenizer):
 
 
 def shard(model, cfg):
-    """FSDP2: each decoder block and then the root becomes a sharded unit."""
-    from torch.distributed.fsdp import fully_shard
+    """FSDP2: each decoder block and then the root becomes a sharded unit; a model still on the
+    meta device (build()) then gets its shard allocated and filled on this rank."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from models.lora import base_of
     blocks = None
@@ -90,10 +134,45 @@ def shard(model, cfg):
             break
         except AttributeError:
             continue
+    # trainer.precision=bf16: each unit is gathered in bf16 for compute (parameters, activations,
+    # gradients computed in bf16) while the sharded parameters, their gradients and AdamW stay
+    # fp32; gradients are cast to fp32 before the reduce-scatter, so the sum is fp32
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if cfg.trainer.precision == "bf16" else MixedPrecisionPolicy()
     for block in blocks or []:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    if model in _UNFILLED:
+        _fill_shards(model, cfg, *_UNFILLED.pop(model))
     return model
+
+
+def _fill_shards(model, cfg, rules, seed):
+    """Allocate this rank's shard and give it its values: under model.init=pretrained read from
+    the checkpoint's safetensors files, this rank's rows only (a parameter the files lack, such
+    as a LoRA adapter, gets its init); else drawn by the recorded init rules. A spare taking
+    over a rank fills only what it will not receive: nothing when the whole state is sent, the
+    frozen base under LoRA (protect(send_frozen=False): rebuilt bit for bit, not sent)."""
+    import checkpointless
+    from models.init import materialize
+    from models.lora import base_of
+    weights = None
+    if cfg.model.init == "pretrained":
+        from models.pretrained import SafetensorsFiles
+        weights = SafetensorsFiles.locate(cfg.model.id)
+    fill = lambda name, p: True  # noqa: E731
+    if checkpointless.started_as_spare():
+        if cfg.peft.method == "none":
+            fill = lambda name, p: False  # noqa: E731
+        else:
+            fill = lambda name, p: not p.requires_grad  # noqa: E731
+    mesh = next(p for p in model.parameters()).device_mesh  # where fully_shard put the shards
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if mesh.device_type == "cuda" else torch.device(mesh.device_type)
+    materialize(model, rules, seed, device, fill, weights=weights,
+                prefixes=(getattr(base_of(model), "base_model_prefix", ""),))
+    if weights is not None:
+        weights.close()
 
 
 def full_state(model, strategy: str) -> dict:

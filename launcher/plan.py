@@ -30,12 +30,18 @@ one might assume:
 * fsdp: the root unit (everything outside the decoder blocks: embeddings, final norm, lm_head)
   stays unsharded through forward and backward; two blocks are unsharded at a time (the one
   computing and the one prefetched), and a block's and the root's gradients exist unsharded
-  until their reduce-scatter. With trainer.grad_accum_steps > 1 the loop turns gradient sync off
-  for the earlier micro-batches (`set_requires_gradient_sync`): FSDP2 then keeps the *unsharded*
-  gradient of every parameter across micro-batches, the whole model's gradients on every rank.
-  Under LoRA the loop's `shard()` finds no blocks through the peft wrapper, so the whole model
-  is one unit, unsharded during forward and backward. At the end of the run `full_state()`
-  gathers the whole model onto every device (cpu_offload=False).
+  until their reduce-scatter. The loop reduce-scatters every micro-batch into the sharded
+  gradients. (`LoopFacts(fsdp_unsharded_accumulation=True)` plans a loop that turns gradient
+  sync off for the earlier micro-batches, `set_requires_gradient_sync(False)`, as this one once
+  did: FSDP2 then keeps the *unsharded* gradient of every parameter across micro-batches, the
+  whole model's gradients on every rank.) `LoopFacts(lora_fsdp_one_unit=True)` plans a
+  `shard()` that finds no blocks through the peft wrapper (the whole model one unit). At the
+  end of the run `full_state()` gathers the whole model onto every device (cpu_offload=False).
+* fsdp with trainer.precision=bf16: FSDP2's MixedPrecisionPolicy(param_dtype=bf16,
+  reduce_dtype=fp32) over fp32 master parameters (built in fp32 whatever the config's dtype):
+  parameters, gradients and AdamW moments are 4 bytes and sharded; the unsharded units are bf16
+  (2 bytes), the residual stream bf16, a gradient before its reduce-scatter fp32; autocast then
+  sees bf16 weights and makes no copies of them.
 * autocast (trainer.precision=bf16 over fp32 parameters): torch.autocast caches the bf16 copy of
   every weight that requires grad until the autocast block exits, i.e. for the whole forward,
   even under FSDP (the unsharded parameter is a leaf) and with gradient checkpointing; without
@@ -106,13 +112,16 @@ class LoopFacts:
     these true). Pass another LoopFacts to `plan` to see what a change to the loop would give."""
     autocast_cache: bool = True  # torch.autocast(...) with its default cache_enabled=True
     fsdp_unsharded_accumulation: bool = True  # set_requires_gradient_sync(False) in accumulation
+    fsdp_mixed_precision: bool = False  # bf16 under fsdp: MixedPrecisionPolicy, fp32 master
     full_state_on_device: bool = True  # full_state(): get_model_state_dict(cpu_offload=False)
     # (the loop now streams the digest and the export one tensor at a time: False)
     lora_fsdp_one_unit: bool = True  # shard() looks for the blocks on the peft wrapper: none found
 
 
-CURRENT_LOOP = LoopFacts(lora_fsdp_one_unit=False,  # shard() looks through peft's wrapper
-                         full_state_on_device=False)  # launcher/export.py streams the state
+# shard() looks through peft's wrapper and sets FSDP2's bf16 policy; the loop reduce-scatters
+# every micro-batch; launcher/export.py streams the end-of-run state one tensor at a time
+CURRENT_LOOP = LoopFacts(lora_fsdp_one_unit=False, fsdp_unsharded_accumulation=False,
+                         fsdp_mixed_precision=True, full_state_on_device=False)
 
 # Configs of the models the shipped recipes name, from their public config.json files, for when
 # the hub cannot be reached (a plan needs shapes, not weights). Only what shapes the model.
@@ -542,8 +551,14 @@ def plan(cfg, facts: ModelFacts | None = None, loop: LoopFacts = CURRENT_LOOP,
     accum = t.grad_accum_steps
     pb = facts.param_bytes
     bf16 = t.precision in ("bf16", "fp16")  # half-precision autocast: 2-byte activations
+    # fsdp + bf16: fp32 master state (sharded), units gathered and computed in bf16
+    mp = fsdp and t.precision == "bf16" and loop.fsdp_mixed_precision
+    if mp:
+        pb = 4
+    cb = 2 if mp else pb  # bytes of a parameter as forward and backward use it
+    gb = 4 if mp else pb  # bytes of a gradient before its reduce-scatter (fp32 reduce_dtype)
     p = 2 if (bf16 or pb == 2) else 4
-    r = pb
+    r = cb
     tokens = t.micro_batch_size * cfg.data.seq_len
     masked = cfg.data.format in ("chat", "instruction")
 
@@ -570,13 +585,14 @@ def plan(cfg, facts: ModelFacts | None = None, loop: LoopFacts = CURRENT_LOOP,
 
     items = [
         Item("parameters", at(params_bytes),
-             note=f"{facts.dtype_name}" + (f", 1/{world} shard" if fsdp else ", whole")
+             note=("fp32 master, gathered in bf16" if mp else f"{facts.dtype_name}")
+             + (f", 1/{world} shard" if fsdp else ", whole")
              + (f", + {adapters:,} fp32 adapters" if lora else "")),
         Item("gradients", at(grads, *grad_phases),
              note=("adapters only, " if lora else "") + ("1/%d shard" % world if fsdp else
                                                         "whole")),
         Item("optimizer state", at(optim), note="AdamW, 2 moments in the "
-             + ("adapters' fp32" if lora else f"parameters' {facts.dtype_name}")),
+             + ("adapters' fp32" if lora else ("fp32 master parameters'" if mp else f"parameters' {facts.dtype_name}"))),
     ]
     if not fsdp:
         copy_phases = ("layer backward", "optimizer step") if d.grad_sync == "buckets" \
@@ -586,15 +602,15 @@ def plan(cfg, facts: ModelFacts | None = None, loop: LoopFacts = CURRENT_LOOP,
     # fsdp: unsharded units and gradients
     if fsdp:
         if one_unit:
-            items.append(Item("whole model unsharded", at(facts.n_params * pb + adapters * ab,
+            items.append(Item("whole model unsharded", at(facts.n_params * cb + adapters * ab,
                                                           "forward", "loss backward",
                                                           "layer backward"),
                               note="fsdp: shard() finds no blocks under peft"))
         else:
-            items.append(Item("root unit unsharded", at(facts.root_params * pb, "forward",
+            items.append(Item("root unit unsharded", at(facts.root_params * cb, "forward",
                                                         "loss backward", "layer backward"),
                               note="fsdp: embeddings, final norm, lm_head"))
-            items.append(Item("two blocks unsharded", at(2 * facts.block_params * pb, "forward",
+            items.append(Item("two blocks unsharded", at(2 * facts.block_params * cb, "forward",
                                                          "layer backward"),
                               note="fsdp: computing + prefetched"))
         if unsharded_accum:
@@ -603,13 +619,13 @@ def plan(cfg, facts: ModelFacts | None = None, loop: LoopFacts = CURRENT_LOOP,
                               note=f"fsdp, grad_accum_steps={accum}: whole-model gradients"))
         elif not lora:
             items.append(Item("root unit gradients unsharded",
-                              at(facts.lm_head_params * tb, "loss backward", "layer backward"),
+                              at(facts.lm_head_params * gb, "loss backward", "layer backward"),
                               note="fsdp: lm_head's, before reduce-scatter"))
             items.append(Item("block gradients unsharded",
-                              at(facts.block_params * tb, "layer backward"),
+                              at(facts.block_params * gb, "layer backward"),
                               note="fsdp: before reduce-scatter"))
-    # autocast's bf16 copies of fp32 weights
-    if bf16 and pb == 4:
+    # autocast's bf16 copies of fp32 weights (none under FSDP2's bf16 policy: already bf16)
+    if bf16 and pb == 4 and not mp:
         if ckpt:  # lm_head is not checkpointed: its copy is saved for backward in any case
             cached = 2 * (adapters if lora else facts.matmul_params) if loop.autocast_cache \
                 else 2 * facts.head_matmul

@@ -13,6 +13,8 @@ Checked here, in the launcher:
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from .recipes import RecipeError
 
 
@@ -119,6 +121,15 @@ def _model(cfg) -> str | None:
         AutoConfig.from_pretrained(cfg.model.id)
     except Exception as exc:  # noqa: BLE001  every kind is told apart in _hub_problem
         return _hub_problem(exc, "model", "model.id", cfg.model.id)
+    folder = Path(cfg.model.id)
+    if (cfg.model.init == "pretrained" and cfg.distributed.strategy == "fsdp" and folder.is_dir()
+            and not (folder / "model.safetensors").exists()
+            and not (folder / "model.safetensors.index.json").exists()):
+        # each fsdp rank reads its own rows of each tensor, which safetensors allows
+        return (f"model.id={cfg.model.id}: model.init=pretrained under distributed.strategy=fsdp "
+                "reads the weights shard by shard from safetensors files, and this folder has "
+                "no model.safetensors or model.safetensors.index.json. Save it with "
+                "save_pretrained(..., safe_serialization=True), or use distributed.strategy=ddp")
     return None
 
 

@@ -24,7 +24,7 @@ class ModelConfig:
     id: Optional[str] = None  # Hugging Face hub id or local folder for the config / weights
     init: str = "random"  # random: built from the config; pretrained: weights loaded from `id`
     config: Dict[str, Any] = field(default_factory=dict)  # overrides of the transformers config
-    gradient_checkpointing: bool = False  # recompute activations in backward to save memory
+    gradient_checkpointing: bool = False  # recompute each decoder block's activations in backward to save memory (per block; under fsdp inside the block's unit)
     size: str = ""  # parameter count for people (shown by `launcher ls`), e.g. 8B
 
 
@@ -72,7 +72,7 @@ class TrainerConfig:
     max_steps: int = 1000  # optimizer steps to train
     micro_batch_size: int = 4  # sequences per forward pass on each worker
     grad_accum_steps: int = 1  # micro-batches per optimizer step on each worker
-    precision: str = "fp32"  # fp32, bf16 (autocast; master weights and optimizer stay fp32), or fp16 (GPU and ddp only: autocast with a GradScaler, which a replacement receives with the model)
+    precision: str = "fp32"  # fp32; bf16 (under fsdp FSDP2's MixedPrecisionPolicy: bf16 compute, fp32 reduce, fp32 master parameters and AdamW; under ddp autocast over the config's dtype); or fp16 (GPU and ddp only: autocast with a GradScaler, which a replacement receives with the model)
     log_every: int = 10  # steps between metric lines
     progress_bar: bool = True  # show a progress bar with loss and tokens/s on rank 0
     save_model: bool = True  # write the final model with save_pretrained

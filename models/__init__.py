@@ -66,13 +66,19 @@ def _check_keys(cfg, config: dict | None) -> None:
 
 def build_model(name: str, init: str = "random", id: str | None = None,
                 config: dict | None = None, vocab_size: int | None = None,
-                token_ids: dict | None = None, dtype=None):
-    """A causal LM: random weights from a config, or pretrained weights from `id`."""
+                token_ids: dict | None = None, dtype=None, load_weights: bool = True):
+    """A causal LM: random weights from a config, or pretrained weights from `id`.
+
+    init="pretrained" with load_weights=False: the model of `id`'s config (the recipe's keys
+    set on it), its weights left to the caller (read shard by shard, models/pretrained.py)."""
     from transformers import AutoModelForCausalLM
-    if init == "pretrained":
+    if init == "pretrained" and load_weights:
         return AutoModelForCausalLM.from_pretrained(id, dtype=dtype, **(config or {}))
+    if init == "pretrained":  # the checkpoint's own vocabulary and token ids
+        cfg = model_config(name, id, config)
+        return AutoModelForCausalLM.from_config(cfg, **({"dtype": dtype} if dtype else {}))
     cfg = model_config(name, id, config, vocab_size, token_ids)
-    return AutoModelForCausalLM.from_config(cfg)
+    return AutoModelForCausalLM.from_config(cfg, **({"dtype": dtype} if dtype else {}))
 
 
 __all__ = ["REGISTRY", "ModelSpec", "build_model", "model_config", "build_tokenizer",

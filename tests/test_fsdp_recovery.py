@@ -25,8 +25,24 @@ def reference(tmp_path_factory):
     return out, rep
 
 
-def test_a_killed_shard_comes_back_from_a_peers_memory(tmp_path, reference):
-    _, rep, r = train(tmp_path, "kill", "tiny-llama", *BASE, "checkpointless.spares=1",
+# FSDP2's memory savers together: bf16 compute over fp32 master parameters (MixedPrecisionPolicy),
+# per-block activation checkpointing, and accumulation reduce-scattering every micro-batch
+SAVERS = ("trainer.precision=bf16", "model.gradient_checkpointing=true",
+          "trainer.grad_accum_steps=2")
+
+
+@pytest.fixture(scope="module")
+def reference_savers(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fsdp_ref_savers")
+    out, rep, _ = train(tmp, "ref", "tiny-llama", *BASE, *SAVERS, "checkpointless.spares=0")
+    assert_replicas_agree(rep)
+    return out, rep
+
+
+@pytest.mark.parametrize("savers", [(), SAVERS], ids=["fp32", "bf16-policy+checkpointing+accum"])
+def test_a_killed_shard_comes_back_from_a_peers_memory(tmp_path, request, savers):
+    reference = request.getfixturevalue("reference_savers" if savers else "reference")
+    _, rep, r = train(tmp_path, "kill", "tiny-llama", *BASE, *savers, "checkpointless.spares=1",
                       "faults=[kill:2:7]")
     assert_replicas_agree(rep)
     assert rep["params_sha256"] == reference[1]["params_sha256"]

@@ -37,6 +37,10 @@ def test_a_model_in_a_local_folder_is_resolved_and_a_wrong_one_is_named(tmp_path
     preflight(load("tiny-llama", [f"model.id={tmp_path / 'm'}"]))
     with pytest.raises(RecipeError, match="model.id=no-such-org/no-such-model"):
         preflight(load("tiny-llama", ["model.id=no-such-org/no-such-model"]))
+    # fsdp reads pretrained weights shard by shard: only safetensors files allow it
+    with pytest.raises(RecipeError, match="no model.safetensors.*distributed.strategy=ddp"):
+        preflight(load("tiny-llama", [f"model.id={tmp_path / 'm'}", "model.init=pretrained",
+                                      "distributed.strategy=fsdp"]))
 
 
 def test_each_hub_failure_gets_its_own_sentence():

@@ -1,0 +1,159 @@
+"""Sharded initialization (models/init.py, launcher/model_setup.build/shard): a random init is
+built on the meta device, each rank fills only its FSDP2 shard, and the full model is the same
+bits for a seed whatever the world size or strategy; the model's own init rules are kept."""
+import hashlib
+import math
+
+import pytest
+import torch
+
+from tests.conftest import spawn_gloo
+
+
+def _tiny_cfg(**over):
+    from launcher.recipes import load
+    return load("tiny-llama", ["model.config.num_hidden_layers=2", "data.seq_len=32",
+                               *[f"{k}={v}" for k, v in over.items()]])
+
+
+def _digest(state: dict) -> str:
+    from checkpointless.digest import state_sha256
+    return state_sha256(state)
+
+
+def _sharded_digest(rank, port, q, world, overrides):
+    import torch.distributed as dist
+
+    from launcher.model_setup import build, full_state, shard
+    from models.init import is_meta
+    dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", port, is_master=False),
+                            rank=rank, world_size=world)
+    cfg = _tiny_cfg(**{"distributed.strategy": "fsdp", "distributed.num_processes": world,
+                       **overrides})
+    _, model, _ = build(cfg, torch.device("cpu"))
+    meta_before = is_meta(model)
+    shard(model, cfg)
+    local = sum(p.to_local().numel() for p in model.parameters())
+    state = full_state(model, "fsdp")
+    q.put((rank, meta_before, is_meta(model), local, _digest(state)))
+    dist.destroy_process_group()
+
+
+def _whole_digest(**overrides):
+    from launcher.model_setup import build
+    _, model, _ = build(_tiny_cfg(**overrides), torch.device("cpu"))
+    return _digest(model.state_dict()), sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("world", [2, 4, pytest.param(8, marks=pytest.mark.slow)])
+def test_the_full_model_is_the_same_bits_for_any_world_size_and_strategy(world):
+    ddp, n = _whole_digest()  # the whole model, filled as ddp fills it
+    got = spawn_gloo(_sharded_digest, world, world, {}, timeout=300)
+    assert [g[1] for g in got] == [True] * world  # built on meta: nothing allocated before
+    assert not any(g[2] for g in got)  # every shard allocated after shard()
+    assert all(g[3] < n / world + 2000 for g in got)  # each rank holds about 1/world
+    assert {g[4] for g in got} == {ddp}
+
+
+def test_lora_base_and_adapters_are_the_same_bits_sharded_or_whole():
+    lora = {"peft.method": "lora", "peft.r": 4}
+    ddp, _ = _whole_digest(**lora)
+    got = spawn_gloo(_sharded_digest, 2, 2, lora, timeout=180)
+    assert {g[4] for g in got} == {ddp}
+
+
+def test_a_seed_changes_the_model_and_the_same_seed_repeats_it():
+    a, _ = _whole_digest()
+    assert _whole_digest()[0] == a
+    assert _whole_digest(**{"run.seed": 1})[0] != a
+
+
+def test_the_models_own_init_rules_are_kept():
+    """transformers' rules (normal(initializer_range) for linear and embedding weights, ones for
+    norms, zeros for biases, GPT-2's residual projections scaled by 1/sqrt(2 n_layer)), the
+    padding row zeroed, tied embeddings tied, rotary buffers computed; peft's B = 0."""
+    from launcher.model_setup import build
+    from launcher.recipes import load
+    _, m, _ = build(load("tiny-gpt2"), torch.device("cpu"))
+    n_layer = m.config.n_layer
+    assert m.lm_head.weight is m.transformer.wte.weight
+    assert m.transformer.h[0].attn.c_attn.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert m.transformer.h[0].attn.c_proj.weight.std().item() == \
+        pytest.approx(0.02 / math.sqrt(2 * n_layer), rel=0.05)
+    assert torch.all(m.transformer.h[0].ln_1.weight == 1)
+    assert torch.all(m.transformer.h[0].attn.c_attn.bias == 0)
+
+    cfg = _tiny_cfg(**{"peft.method": "lora", "peft.r": 4})
+    _, m, _ = build(cfg, torch.device("cpu"))
+    base = m.get_base_model()
+    pad = base.config.pad_token_id
+    if pad is not None:
+        assert torch.all(base.model.embed_tokens.weight[pad] == 0)
+    assert base.model.embed_tokens.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert torch.all(base.model.norm.weight == 1)
+    rope = base.model.rotary_emb
+    expected = 1.0 / (base.config.rope_parameters["rope_theta"] ** (
+        torch.arange(0, rope.inv_freq.numel() * 2, 2).float() / (rope.inv_freq.numel() * 2)))
+    assert torch.allclose(rope.inv_freq, expected)
+    lora_b = [p for n, p in m.named_parameters() if "lora_B" in n]
+    assert lora_b and all(torch.all(p == 0) for p in lora_b)
+    lora_a = [p for n, p in m.named_parameters() if "lora_A" in n]
+    assert all(p.abs().sum() > 0 for p in lora_a)
+
+
+def test_an_init_that_cannot_be_replayed_is_refused_by_name():
+    from models.init import EmptyBuild, UnknownInit, materialize
+
+    class Odd(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.empty(3, 3))
+            self.w.data = torch.zeros(3, 3, device="meta")  # not a torch call on the parameter
+
+    with EmptyBuild() as b:
+        m = Odd()
+    with pytest.raises(UnknownInit, match="'w'"):
+        materialize(m, b.rules(m), 0, "cpu")
+
+
+# ---- model.init=pretrained under fsdp: each rank reads its rows from the safetensors files ----
+
+def _pretrained_digest(rank, port, q, world, folder):
+    import torch.distributed as dist
+
+    from launcher.model_setup import build, full_state, shard
+    from models import pretrained
+    read = []
+    original = pretrained.SafetensorsFiles.read_part
+
+    def counted(self, key, param):  # what this rank reads from the files, element by element
+        part = original(self, key, param)
+        read.append(part.numel())
+        return part
+    pretrained.SafetensorsFiles.read_part = counted
+    dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", port, is_master=False),
+                            rank=rank, world_size=world)
+    cfg = _tiny_cfg(**{"distributed.strategy": "fsdp", "distributed.num_processes": world,
+                       "model.init": "pretrained", "model.id": folder})
+    _, model, _ = build(cfg, torch.device("cpu"))
+    shard(model, cfg)
+    q.put((rank, sum(read), _digest(full_state(model, "fsdp"))))
+    dist.destroy_process_group()
+
+
+def test_pretrained_weights_are_read_shard_by_shard_and_equal_the_saved_model(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from launcher.model_setup import build
+    torch.manual_seed(123)  # other values than the seeded init would give
+    _, like, _ = build(_tiny_cfg(), torch.device("cpu"))
+    saved = AutoModelForCausalLM.from_config(like.config)
+    # several files and an index, as save_pretrained writes a large model
+    saved.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    expected = _digest(saved.state_dict())
+    n = sum(p.numel() for p in saved.parameters())
+    got = spawn_gloo(_pretrained_digest, 2, 2, str(tmp_path), timeout=180)
+    assert {g[2] for g in got} == {expected}
+    for _, elements, _ in got:  # each rank read about half of the model, never all of it
+        assert elements < 0.55 * n, (elements, n)
