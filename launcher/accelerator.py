@@ -2,8 +2,8 @@
 
 What the loop takes from accelerate: the device, autocast for `trainer.precision`, the loss
 scaling of gradient accumulation (`accelerator.backward`), the fp16 GradScaler (GPU only),
-gradient clipping, main-process printing, the trackers, and under fsdp on a GPU backend the
-FSDP2 sharding (`accelerator.prepare`). What stays the launcher's: the gradient reduction, in
+gradient clipping, main-process printing and the trackers. What stays the launcher's: the FSDP2
+sharding (see start_line) and the gradient reduction, in
 checkpointless.DistributedDataParallel's fixed-order buckets or job.all_reduce_grads. accelerate
 would wrap the model in torch's DDP, which keeps the process group it was built with (a recovery
 builds a new one) and sums in an order of its own, so the model is never given to it under ddp.
@@ -34,13 +34,6 @@ from checkpointless.plain import PlainJob
 MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 
 
-def accelerate_shards(cfg, device: torch.device) -> bool:
-    """Whether accelerate's FSDP2 plugin shards the model. Only on a GPU backend: on CPU (gloo)
-    accelerate ignores an FSDP plugin and would wrap the model in DDP, so there the launcher
-    shards with its own `shard()` (each decoder block, then the root)."""
-    return cfg.distributed.strategy == "fsdp" and device.type == "cuda"
-
-
 def build_accelerator(cfg, job, device: torch.device) -> Accelerator:
     """The Accelerator of this worker; `device` is the one setup() chose (and the model was built
     on, before join): accelerate must agree, or the run stops here."""
@@ -52,7 +45,6 @@ def build_accelerator(cfg, job, device: torch.device) -> Accelerator:
         # accelerator.backward divides the loss by it; which micro-batch reduces is the loop's
         # choice (see launcher/loop.py)
         gradient_accumulation_steps=t.grad_accum_steps,
-        fsdp_plugin=_fsdp_plugin() if accelerate_shards(cfg, device) else None,
         log_with=list(cfg.logging.trackers) or None,
         project_config=ProjectConfiguration(project_dir=str(Path(cfg.run.output_dir)),
                                             logging_dir=cfg.logging.dir),
@@ -73,11 +65,12 @@ def start_line(cfg, accelerator: Accelerator) -> str:
     if d.strategy == "ddp":
         return line + ("; gradients averaged by checkpointless in fixed-order "
                        f"{'buckets during backward' if d.grad_sync == 'buckets' else 'one all-reduce after backward'}")
-    if accelerator.is_fsdp2:
-        return line + "; fsdp: accelerate's FSDP2 plugin shards each decoder block"
-    return line + (f"; fsdp: accelerate's FSDP plugin needs a GPU backend and this run uses "
-                   f"{dist.get_backend()}, so the launcher shards each decoder block with "
-                   "torch's fully_shard itself")
+    # accelerate's FSDP2 plugin shards a model that is whole on every worker (or broadcast from
+    # rank 0, a collective a replacement could never join), and on gloo it is ignored: the
+    # launcher's shard() lets each rank build, load and hold only its own slice
+    return line + (f"; fsdp ({dist.get_backend()}): the launcher shards each decoder block with "
+                   "torch's fully_shard, not accelerate's FSDP plugin (each rank initializes or "
+                   "loads only its own shard)")
 
 
 class Autocast:
@@ -130,24 +123,3 @@ def _environment(cfg, job, device: torch.device) -> None:
                       LOCAL_RANK=str(job.rank % per_node), LOCAL_WORLD_SIZE=str(per_node))
     # the group exists already; accelerate only checks MASTER_ADDR is known on several nodes
     os.environ.setdefault("MASTER_ADDR", d.master_addr)
-
-
-def _fsdp_plugin():
-    """accelerate's FSDP2 plugin, shaped like the launcher's own sharding.
-
-    Each decoder block (the model's `_no_split_modules`) is a unit, as in `shard()`; accelerate
-    1.15 also gives the embedding and the final norm with the output head units of their own.
-    Parameters stay fp32 and gradients are reduce-scattered in fp32: accelerate's default policy
-    under bf16 would all-gather and reduce in bf16, rounding every partial sum. Compute runs in
-    the loop's autocast, as on CPU. No rank-0 broadcast of the weights (cpu_ram_efficient_loading):
-    every worker built the same seeded model, and a replacement sharding after join must not wait
-    on a broadcast the survivors never make.
-
-    Not run on a multi-GPU machine in this project's tests (see README)."""
-    from accelerate.utils import FullyShardedDataParallelPlugin
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-    return FullyShardedDataParallelPlugin(
-        fsdp_version=2, auto_wrap_policy="transformer_based_wrap", reshard_after_forward=True,
-        mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.float32,
-                                                    reduce_dtype=torch.float32),
-        cpu_ram_efficient_loading=False, activation_checkpointing=False)

@@ -131,7 +131,7 @@ def main(recipe_file: str) -> None:
     tokenizer, model, sampler = build(cfg, device)
     evalset = build_eval(cfg, tokenizer)
     # accelerate imported while warm; so are the trackers a replacement rank 0 opens at once
-    from .accelerator import Autocast, accelerate_shards, build_accelerator, start_line
+    from .accelerator import Autocast, build_accelerator, start_line
     if cfg.logging.trackers:
         import importlib
         importlib.import_module("accelerate.tracking")
@@ -150,21 +150,16 @@ def main(recipe_file: str) -> None:
                            "silently different job")
     # built after join: accelerate reads this worker's rank once, and a spare has none before
     accelerator = build_accelerator(cfg, job, device)
-    if accelerate_shards(cfg, device):  # a GPU backend: accelerate's FSDP2 plugin shards
-        # FSDP2 under accelerate takes the model and its optimizer together (it swaps the
-        # optimizer's parameters for the sharded ones); `opt` is accelerate's wrapper of it
-        model, opt = accelerator.prepare(model, optimizer := build_optimizer(model, cfg))
+    if d.strategy == "fsdp":  # sharded here, not by accelerate's plugin (see start_line)
+        shard(model, cfg)
         wrapped = model
-    else:
-        if d.strategy == "fsdp":  # gloo: accelerate would ignore an FSDP plugin; shard here
-            shard(model, cfg)
-            wrapped = model
-        elif d.grad_sync == "buckets":  # averaged in fixed buckets during backward
-            wrapped = checkpointless.DistributedDataParallel(model, bucket_cap_mb=d.bucket_cap_mb)
-        else:  # flat: one fixed-order all-reduce of every gradient after the whole backward
-            wrapped = model
-        # the model is not given to accelerate under ddp: it would wrap it in torch's DDP
-        opt = accelerator.prepare_optimizer(optimizer := build_optimizer(model, cfg))
+    elif d.grad_sync == "buckets":  # averaged in fixed buckets during backward
+        wrapped = checkpointless.DistributedDataParallel(model, bucket_cap_mb=d.bucket_cap_mb)
+    else:  # flat: one fixed-order all-reduce of every gradient after the whole backward
+        wrapped = model
+    # the model is not given to accelerate: under ddp it would wrap it in torch's DDP; the
+    # optimizer is (accelerate's wrapper steps it through the GradScaler under fp16)
+    opt = accelerator.prepare_optimizer(optimizer := build_optimizer(model, cfg))
     overlapped = d.strategy == "ddp" and d.grad_sync == "buckets"
     # under LoRA a replacement rebuilds the frozen base as every worker did: only the adapters
     # and their optimizer state are sent. Under fp16 the GradScaler's scale travels too: a

@@ -80,9 +80,9 @@ def test_fsdp_really_shards_and_its_replicas_agree(tmp_path):
     out, rep, r = train(tmp_path, "fsdp", "tiny-llama", "distributed.num_processes=2",
                         "distributed.strategy=fsdp", "checkpointless.spares=0",
                         "trainer.max_steps=20")
-    # said in one line at start: accelerate's FSDP plugin does not apply to gloo
-    assert r.stdout.count("fsdp: accelerate's FSDP plugin needs a GPU backend and this run "
-                          "uses gloo") == 1
+    # said in one line at start: the launcher shards, not accelerate's FSDP plugin
+    assert r.stdout.count("fsdp (gloo): the launcher shards each decoder block with torch's "
+                          "fully_shard, not accelerate's FSDP plugin") == 1
     assert_replicas_agree(rep)
     full = rep["full_params"]
     for local in rep["local_params_by_rank"].values():
