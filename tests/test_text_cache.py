@@ -23,7 +23,7 @@ from launcher.recipes import RecipeError, load
 from launcher.schema import Recipe
 from models import byte_tokenizer
 
-DOCS = 3500  # four groups of 1000 documents: two or three processes each take whole groups
+DOCS = 2500  # three groups of 1000 documents: two or three processes each take whole groups
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +36,9 @@ def files(tmp_path_factory):
     """Three jsonl files of documents of very different lengths, and an extra column."""
     d = tmp_path_factory.mktemp("docs")
     rng = random.Random(4)
-    docs = [" ".join(D.synthetic_docs(rng.randint(1, 6), rng.random())) for _ in range(DOCS)]
+    docs = [" ".join(D.synthetic_docs(rng.randint(1, 4), rng.random())) for _ in range(DOCS)]
     paths = []
-    for i, chunk in enumerate((docs[:1700], docs[1700:2400], docs[2400:])):
+    for i, chunk in enumerate((docs[:1200], docs[1200:1900], docs[1900:])):
         p = d / f"part{i}.jsonl"
         p.write_text("".join(json.dumps({"text": t, "n": j}) + "\n" for j, t in enumerate(chunk)))
         paths.append(str(p))
@@ -116,7 +116,7 @@ def test_the_cache_is_reused_and_rebuilt_when_what_decides_it_changes(tmp_path, 
     said = []
     cfg = _cfg(tmp_path, files)
     D.prepare(cfg, tok, num_proc=2, log=said.append)
-    assert any("tokenizing 3,500 documents" in s for s in said)
+    assert any("tokenizing 2,500 documents" in s for s in said)
     manifest = tmp_path / "cache" / D.cache_key(cfg, tok) / T.MANIFEST
     built = manifest.stat().st_mtime_ns
     said.clear()
@@ -193,10 +193,10 @@ def test_progress_lines_are_printed_while_it_runs(tmp_path, files, tok, monkeypa
         lines = [s for s in said if "docs/s" in s]
         assert len(lines) >= 2, said
         assert all("tokens/s" in s and "documents" in s for s in lines)
-        assert "3,500/3,500 documents (100.0%)" in lines[-1]
+        assert "2,500/2,500 documents (100.0%)" in lines[-1]
         if procs == 1:  # one line per group, as the documents come in
-            assert [s.split(" documents")[0].split()[-1] for s in lines[:4]] == \
-                ["1,000/3,500", "2,000/3,500", "3,000/3,500", "3,500/3,500"]
+            assert [s.split(" documents")[0].split()[-1] for s in lines[:3]] == \
+                ["1,000/2,500", "2,000/2,500", "2,500/2,500"]
 
 
 def test_a_second_builder_waits_for_the_first(tmp_path, files, tok):
@@ -228,3 +228,23 @@ def test_the_launcher_prepares_and_workers_only_map(tmp_path, files, tok, capsys
     with pytest.raises(RecipeError, match=r"data.num_proc.*-1.*0: all of this node's cores"):
         load("tiny-llama", ["data.num_proc=-1"])
     assert load("llama3-8b", []).data.num_proc == 0
+
+
+def test_instruction_examples_tokenized_by_two_processes_give_the_same_rows(tmp_path, tok,
+                                                                          monkeypatch):
+    from launcher import sft_data
+    monkeypatch.setattr(sft_data, "MIN_EXAMPLES_PER_PROC", 100)  # two processes for 300 examples
+    pairs = [{"prompt": f"q: {i} plus {i % 7}\na: ", "response": str(i + i % 7)}
+             for i in range(300)]
+    f = tmp_path / "pairs.jsonl"
+    f.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    cfg = _cfg(tmp_path, [str(f)], "one", format="instruction", seq_len=64)
+    rows = {n: D.prepare(OmegaConf.merge(cfg, {"data": {"cache_dir": str(tmp_path / f"c{n}")}}),
+                         tok, num_proc=n) for n in (1, 2)}
+    for key in ("input_ids", "labels", "position_ids"):
+        assert torch.equal(rows[1][:][key], rows[2][:][key])
+    pairs[250]["response"] = None  # a bad example, found in the second process: the same message
+    f.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    with pytest.raises(ValueError, match="example 250: data.response_field=.response. holds None"):
+        D.prepare(OmegaConf.merge(cfg, {"data": {"cache_dir": str(tmp_path / "bad")}}), tok,
+                  num_proc=2)
