@@ -64,8 +64,16 @@ def _schema():
     return pa.schema([("input_ids", pa.list_(pa.int32()))])
 
 
+def _check_texts(texts: list, first: int, text_field: str) -> None:
+    for i, t in enumerate(texts):
+        if not isinstance(t, str):
+            raise ValueError(f"document {first + i}: data.text_field={text_field!r} holds "
+                             f"{t!r:.80}, not a string; fix or drop that document (or point "
+                             "data.text_field at the column holding the text)")
+
+
 def _write_shard(index: int, raw, tokenizer, seq_len: int, groups: range, n_docs: int,
-                 out: Path, counts, tick=None) -> None:
+                 out: Path, counts, tick=None, text_field: str = "text") -> None:
     """Tokenize and pack `groups` into out/shard-{index}.arrow, adding the documents and tokens
     done to counts[2*index] and counts[2*index+1] after each group (read by the progress lines).
     In a child process an exception is written to out/error-{index}.txt for the parent to show."""
@@ -75,27 +83,31 @@ def _write_shard(index: int, raw, tokenizer, seq_len: int, groups: range, n_docs
                 pa.ipc.new_stream(sink, _schema()) as writer:
             for g in groups:
                 lo, hi = g * GROUP_DOCS, min((g + 1) * GROUP_DOCS, n_docs)
-                rows, tokens = pack_group(raw[lo:hi], tokenizer, seq_len)
+                texts = raw[lo:hi]
+                _check_texts(texts, lo, text_field)
+                rows, tokens = pack_group(texts, tokenizer, seq_len)
                 if len(rows):
                     writer.write_batch(_rows_batch(rows))
                 counts[2 * index] += hi - lo
                 counts[2 * index + 1] += tokens
                 if tick:
                     tick()
-    except BaseException:
+    except BaseException as exc:
         if tick:  # in-process: the caller sees the exception itself
             raise
-        (out / f"error-{index}.txt").write_text(traceback.format_exc())
+        (out / f"error-{index}.json").write_text(json.dumps(
+            {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}))
         raise
 
 
-def _child(index, raw, tokenizer, seq_len, groups, n_docs, out, counts):
+def _child(index, raw, tokenizer, seq_len, groups, n_docs, out, counts, text_field):
     # one process per core: the tokenizer's own thread pool would only oversubscribe them
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
-        _write_shard(index, raw, tokenizer, seq_len, groups, n_docs, out, counts)
+        _write_shard(index, raw, tokenizer, seq_len, groups, n_docs, out, counts,
+                     text_field=text_field)
     except BaseException:
-        os._exit(1)  # the traceback is in error-{index}.txt; skip the interpreter's own report
+        os._exit(1)  # the error is in error-{index}.json; skip the interpreter's own report
 
 
 class Progress:
@@ -157,12 +169,13 @@ def build(raw, tokenizer, seq_len: int, text_field: str, path: Path, num_proc: i
     if procs == 1:
         counts = [0, 0]
         _write_shard(0, texts, tokenizer, seq_len, runs[0], n_docs, tmp, counts,
-                     tick=lambda: progress.maybe(counts[0], counts[1]))
+                     tick=lambda: progress.maybe(counts[0], counts[1]), text_field=text_field)
     else:
         ctx = mp.get_context("fork")  # children share the tokenizer and the memory-mapped data
         counts = ctx.Array("q", 2 * procs, lock=False)
         children = [ctx.Process(target=_child, daemon=True,
-                                args=(i, texts, tokenizer, seq_len, runs[i], n_docs, tmp, counts))
+                                args=(i, texts, tokenizer, seq_len, runs[i], n_docs, tmp, counts,
+                                      text_field))
                     for i in range(procs)]
         for c in children:
             c.start()
@@ -188,11 +201,16 @@ def _supervise(children, counts, progress: Progress, tmp: Path) -> None:
             pending.remove(c)
             if c.exitcode != 0:
                 i = children.index(c)
-                err = tmp / f"error-{i}.txt"
-                said = err.read_text().strip() if err.exists() else \
-                    f"it exited with code {c.exitcode} (killed? out of memory?)"
+                err = tmp / f"error-{i}.json"
+                if not err.exists():
+                    raise RuntimeError(f"data preparation process {i} of {len(children)} exited "
+                                       f"with code {c.exitcode} (killed? out of memory?); the "
+                                       f"partial cache {tmp} is not used")
+                e = json.loads(err.read_text())
+                if e["type"] == "ValueError":  # bad data: its message says what and how to fix
+                    raise ValueError(e["message"])
                 raise RuntimeError(f"data preparation process {i} of {len(children)} failed; the "
-                                   f"partial cache {tmp} is not used.\n{said}")
+                                   f"partial cache {tmp} is not used.\n{e['traceback']}")
         progress.maybe(sum(counts[0::2]), sum(counts[1::2]))
 
 

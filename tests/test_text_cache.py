@@ -164,13 +164,13 @@ def test_an_interrupted_preparation_is_never_used(tmp_path, files, tok, monkeypa
 
     def fails_in_a_child(texts, tokenizer, seq_len):
         if os.getpid() != parent:
-            raise ValueError("bad document")
+            raise OSError("No space left on device")
         return real(texts, tokenizer, seq_len)
 
     parent = os.getpid()
     monkeypatch.setattr(T, "pack_group", fails_in_a_child)
     with pytest.raises(RuntimeError, match=r"(?s)data preparation process \d of 2 failed.*"
-                                           r"is not used.*ValueError: bad document"):
+                                           r"is not used.*OSError: No space left on device"):
         D.prepare(cfg, tok, num_proc=2)
     assert not path.exists()
     monkeypatch.setattr(T, "pack_group", real)
@@ -225,6 +225,14 @@ def test_the_launcher_prepares_and_workers_only_map(tmp_path, files, tok, capsys
     bad = OmegaConf.merge(cfg, {"data": {"text_field": "body", "cache_dir": str(tmp_path / "b")}})
     with pytest.raises(RecipeError, match="data.text_field='body' is not a column"):
         D.prepare_node(bad)
+    # a document that is no text, in the second process's groups: one sentence, no traceback
+    lines = open(files[0]).read().splitlines()  # 1,200 documents: groups 0 and 1
+    lines[1100] = json.dumps({"text": None, "n": 1100})
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("\n".join(lines) + "\n")
+    with pytest.raises(RecipeError, match=r"data \(train\): document 1100: data.text_field='text' "
+                                          r"holds None, not a string; fix or drop"):
+        D.prepare_node(_cfg(tmp_path, [str(broken)], "broken", num_proc=2))
     with pytest.raises(RecipeError, match=r"data.num_proc.*-1.*0: all of this node's cores"):
         load("tiny-llama", ["data.num_proc=-1"])
     assert load("llama3-8b", []).data.num_proc == 0
