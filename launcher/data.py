@@ -240,13 +240,10 @@ def prepare(cfg, tokenizer, part: str = "train", num_proc: int = 1, log=print):
     path = root / cache_key(cfg, tokenizer, part)
     if not _complete(path):
         with open(str(path) + ".lock", "w") as lock:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                log(f"[data] {part}: another process is preparing {path}; waiting for it")
-                fcntl.flock(lock, fcntl.LOCK_EX)
+            locked = _lock(lock, path, part, log)
             if not _complete(path):
-                _clear_leftovers(path, log)
+                if locked:  # without the lock, a leftover may be another node's build at work
+                    _clear_leftovers(path, log)
                 _build(cfg, tokenizer, part, path, num_proc, log)
     ds = _load(path)
     if len(ds) == 0:
@@ -255,6 +252,22 @@ def prepare(cfg, tokenizer, part: str = "train", num_proc: int = 1, log=print):
                          "tokens; lower seq_len or add data" if cfg.data.format == "text" else
                          f"{what} yields no example with a token in the loss")
     return ds.with_format("torch")
+
+
+def _lock(lock, path: Path, part: str, log) -> bool:
+    """Hold the cache's lock (waiting, and saying so, while another process builds it); False
+    where the filesystem takes no locks (some NFS and Lustre mounts): then each builder builds
+    and the first to finish names the cache (`text_cache.publish`)."""
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        log(f"[data] {part}: another process is preparing {path}; waiting for it")
+        fcntl.flock(lock, fcntl.LOCK_EX)
+    except OSError as exc:
+        log(f"[data] {part}: {path.parent} takes no file locks ({exc.strerror}): building "
+            "without one; run `python -m launcher prepare` on one node first to build it once")
+        return False
+    return True
 
 
 def _clear_leftovers(path: Path, log) -> None:
@@ -275,22 +288,21 @@ def _load(path: Path):
 
 
 def _build(cfg, tokenizer, part: str, path: Path, num_proc: int = 1, log=print) -> None:
+    from . import text_cache
     raw = _raw_dataset(cfg, part, num_proc)
     if cfg.data.format == "text":
-        from . import text_cache
         text_cache.build(raw, tokenizer, cfg.data.seq_len, cfg.data.text_field, path, num_proc,
                          part, log)
         return
     from .sft_data import build_rows, tokenize_examples
-    tmp = Path(str(path) + f".tmp{os.getpid()}")
-    scratch = str(path) + f".scratch{os.getpid()}"
+    tmp, scratch = text_cache.tmp_path(path), str(text_cache.tmp_path(path, "scratch"))
     try:
         rows, _ = build_rows(tokenize_examples(raw, tokenizer, cfg.data, num_proc), tokenizer,
                              cfg.data, scratch, part)
         rows.save_to_disk(str(tmp))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    os.replace(tmp, path)
+    text_cache.publish(tmp, path)
 
 
 def eval_rows(ds, max_batches: int, micro_batch_size: int) -> list[int]:

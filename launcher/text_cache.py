@@ -20,6 +20,7 @@ import itertools
 import json
 import os
 import shutil
+import socket
 import time
 import traceback
 from pathlib import Path
@@ -158,7 +159,7 @@ def build(raw, tokenizer, seq_len: int, text_field: str, path: Path, num_proc: i
     n_docs = len(raw)
     n_groups = -(-n_docs // GROUP_DOCS)
     procs = max(1, min(num_proc, n_groups))  # never an empty shard
-    tmp = Path(f"{path}.tmp{os.getpid()}")
+    tmp = tmp_path(path)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     # contiguous, balanced runs of groups: shard i holds groups [i*n/p, (i+1)*n/p)
@@ -226,8 +227,26 @@ def _finish(tmp: Path, path: Path, procs: int, seq_len: int, docs: int, tokens: 
                 "tokens": tokens, "tokens_in_rows": sum(s["rows"] for s in shards) * seq_len,
                 "shards": shards, "dtype": "int32"}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")  # last: the folder is whole
-    os.replace(tmp, path)
+    publish(tmp, path)
     return manifest
+
+
+def tmp_path(path: Path, kind: str = "tmp") -> Path:
+    """Where this process builds `path`: named by host and process, since nodes that share the
+    cache folder may run processes of the same number."""
+    return Path(f"{path}.{kind}{socket.gethostname()}-{os.getpid()}")
+
+
+def publish(tmp: Path, path: Path) -> None:
+    """Give the whole folder `tmp` its final name in one step. Should another builder have got
+    there first (only where the filesystem takes no locks), its folder holds the same rows: keep
+    it and drop ours."""
+    try:
+        os.replace(tmp, path)
+    except OSError:
+        if not ((path / MANIFEST).exists() or (path / "dataset_info.json").exists()):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def load(path: Path):

@@ -256,3 +256,28 @@ def test_instruction_examples_tokenized_by_two_processes_give_the_same_rows(tmp_
     with pytest.raises(ValueError, match="example 250: data.response_field=.response. holds None"):
         D.prepare(OmegaConf.merge(cfg, {"data": {"cache_dir": str(tmp_path / "bad")}}), tok,
                   num_proc=2)
+
+
+def test_a_filesystem_without_locks_still_gets_one_whole_cache(tmp_path, files, tok, monkeypatch):
+    import errno
+
+    real = fcntl.flock
+
+    def no_locks(f, how):  # on the cache's lock only (datasets takes file locks of its own)
+        if str(getattr(f, "name", "")).startswith(str(tmp_path / "cache")):
+            raise OSError(errno.ENOLCK, "No locks available")
+        return real(f, how)
+
+    cfg = _cfg(tmp_path, files[2:])
+    path = tmp_path / "cache" / D.cache_key(cfg, tok)
+    at_work = tmp_path / "cache" / f"{path.name}.tmpnode7-123"  # another node's build, unlocked
+    at_work.mkdir(parents=True)
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    said = []
+    ds = D.prepare(cfg, tok, log=said.append)
+    assert any("takes no file locks (No locks available)" in s for s in said)
+    assert at_work.exists()  # not ours to remove: without the lock it may be at work
+    # that node finishing second: its folder is dropped, the first whole cache stays
+    (at_work / T.MANIFEST).write_text("{}")
+    T.publish(at_work, path)
+    assert not at_work.exists() and len(D.prepare(cfg, tok)) == len(ds)
