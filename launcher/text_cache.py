@@ -165,6 +165,7 @@ def build(raw, tokenizer, seq_len: int, text_field: str, path: Path, num_proc: i
     # contiguous, balanced runs of groups: shard i holds groups [i*n/p, (i+1)*n/p)
     runs = [range(i * n_groups // procs, (i + 1) * n_groups // procs) for i in range(procs)]
     progress = Progress(what, n_docs, log)
+    _warn_if_short_of_disk(raw, text_field, path, what, log)
     log(f"[data] {what}: tokenizing {n_docs:,} documents into rows of {seq_len} tokens with "
         f"{procs} process{'es' if procs > 1 else ''} (data.num_proc) -> {path}")
     if procs == 1:
@@ -190,6 +191,22 @@ def build(raw, tokenizer, seq_len: int, text_field: str, path: Path, num_proc: i
     docs, tokens = sum(counts[0::2]), sum(counts[1::2])
     progress.maybe(docs, tokens, force=True)
     return _finish(tmp, path, procs, seq_len, docs, tokens)
+
+
+def _warn_if_short_of_disk(raw, text_field: str, path: Path, what: str, log) -> None:
+    """Say so up front when the cache will likely not fit, rather than fail an hour in. The
+    estimate: about one byte of cache per byte of text (4 bytes a token, 4 to 5 characters a
+    token for English text)."""
+    try:
+        table = raw.data  # the whole table, also under data.max_docs' selection: scaled below
+        text_bytes = table.column(text_field).nbytes * len(raw) / max(table.num_rows, 1)
+    except Exception:  # noqa: BLE001  an estimate only: a table that cannot say is not an error
+        return
+    free = shutil.disk_usage(path.parent).free
+    if free < text_bytes:
+        log(f"[data] {what}: WARNING the token cache will take about {text_bytes / 1e9:.1f} GB "
+            f"(about a byte per byte of text) and {path.parent} has {free / 1e9:.1f} GB free: "
+            "the preparation may run out of disk. Point data.cache_dir at a larger disk")
 
 
 def _supervise(children, counts, progress: Progress, tmp: Path) -> None:

@@ -281,3 +281,18 @@ def test_a_filesystem_without_locks_still_gets_one_whole_cache(tmp_path, files, 
     (at_work / T.MANIFEST).write_text("{}")
     T.publish(at_work, path)
     assert not at_work.exists() and len(D.prepare(cfg, tok)) == len(ds)
+
+
+def test_a_cache_that_will_not_fit_is_announced(tmp_path, files, tok, monkeypatch):
+    import collections
+    import shutil
+    usage, real = collections.namedtuple("usage", "total used free"), shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 1000, 1000)
+                        if str(p).startswith(str(tmp_path / "cache")) else real(p))
+    said = []
+    D.prepare(_cfg(tmp_path, files[2:]), tok, log=said.append)  # ~100 kB of text, 1 kB free
+    assert any("WARNING the token cache will take about 0.0 GB" in s and
+               "Point data.cache_dir at a larger disk" in s for s in said), said
+    said.clear()
+    D.prepare(_cfg(tmp_path, files[2:], "roomy"), tok, log=said.append)
+    assert not any("WARNING" in s for s in said)
