@@ -214,7 +214,7 @@ def _supervise(children, counts, progress: Progress, tmp: Path) -> None:
     from multiprocessing.connection import wait
     pending = list(children)
     while pending:
-        wait([c.sentinel for c in pending], timeout=min(1.0, PROGRESS_EVERY_S))
+        wait([c.sentinel for c in pending], timeout=max(0.05, min(1.0, PROGRESS_EVERY_S)))
         for c in [c for c in pending if c.exitcode is not None]:
             pending.remove(c)
             if c.exitcode != 0:
