@@ -4,6 +4,7 @@
     python -m launcher show RECIPE [key=value ...]     the fully resolved recipe, as YAML
     python -m launcher validate [RECIPE ...]           check recipes (all when none given)
     python -m launcher plan RECIPE [key=value ...]     memory per rank before launch (no weights)
+    python -m launcher prepare RECIPE [key=value ...]  tokenize the recipe's data into its cache
     python -m launcher train RECIPE [key=value ...]    train (workers + spares, supervised)
     python -m launcher coordinator RECIPE [...]        a stand-alone coordinator for many nodes
     python -m launcher bench [key=value ...]           goodput benchmark (see launcher/bench/)
@@ -73,6 +74,21 @@ def cmd_train(args) -> int:
     return 0 if report is not None else 1
 
 
+def cmd_prepare(args) -> int:
+    """Build a recipe's data caches here, as `train` does before its workers start. Run ahead of
+    a multi-node job (on each node, or once where all share data.cache_dir), so that no node's
+    launcher is still tokenizing while the others wait for it to join."""
+    if not args:
+        raise RecipeError("prepare needs a recipe: python -m launcher prepare RECIPE "
+                          "[key=value ...]")
+    cfg = load(args[0], args[1:])
+    from .data import prepare_node
+    from .preflight import preflight_data
+    preflight_data(cfg)  # the tokenizer and the dataset, each problem in one sentence
+    prepare_node(cfg)
+    return 0
+
+
 def cmd_coordinator(args) -> int:
     """A stand-alone coordinator (on a login node): the store and the membership, no workers;
     every node's launcher, node 0's included, serves it as an agent."""
@@ -93,7 +109,7 @@ def cmd_bench(args) -> int:
 
 
 COMMANDS = {"ls": cmd_ls, "show": cmd_show, "validate": cmd_validate, "plan": cmd_plan,
-            "coordinator": cmd_coordinator,
+            "coordinator": cmd_coordinator, "prepare": cmd_prepare,
             "train": cmd_train, "bench": cmd_bench}
 
 

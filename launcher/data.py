@@ -6,6 +6,11 @@ loss mask (`labels`, -100 outside the responses) and packed into rows with `posi
 padded one per row with `attention_mask` (launcher/sft_data.py). `prepare(cfg, tok, "eval")` is
 the validation data, processed the same way.
 
+The launcher builds the cache once per node before any worker starts (`prepare_node`), with
+data.num_proc processes (launcher/text_cache.py), printing progress; workers and spares then only
+memory-map it. A worker that finds no cache (a run started without the launcher) builds it itself,
+under a lock, with one process.
+
 The position is a pure function: the rows a rank trains on at global step S follow from
 (seed, S, rank, world size, micro-batch) alone, so a run resumed or recovered at any step sees
 exactly the batches of an uninterrupted run, none lost, none repeated.
@@ -22,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-DATA_FORMAT_VERSION = 1  # bump when tokenization or packing changes, to invalidate caches
+DATA_FORMAT_VERSION = 2  # bump when tokenization, packing or the layout changes (2: int32 shards)
 SFT_FORMAT_VERSION = 1  # bump when chat/instruction tokenization, masking or rows change
 PROJECT_ROOT = Path(__file__).resolve().parent.parent  # the folder holding launcher/
 
@@ -62,7 +67,7 @@ def resolve_files(files, key: str = "data.files") -> list[str]:
     return out
 
 
-def _load_files(files: list[str], key: str, d):
+def _load_files(files: list[str], key: str, d, num_proc: int = 1):
     import datasets
     ext = Path(files[0]).suffix.lstrip(".")
     builder = {"jsonl": "json", "json": "json", "txt": "text", "parquet": "parquet"}.get(ext)
@@ -72,7 +77,9 @@ def _load_files(files: list[str], key: str, d):
     if builder == "text" and d.format != "text":
         raise ValueError(f"{key}: {files[0]!r} is plain text; data.format={d.format} reads "
                          "examples from .json, .jsonl or .parquet files")
-    ds = datasets.load_dataset(builder, data_files=list(files), split="train")
+    # several processes read several files at once; the rows keep the files' order
+    ds = datasets.load_dataset(builder, data_files=list(files), split="train",
+                               num_proc=_procs_for(num_proc, len(files)))
     if builder == "text" and d.text_field != "text":
         ds = ds.rename_column("text", d.text_field)
     return ds
@@ -97,7 +104,22 @@ def _eval_source(cfg) -> tuple[str, object]:
                      "to the validation files (same format as data.files)")
 
 
-def _raw_dataset(cfg, part: str = "train"):
+def _procs_for(num_proc: int, n_files: int) -> int | None:
+    """load_dataset's num_proc: None for one process, never more than the files it splits."""
+    n = min(num_proc, n_files)
+    return n if n > 1 else None
+
+
+def _load_hub(d, split: str, num_proc: int):
+    """The hub split, downloaded and converted to Arrow once (datasets' own cache) by up to
+    `num_proc` processes, each taking whole files of the dataset (datasets lowers num_proc to the
+    number of files itself)."""
+    import datasets
+    return datasets.load_dataset(d.id, d.subset, split=split,
+                                 num_proc=num_proc if num_proc > 1 else None)
+
+
+def _raw_dataset(cfg, part: str = "train", num_proc: int = 1):
     import datasets
     d = cfg.data
     if d.source == "synthetic" and d.format != "text":
@@ -107,18 +129,18 @@ def _raw_dataset(cfg, part: str = "train"):
     if part == "eval":
         kind, where = _eval_source(cfg)
         if kind == "files":
-            ds = _load_files(where, "eval.files", d)
+            ds = _load_files(where, "eval.files", d, num_proc)
         elif kind == "hub":
-            ds = datasets.load_dataset(d.id, d.subset, split=where)
+            ds = _load_hub(d, where, num_proc)
         else:
             ds = datasets.Dataset.from_dict({d.text_field: synthetic_docs(*where)})
     elif d.source == "synthetic":
         ds = datasets.Dataset.from_dict({d.text_field: synthetic_docs(d.synthetic_docs,
                                                                       cfg.run.seed)})
     elif d.source == "hub":
-        ds = datasets.load_dataset(d.id, d.subset, split=d.split)
+        ds = _load_hub(d, d.split, num_proc)
     else:
-        ds = _load_files(resolve_files(d.files), "data.files", d)
+        ds = _load_files(resolve_files(d.files), "data.files", d, num_proc)
     if part == "train" and d.max_docs:
         ds = ds.select(range(min(d.max_docs, len(ds))))
     if d.format == "text" and d.text_field not in ds.column_names:
@@ -131,12 +153,24 @@ def _stat(files: list[str], resolved: list[str]) -> list:
     return [(f, os.path.getsize(r), os.path.getmtime(r)) for f, r in zip(files, resolved)]
 
 
+def tokenizer_fingerprint(tokenizer) -> str:
+    """What decides the token ids of a text: the vocabulary, and for a fast tokenizer its whole
+    pipeline (normalizer, pre-tokenizer, merges, added tokens), plus the end-of-text id appended
+    to each document. Two tokenizers with one vocabulary and other merges differ here."""
+    parts = {"vocab": sorted(tokenizer.get_vocab().items()), "eos": tokenizer.eos_token_id,
+             "class": type(tokenizer).__name__}
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:  # its JSON, keys sorted: the same pipeline gives the same text
+        parts["pipeline"] = json.loads(backend.to_str())
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
 def cache_key(cfg, tokenizer, part: str = "train") -> str:
-    """Names the cached rows; it covers everything the rows depend on. The training rows of
-    format=text keep the key they had before chat/instruction/eval data existed."""
+    """Names the cached rows; it covers everything the rows depend on (data.num_proc is not one
+    of them: any number of processes writes the same rows)."""
     d = cfg.data
     files = _stat(d.files, resolve_files(d.files)) if d.source == "files" else []
-    vocab = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()
+    vocab = tokenizer_fingerprint(tokenizer)
     ident = {"v": DATA_FORMAT_VERSION, "source": d.source, "id": d.id,
              "subset": d.subset, "split": d.split, "files": files,
              "field": d.text_field, "max_docs": d.max_docs, "seq_len": d.seq_len,
@@ -156,39 +190,62 @@ def cache_key(cfg, tokenizer, part: str = "train") -> str:
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _pack(ds, tokenizer, seq_len: int, text_field: str):
-    eos = tokenizer.eos_token_id
-
-    def tokenize(batch):
-        ids = tokenizer(batch[text_field], add_special_tokens=False)["input_ids"]
-        return {"ids": [x + [eos] for x in ids]}
-
-    def group(batch):
-        flat = [t for x in batch["ids"] for t in x]
-        n = len(flat) // seq_len * seq_len
-        return {"input_ids": [flat[i:i + seq_len] for i in range(0, n, seq_len)]}
-
-    ds = ds.map(tokenize, batched=True, remove_columns=ds.column_names)
-    return ds.map(group, batched=True, batch_size=1000, remove_columns=["ids"])
+def num_procs(cfg) -> int:
+    """Processes that prepare the data: data.num_proc, or 0 for all of this node's cores."""
+    from .text_cache import node_cores
+    return cfg.data.num_proc or node_cores()
 
 
-def prepare(cfg, tokenizer, part: str = "train"):
+def prepare_node(cfg, log=print) -> None:
+    """Build the caches this run's workers read, once on this node and before any of them starts:
+    the training rows, and the validation rows when eval.every > 0. Workers and spares then only
+    memory-map them (no worker tokenizes, and 8 workers do not wait on one lock for an hour).
+    A problem with the data is a RecipeError: one message, no traceback, no worker started."""
+    import time
+
+    from models import build_tokenizer
+
+    from .recipes import RecipeError
+    n = num_procs(cfg)
+    tok = build_tokenizer(cfg.tokenizer.kind, cfg.tokenizer.id or cfg.model.id,
+                          cfg.tokenizer.chat_template)
+    for part in ("train", "eval") if cfg.eval.every > 0 else ("train",):
+        t0 = time.time()
+        try:
+            ds = prepare(cfg, tok, part, num_proc=n, log=log)
+            where = Path(cfg.data.cache_dir) / cache_key(cfg, tok, part)
+        except (ValueError, FileNotFoundError) as exc:
+            raise RecipeError(f"data ({part}): {exc}") from None
+        log(f"[data] {part}: {len(ds):,} rows of {cfg.data.seq_len} tokens ready in {where} "
+            f"({time.time() - t0:.1f} s)")
+
+
+def _complete(path: Path) -> bool:
+    # each layout's last file; the folder only gets its name once whole (an atomic rename)
+    from .text_cache import MANIFEST
+    return (path / MANIFEST).exists() or (path / "dataset_info.json").exists()
+
+
+def prepare(cfg, tokenizer, part: str = "train", num_proc: int = 1, log=print):
     """The rows of `part` (train, or eval: the validation data, see `_eval_source`), built once
-    and memory-mapped from the Arrow cache afterwards.
+    with `num_proc` processes and memory-mapped from the Arrow cache afterwards.
 
-    Workers start together; a file lock lets the first build the cache while the others wait.
+    Processes asking at once (the launchers of several nodes on one shared filesystem, or workers
+    started without the launcher) take a file lock: the first builds, the others wait and map.
     """
-    import datasets
     if part not in ("train", "eval"):
         raise ValueError(f"part={part!r}: use 'train' or 'eval'")
     root = Path(cfg.data.cache_dir)
     root.mkdir(parents=True, exist_ok=True)
     path = root / cache_key(cfg, tokenizer, part)
-    with open(str(path) + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (path / "dataset_info.json").exists():
-            _build(cfg, tokenizer, part, path)
-    ds = datasets.load_from_disk(str(path))
+    if not _complete(path):
+        with open(str(path) + ".lock", "w") as lock:
+            locked = _lock(lock, path, part, log)
+            if not _complete(path):
+                if locked:  # without the lock, a leftover may be another node's build at work
+                    _clear_leftovers(path, log)
+                _build(cfg, tokenizer, part, path, num_proc, log)
+    ds = _load(path)
     if len(ds) == 0:
         what = "the dataset" if part == "train" else "the validation data"
         raise ValueError(f"{what} yields no sequence of data.seq_len={cfg.data.seq_len} "
@@ -197,21 +254,55 @@ def prepare(cfg, tokenizer, part: str = "train"):
     return ds.with_format("torch")
 
 
-def _build(cfg, tokenizer, part: str, path: Path) -> None:
-    raw = _raw_dataset(cfg, part)
-    tmp = Path(str(path) + f".tmp{os.getpid()}")
+def _lock(lock, path: Path, part: str, log) -> bool:
+    """Hold the cache's lock (waiting, and saying so, while another process builds it); False
+    where the filesystem takes no locks (some NFS and Lustre mounts): then each builder builds
+    and the first to finish names the cache (`text_cache.publish`)."""
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        log(f"[data] {part}: another process is preparing {path}; waiting for it")
+        fcntl.flock(lock, fcntl.LOCK_EX)
+    except OSError as exc:
+        log(f"[data] {part}: {path.parent} takes no file locks ({exc.strerror}): building "
+            "without one; run `python -m launcher prepare` on one node first to build it once")
+        return False
+    return True
+
+
+def _clear_leftovers(path: Path, log) -> None:
+    """Remove what an interrupted build of `path` left (we hold its lock: nobody else is at it)."""
+    for p in sorted(path.parent.glob(path.name + ".tmp*")) + \
+            sorted(path.parent.glob(path.name + ".scratch*")) + ([path] if path.exists() else []):
+        log(f"[data] removing {p}: left by an interrupted preparation, never used")
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _load(path: Path):
+    import datasets
+
+    from . import text_cache
+    if (path / text_cache.MANIFEST).exists():
+        return text_cache.load(path)
+    return datasets.load_from_disk(str(path))
+
+
+def _build(cfg, tokenizer, part: str, path: Path, num_proc: int = 1, log=print) -> None:
+    from . import text_cache
+    raw = _raw_dataset(cfg, part, num_proc)
     if cfg.data.format == "text":
-        _pack(raw, tokenizer, cfg.data.seq_len, cfg.data.text_field).save_to_disk(str(tmp))
-    else:
-        from .sft_data import build_rows, tokenize_examples
-        scratch = str(path) + f".scratch{os.getpid()}"
-        try:
-            rows, _ = build_rows(tokenize_examples(raw, tokenizer, cfg.data), tokenizer,
-                                 cfg.data, scratch, part)
-            rows.save_to_disk(str(tmp))
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
-    os.replace(tmp, path)
+        text_cache.build(raw, tokenizer, cfg.data.seq_len, cfg.data.text_field, path, num_proc,
+                         part, log)
+        return
+    from .sft_data import build_rows, tokenize_examples
+    tmp, scratch = text_cache.tmp_path(path), str(text_cache.tmp_path(path, "scratch"))
+    try:
+        rows, _ = build_rows(tokenize_examples(raw, tokenizer, cfg.data, num_proc), tokenizer,
+                             cfg.data, scratch, part)
+        rows.save_to_disk(str(tmp))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    text_cache.publish(tmp, path)
 
 
 def eval_rows(ds, max_batches: int, micro_batch_size: int) -> list[int]:
@@ -260,8 +351,9 @@ def batch_of(ds, rows: list[int]) -> dict:
     (packed examples: positions restart at each one, which also keeps attention inside it) or
     attention_mask (padded examples) when the rows have them. The cache is off: training."""
     got = ds[rows]
-    out = {"input_ids": got["input_ids"], "use_cache": False}
-    out["labels"] = got["labels"] if "labels" in got else got["input_ids"]
+    ids = got["input_ids"].long()  # raw-text rows are stored as int32; models index with int64
+    out = {"input_ids": ids, "use_cache": False}
+    out["labels"] = got["labels"] if "labels" in got else ids
     for key in ("position_ids", "attention_mask"):
         if key in got:
             out[key] = got[key]

@@ -64,6 +64,9 @@ def train(cfg, on_start=None, coordinator: bool = False) -> dict | None:
     agent."""
     sup_cfg = supervisor_config(cfg)  # refuses bad settings before anything is written
     preflight(cfg)  # devices, model, tokenizer, data, memory: once, here, not in every worker
+    if not coordinator:  # this node's workers and spares will only memory-map the data cache
+        from .data import prepare_node
+        prepare_node(cfg)
     out = Path(cfg.run.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     d = cfg.distributed

@@ -30,6 +30,16 @@ def preflight(cfg) -> None:
                           "\n  - ".join(problems))
 
 
+def preflight_data(cfg) -> None:
+    """The part of the pre-flight that preparing the data needs (`python -m launcher prepare`,
+    on a node or login host without the recipe's GPUs): the tokenizer and the dataset."""
+    _offline_unless_reachable(cfg)
+    problems = [p for p in (_tokenizer(cfg), _data(cfg)) if p]
+    if problems:
+        raise RecipeError("the data of this recipe cannot be prepared here:\n  - " +
+                          "\n  - ".join(problems))
+
+
 def _offline_unless_reachable(cfg) -> None:
     """When the recipe names hub ids and the hub cannot be reached, go offline at once (for this
     process and the workers it starts), so each check reads the local cache instead of retrying

@@ -455,6 +455,8 @@ def validate(cfg: DictConfig) -> None:
          c.max_replacement_failures, "must be >= 1")
     need(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
     need(cfg.data.seq_len >= 8, "data.seq_len", cfg.data.seq_len, "must be >= 8")
+    need(cfg.data.num_proc >= 0, "data.num_proc", cfg.data.num_proc,
+         "must be >= 0 processes (0: all of this node's cores, e.g. data.num_proc=0)")
     if cfg.model.init == "pretrained":
         need(cfg.model.id, "model.id", cfg.model.id,
              "model.init=pretrained needs a hub id or local folder, e.g. model.id=gpt2")

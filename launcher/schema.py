@@ -52,7 +52,8 @@ class DataConfig:
     seq_len: int = 256  # tokens per packed training sequence
     max_docs: Optional[int] = None  # use only the first N documents (quick trials)
     synthetic_docs: int = 4000  # documents generated when source=synthetic
-    cache_dir: str = ".cache/data"  # tokenized, packed Arrow cache (memory-mapped on load)
+    cache_dir: str = ".cache/data"  # tokenized, packed Arrow cache (memory-mapped on load); on a filesystem all nodes share, one node builds it and the others wait and map it
+    num_proc: int = 0  # processes that download, convert and tokenize the data, once per node in the launcher before workers start (0: all of this node's cores); the rows do not depend on it
 
 
 @dataclass

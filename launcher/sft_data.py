@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 IGNORE = -100
+MIN_EXAMPLES_PER_PROC = 1000  # fewer per process spend more on starting processes than they save
 ROLES = ("system", "user", "assistant")
 
 
@@ -158,8 +159,10 @@ def _require_columns(ds, d) -> None:
                          f"{hint}")
 
 
-def tokenize_examples(ds, tokenizer, d):
-    """A dataset of `ids` and `labels` (one example each, not yet cut or padded)."""
+def tokenize_examples(ds, tokenizer, d, num_proc: int = 1):
+    """A dataset of `ids` and `labels` (one example each, not yet cut or padded), tokenized by up
+    to `num_proc` processes, each a contiguous run of at least MIN_EXAMPLES_PER_PROC examples.
+    datasets keeps the examples' order, so the rows packed from them do not depend on num_proc."""
     _require_columns(ds, d)
     if d.format == "chat":
         check_chat_template(tokenizer)
@@ -179,7 +182,9 @@ def tokenize_examples(ds, tokenizer, d):
             ids, labels = instruction_example(tokenizer, p, r, d.train_on_prompt)
             return {"ids": ids, "labels": labels}
 
-    return ds.map(one, with_indices=True, remove_columns=ds.column_names)
+    procs = min(num_proc, len(ds) // MIN_EXAMPLES_PER_PROC)
+    return ds.map(one, with_indices=True, remove_columns=ds.column_names,
+                  num_proc=procs if procs > 1 else None)
 
 
 def _rows(examples: Iterable[tuple[list[int], list[int]]], seq_len: int, pad_id: int,
