@@ -75,21 +75,42 @@ def remove_partial(directory, before_step: int | None = None, same_step_before_g
             shutil.rmtree(p, ignore_errors=True)
 
 
-def host_copy(obj):
-    """A copy of a (nested) state that training cannot change under the writer. DTensors stay
-    DTensors (their placement is what DCP records), holding a copy of the local shard."""
-    if isinstance(obj, torch.Tensor):
-        if hasattr(obj, "to_local") and hasattr(obj, "device_mesh"):
-            from torch.distributed.tensor import DTensor
-            local = obj.to_local().detach().to("cpu", copy=True)
-            return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False,
-                                      shape=obj.shape, stride=obj.stride())
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: host_copy(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(host_copy(v) for v in obj)
-    return copy.deepcopy(obj)
+def host_copy(value):
+    """A copy that training cannot change under the writer: of a tensor, a host copy (of the
+    local shard of a DTensor: the only part of it this rank writes); of anything else, a deep
+    copy."""
+    if isinstance(value, torch.Tensor):
+        local = value.to_local() if hasattr(value, "to_local") else value
+        return local.detach().to("cpu", copy=True)
+    return copy.deepcopy(value)
+
+
+class _SnapshotPlanner:
+    """DCP's default save planner, planned on the live state, writing from host copies.
+
+    The plan needs the live DTensors (their placement says which chunk of the global tensor
+    this rank holds); the data must come from copies taken before training resumes. After
+    planning, the flattened state is swapped for copies, local shards standing in for DTensors:
+    this rank's one chunk of each, which is all its plan asks for."""
+
+    @staticmethod
+    def make():
+        from torch.distributed.checkpoint import DefaultSavePlanner
+
+        class Planner(DefaultSavePlanner):
+            sharded: set = frozenset()
+
+            def swap_in_copies(self) -> None:
+                live = self.state_dict
+                self.sharded = {k for k, v in live.items() if hasattr(v, "to_local")}
+                self.state_dict = {k: host_copy(v) for k, v in live.items()}
+
+            def lookup_object(self, index):
+                if index.fqn in self.sharded:
+                    return self.state_dict[index.fqn]
+                return super().lookup_object(index)
+
+        return Planner()
 
 
 class ShardedCheckpoints:
@@ -107,14 +128,13 @@ class ShardedCheckpoints:
     def save(self, step: int, state: dict, gen: int = 0) -> None:
         """Collective over the current group: every rank calls it with the same step. Waits for
         this rank's previous write first (one in flight at a time)."""
-        from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+        from torch.distributed.checkpoint import FileSystemWriter
         t0 = time.time()
         self.wait()
         rank, world = dist.get_rank(), dist.get_world_size()
         tmp = self.dir / f".step-{step:08d}.g{gen}.tmp"
-        snap = host_copy(state)
-        planner, writer = DefaultSavePlanner(), FileSystemWriter(tmp, sync_files=True)
-        planner.set_up_planner(state_dict=snap, storage_meta=writer.storage_meta(),
+        planner, writer = _SnapshotPlanner.make(), FileSystemWriter(tmp, sync_files=True)
+        planner.set_up_planner(state_dict=state, storage_meta=writer.storage_meta(),
                                is_coordinator=rank == 0)
         writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
         local = writer.prepare_local_plan(planner.create_local_plan())  # creates `tmp`
@@ -125,6 +145,7 @@ class ShardedCheckpoints:
         plans, metadata = planner.create_global_plan(plans)
         plans = writer.prepare_global_plan(plans)
         mine = planner.finish_plan(plans[rank])
+        planner.swap_in_copies()  # from here on training may change the live state
         self.last_plan_s = time.time() - t0
         self._thread = threading.Thread(
             target=self._write, args=(step, gen, tmp, planner, writer, mine, metadata, rank, world),
