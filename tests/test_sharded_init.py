@@ -24,7 +24,8 @@ def _digest(state: dict) -> str:
 def _sharded_digest(rank, port, q, world, overrides):
     import torch.distributed as dist
 
-    from launcher.model_setup import build, full_state, shard
+    from launcher.export import local_state
+    from launcher.model_setup import build, shard
     from models.init import is_meta
     dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", port, is_master=False),
                             rank=rank, world_size=world)
@@ -34,8 +35,8 @@ def _sharded_digest(rank, port, q, world, overrides):
     meta_before = is_meta(model)
     shard(model, cfg)
     local = sum(p.to_local().numel() for p in model.parameters())
-    state = full_state(model, "fsdp")
-    q.put((rank, meta_before, is_meta(model), local, _digest(state)))
+    # every rank gathers each tensor in turn (full_state would give rank 0 alone the state)
+    q.put((rank, meta_before, is_meta(model), local, _digest(local_state(model, "fsdp"))))
     dist.destroy_process_group()
 
 
@@ -121,7 +122,8 @@ def test_an_init_that_cannot_be_replayed_is_refused_by_name():
 def _pretrained_digest(rank, port, q, world, folder):
     import torch.distributed as dist
 
-    from launcher.model_setup import build, full_state, shard
+    from launcher.export import local_state
+    from launcher.model_setup import build, shard
     from models import pretrained
     read = []
     original = pretrained.SafetensorsFiles.read_part
@@ -137,7 +139,7 @@ def _pretrained_digest(rank, port, q, world, folder):
                        "model.init": "pretrained", "model.id": folder})
     _, model, _ = build(cfg, torch.device("cpu"))
     shard(model, cfg)
-    q.put((rank, sum(read), _digest(full_state(model, "fsdp"))))
+    q.put((rank, sum(read), _digest(local_state(model, "fsdp"))))
     dist.destroy_process_group()
 
 

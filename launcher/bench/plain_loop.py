@@ -29,7 +29,8 @@ from checkpointless.digest import state_sha256
 
 from ..data import to_device
 from ..loop import Metrics, build_optimizer, lr_at
-from ..model_setup import build, full_state, setup, shard
+from ..export import local_state
+from ..model_setup import build, setup, shard
 from ..schema import Recipe
 
 
@@ -83,8 +84,9 @@ def main(recipe_file: str) -> None:
         if metrics:
             metrics.step(step, loss_value, lr, float(grad_norm), t0, time.time())
 
-    state = full_state(model, d.strategy)  # a collective under fsdp: every rank takes part
-    sha = state_sha256(state)  # after training: the step itself runs no project code
+    state = local_state(model, d.strategy)  # DTensors under fsdp, gathered one at a time by
+    sha = state_sha256(state)  # the digest (every rank takes part), after training: the step
+    # itself runs no project code
     if metrics:
         metrics.close()
     trainable = [p for p in model.parameters() if p.requires_grad]
