@@ -1,7 +1,6 @@
 """Sharded initialization (models/init.py, launcher/model_setup.build/shard): a random init is
 built on the meta device, each rank fills only its FSDP2 shard, and the full model is the same
 bits for a seed whatever the world size or strategy; the model's own init rules are kept."""
-import hashlib
 import math
 
 import pytest
