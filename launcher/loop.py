@@ -29,8 +29,8 @@ from checkpointless.digest import state_sha256
 from .checkpoints import durable_checkpoints
 from .data import to_device
 from .evaluate import evaluate
-from .export import export, export_lora
 from .memory import held
+from .export import export, export_lora
 from .model_setup import build, build_eval, cpu_threads, full_state, setup, shard, warm_up
 from .schema import Recipe
 
