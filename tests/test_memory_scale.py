@@ -83,7 +83,10 @@ def test_a_wide_llama_with_replication_survives_a_kill_with_the_failure_free_bit
     """The 0.4B model's width at 4 layers (67M): replication keeps two versions of each rank's
     slice and of its peer's (4 x 12 bytes per parameter over the job), which at 24 layers would
     need ~19 GB of this machine's 23."""
-    model = (*WIDE, "model.config.num_hidden_layers=4", *RUN, "trainer.max_steps=4")
+    # pg_timeout_s=120: a kill during a replica exchange can still leave a survivor waiting for
+    # the process-group timeout (issue 13 item 6); measured here once at 900 s: 920 s recovery
+    model = (*WIDE, "model.config.num_hidden_layers=4", *RUN, "trainer.max_steps=4",
+             "checkpointless.pg_timeout_s=120")
     ref = run(tmp_path, "ref", *model, "checkpointless.spares=0",
               "checkpointless.replication.factor=1")
     rep = run(tmp_path, "kill", *model, "checkpointless.spares=1",
