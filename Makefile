@@ -3,6 +3,7 @@
 #   make train RECIPE=llama3-8b trainer.max_steps=100 optim.lr=3e-4
 #   make test                                    the whole suite (CPU, offline; what CI runs)
 #   make test-fast                               the suite without real training processes (< 3 min)
+#   make test-scale                              the 0.4B-parameter, 8-worker memory tests (not in make test)
 #   make bench                                   goodput benchmark (checkpointless vs restart)
 # Every variable given on make's command line other than RECIPE is passed on as an override.
 
@@ -13,7 +14,7 @@ RECIPE ?= tiny-demo
 OVERRIDES := $(foreach o,$(filter-out RECIPE=%,$(MAKEOVERRIDES)),'$(o)')
 STAMP := $(VENV)/.installed
 
-.PHONY: train test test-fast bench ls validate clean
+.PHONY: train test test-fast test-scale bench ls validate clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,10 +27,13 @@ train: $(STAMP)
 	HF_HUB_DISABLE_TELEMETRY=1 $(PY) -m launcher train $(RECIPE) $(OVERRIDES)
 
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not scale" tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 test-fast: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not slow" tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not slow and not scale" tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+test-scale: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m scale tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m launcher bench $(OVERRIDES)

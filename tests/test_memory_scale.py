@@ -26,7 +26,7 @@ from launcher import plan
 from tests.conftest import ROOT
 from tests.test_train_e2e import assert_replicas_agree
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.scale]
 
 WIDE = ("model.config.hidden_size=1024", "model.config.intermediate_size=4096",
         "model.config.num_attention_heads=16", "model.config.num_key_value_heads=16",
