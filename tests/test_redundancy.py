@@ -1,7 +1,6 @@
 """Peer replicas of sharded state: choosing the step to roll back to and who serves each slice."""
 import pytest
 import torch
-import torch.distributed as dist
 
 from checkpointless.redundancy import ShardReplicas, pick_holders, restorable_step
 from tests.conftest import spawn_gloo
@@ -48,26 +47,31 @@ def test_load_is_spread_over_holders():
     assert set(holders) == {2, 3} and len(set(holders.values())) == 2
 
 
+def _side(port, gen, rank, world, timeout_s=60.0):
+    """What the job's connect() builds: a gloo group of its own, per generation."""
+    from checkpointless.group import side_group
+    return lambda: side_group("127.0.0.1", port, gen, rank, world, timeout_s)
+
+
 def _exchange(rank, port, q):
-    store = dist.TCPStore("127.0.0.1", port, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=3)
     rep = ShardReplicas(factor=2)
-    for step in (4, 5, 6):
-        rep.replicate(step, {"w": torch.full((rank + 2,), float(rank * 10 + step))}, rank, 3)
+    for step in (3, 4, 5, 6):
+        rep.replicate(step, {"w": torch.full((rank + 2,), float(rank * 10 + step))}, rank, 3,
+                      gen=0, connect=_side(port, 0, rank, 3))
+    rep.wait()
     src = rep.sources_for(rank, 3)[0]
     from checkpointless.transfer import unflatten_state
     skel, flat = rep.held[src][6]
     got = unflatten_state(skel, flat)["w"]
     q.put((rank, sorted(rep.own), sorted(rep.held[src]), got.tolist()))
-    dist.destroy_process_group()
 
 
-def test_replicas_are_exchanged_over_gloo_and_two_versions_kept():
+def test_replicas_are_exchanged_in_the_background_and_three_versions_kept():
     got = spawn_gloo(_exchange, 3)
-    # rank r holds rank r-1's slice (uneven sizes), versions 5 and 6
-    assert got[0] == (0, [5, 6], [5, 6], [26.0] * 4)
-    assert got[1] == (1, [5, 6], [5, 6], [6.0] * 2)
-    assert got[2] == (2, [5, 6], [5, 6], [16.0] * 3)
+    # rank r holds rank r-1's slice (uneven sizes), versions 4, 5 and 6
+    assert got[0] == (0, [4, 5, 6], [4, 5, 6], [26.0] * 4)
+    assert got[1] == (1, [4, 5, 6], [4, 5, 6], [6.0] * 2)
+    assert got[2] == (2, [4, 5, 6], [4, 5, 6], [16.0] * 3)
 
 
 def test_bad_factor_is_refused():
