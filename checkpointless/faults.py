@@ -106,10 +106,11 @@ class FaultInjector:
             self._record(f, store)
             where = "" if phase == "step" else f" ({phase})"
             print(f"[fault] injecting {f.kind} at rank {rank}, step {step}{where}", flush=True)
-            if f.kind == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            elif f.kind == "hang":
-                os.kill(os.getpid(), signal.SIGSTOP)
+            if f.kind in ("kill", "hang"):
+                os.kill(os.getpid(), signal.SIGKILL if f.kind == "kill" else signal.SIGSTOP)
+                # the signal can take effect a few ms after kill() returns (seen here: a thread
+                # sent a whole message after its own SIGSTOP); nothing may progress meanwhile
+                time.sleep(5)
             elif f.kind == "corrupt":
                 self.corrupt()
             else:

@@ -74,11 +74,9 @@ class ShardReplicas:
 
     # ---- buffers (call with the lock held) ------------------------------------------------
     def _take(self, nbytes: int) -> torch.Tensor:
-        fits = [b for b in self._pool if b.numel() >= nbytes]
-        if fits:
-            buf = min(fits, key=lambda b: b.numel())
-            self._pool.remove(buf)
-            return buf
+        fits = [i for i, b in enumerate(self._pool) if b.numel() >= nbytes]
+        if fits:  # the smallest that fits (list.remove would compare tensors by value)
+            return self._pool.pop(min(fits, key=lambda i: self._pool[i].numel()))
         size = -(-nbytes // _SLACK) * _SLACK
         return torch.empty(size, dtype=torch.uint8, pin_memory=self._pin)
 

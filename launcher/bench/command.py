@@ -12,7 +12,7 @@ from .baseline import (PLAIN_LOOP, checkpoint_every, measure_consistency, measur
 from .config import parse
 from .failures import schedule
 from .modes import mode_recipe, run_supervised
-from .paired import paired_modes, run_paired
+from .paired import paired_modes, run_paired, run_paired_launchers
 from .records import read_records, run_digest, summarize
 from .report import report
 
@@ -69,6 +69,12 @@ def bench(args: list[str]) -> int:
               f"({cfg.paired_steps} steps each)", flush=True)
         paired = run_paired(cfg, overrides, pair)
         print(f"[bench] paired: {json.dumps(paired)}", flush=True)
+    if {"fsdp", "fsdp-replicated"} <= set(modes) and cfg.paired_steps:
+        print(f"[bench] fsdp and fsdp-replicated side by side, taking turns every "
+              f"{cfg.turn_s:g} s ({cfg.paired_steps} steps each)", flush=True)
+        fsdp_pair = run_paired_launchers(cfg, overrides, ("fsdp", "fsdp-replicated"))
+        print(f"[bench] paired fsdp: {json.dumps(fsdp_pair)}", flush=True)
+        paired = dict(paired, **fsdp_pair)
     return report(cfg, results, save_cost, out_root, paired, grad_copy, consistency)
 
 
