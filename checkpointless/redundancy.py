@@ -166,13 +166,13 @@ class ShardReplicas:
                            f"{job.error}") from job.error
         return True
 
-    def abandon(self) -> None:
+    def abandon(self, join_s: float = 0.0) -> None:
         """Leave the current generation's exchange: whatever it still does is discarded.
 
         Called when a recovery begins. The thread may be blocked on a dead peer (tearing the
         group down shuts its sockets too, release.py) or still building its group; it is never
-        joined. It commits nothing once the token moved, and the buffer it may still be sending
-        from is never reused."""
+        joined (unless `join_s`). It commits nothing once the token moved, and the buffer it may
+        still be sending from is never reused."""
         with self._lock:
             self._token += 1
             job = self._inflight
@@ -180,17 +180,19 @@ class ShardReplicas:
                 self._retired.add(job.payload.data_ptr())
         self._inflight = None
         if self._exchanger is not None:
-            self._exchanger.stop()
+            self._exchanger.stop(join_s)
             self._exchanger = None
 
     def close(self, moved=None, timeout_s: float = 30.0) -> None:
         """At the end of a run: let the last exchange finish (peers are still there), then stop
-        the thread. Its failure no longer matters."""
+        the thread and wait until its group is gone: a gloo group still being destroyed while
+        the process exits aborts it (seen here: exit code -6, "terminate called without an
+        active exception"). A failure of that last copy no longer matters."""
         try:
             self.wait(moved, timeout_s)
         except Exception:  # noqa: BLE001  the run is over: a late copy is worth nothing
             pass
-        self.abandon()
+        self.abandon(join_s=timeout_s)
 
     def _commit_receive(self, job: "_Job", headers: dict[int, torch.Tensor]):
         """In the thread, after the headers: drop what the arriving versions replace and hand
@@ -254,14 +256,17 @@ class _Exchanger:
         self.owner, self.gen, self.connect = owner, gen, connect
         self.broken = False  # after a failure the side group's state is unknown: not reused
         self._jobs: queue.Queue = queue.Queue()
-        threading.Thread(target=self._run, daemon=True,
-                         name=f"checkpointless-replicas-{gen}").start()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"checkpointless-replicas-{gen}")
+        self._thread.start()
 
     def submit(self, job: _Job) -> None:
         self._jobs.put(job)
 
-    def stop(self) -> None:
+    def stop(self, join_s: float = 0.0) -> None:
         self._jobs.put(None)
+        if join_s > 0:
+            self._thread.join(join_s)
 
     def _run(self) -> None:
         group = None
