@@ -99,6 +99,12 @@ class Job:
         r = self._state.replicas
         return r.host_bytes() if r is not None else None
 
+    def replica_timing(self) -> dict | None:
+        """What the replica exchanges cost this rank's training thread: their count, and the
+        seconds spent copying snapshots and waiting for the previous exchange (fsdp)."""
+        r = self._state.replicas
+        return dict(r.timing) if r is not None else None
+
     # ---- state ---------------------------------------------------------------------------------
     def protect(self, send_frozen: bool = True, **objects) -> None:
         """Register what a replacement needs: anything with state_dict() / load_state_dict(),
@@ -269,7 +275,7 @@ class Job:
         watch = rec.watch
         try:
             replicas.replicate(
-                step, self._state.state(), rank, world, gen=gen,
+                step, self._state.state, rank, world, gen=gen,
                 connect=lambda: side_group(watch.host, watch.port, gen, rank, world,
                                            self.spec.pg_timeout_s),
                 moved=lambda: watch.moved(gen))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import pickle
 import queue
 import threading
+import time
 
 import numpy as np
 import torch
@@ -60,6 +61,8 @@ class ShardReplicas:
         self._exchanger: _Exchanger | None = None
         self._inflight: _Job | None = None
         self._pin = torch.cuda.is_available()  # pinned buffers make device-to-host copies fast
+        # what the exchanges cost the training thread itself (the rest runs beside the step)
+        self.timing = {"exchanges": 0, "snapshot_s": 0.0, "wait_s": 0.0}
 
     def holders_of(self, rank: int, world: int) -> list[int]:
         return [(rank + i * self.offset) % world for i in range(1, self.factor)
@@ -119,14 +122,22 @@ class ShardReplicas:
     def replicate(self, step: int, state, rank: int, world: int, gen: int = 0, connect=None,
                   moved=None) -> int:
         """Snapshot my slice and start sending it to my holders in the background (receiving my
-        sources' slices at the same time). Every rank calls it at the same steps.
+        sources' slices at the same time). Every rank calls it at the same steps. `state`: the
+        state, or a function returning it.
 
         Waits first for this rank's previous exchange (raising PeerLost if it failed, or
         MembershipMoved as soon as `moved()` says a newer generation exists). `connect()` builds
         the side group of generation `gen`; it is called in the exchange thread, once per
         generation. Returns the bytes this exchange sends."""
+        t0 = time.perf_counter()
+        if callable(state):  # read here, so reading the state dicts is timed with the copy
+            state = state()
         payload, nflat = self.snapshot(step, state)
+        t1 = time.perf_counter()
         self.wait(moved)
+        self.timing["exchanges"] += 1
+        self.timing["snapshot_s"] += t1 - t0
+        self.timing["wait_s"] += time.perf_counter() - t1
         holders, sources = self.holders_of(rank, world), self.sources_for(rank, world)
         if not holders and not sources:
             return 0

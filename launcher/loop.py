@@ -242,6 +242,7 @@ def main(recipe_file: str) -> None:
     local = sum(getattr(p, "_local_tensor", p).numel() for p in model.parameters())
     result = {"params_sha256": digest, "local_params": local, "rank": job.rank,
               "replica_host_bytes": getattr(job, "replica_host_bytes", lambda: None)(),
+              "replica_timing": getattr(job, "replica_timing", lambda: None)(),
               "full_params": sum(v.numel() for v in state.values()),
               "final_loss": loss_value, "steps": job.completed_steps, "eval": last_eval}
     (out_dir / "results").mkdir(exist_ok=True)

@@ -201,6 +201,12 @@ def replication_line(s: dict, paired: dict) -> str:
     seq = round(rep["step_s_median"] / base["step_s_median"] - 1, 4)
     rep["replication_overhead_sequential"] = seq
     mem = f"replica host memory per worker: {(rep.get('replica_host_bytes') or 0) / 1e6:.1f} MB"
+    crit = rep.get("replica_critical_ms")
+    if crit:  # timed inside the run: what the step waits for, free of the machine's drift
+        mem += (f"; on the training thread per exchange: snapshot copy {crit['snapshot']:.2f} ms"
+                f" + waiting for the previous exchange {crit['wait']:.2f} ms (slowest rank), "
+                f"{(crit['snapshot'] + crit['wait']) / 1000 / base['step_s_median']:.1%} "
+                f"of fsdp's step")
     a, b = (paired or {}).get("step_s_median_fsdp-replicated"), \
         (paired or {}).get("step_s_median_fsdp")
     if a and b:
