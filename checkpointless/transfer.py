@@ -34,9 +34,12 @@ def strip_tensors(obj) -> tuple[object, list[torch.Tensor]]:
 
     def strip(x):
         if isinstance(x, torch.Tensor):
-            t = x.detach()
-            if hasattr(t, "full_tensor"):  # a DTensor: send the local shard only
-                t = t.to_local()
+            # a DTensor: its local shard only, read as an attribute (detach and to_local go
+            # through DTensor's dispatch, ~0.1 ms a tensor: most of a snapshot's cost)
+            t = getattr(x, "_local_tensor", None)
+            if t is None:
+                t = x.to_local() if hasattr(x, "full_tensor") else x
+            t = t.detach()
             tensors.append(t)
             return _TensorRef(len(tensors) - 1, t.dtype, tuple(t.shape))
         if isinstance(x, dict):
