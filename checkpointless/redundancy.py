@@ -81,6 +81,9 @@ class ShardReplicas:
         fits = [i for i, b in enumerate(self._pool) if b.numel() >= nbytes]
         if fits:  # the smallest that fits (list.remove would compare tensors by value)
             return self._pool.pop(min(fits, key=lambda i: self._pool[i].numel()))
+        # none fits: the layout grew (the optimizer state appears after the first step), and
+        # smaller spares would never fit again
+        self._pool.clear()
         size = -(-nbytes // _SLACK) * _SLACK
         return torch.empty(size, dtype=torch.uint8, pin_memory=self._pin)
 
