@@ -56,7 +56,6 @@ class ShardReplicas:
         self.on_exchange = None
         self._lock = threading.Lock()  # own, held, the pool and the token, across both threads
         self._pool: list[torch.Tensor] = []  # buffers of dropped versions, to be reused
-        self._places: dict = {}  # (buffer, tensor sizes) -> each tensor's view in that buffer
         self._retired: set[int] = set()  # buffers an abandoned exchange may still read
         self._token = 0  # bumped when a generation is left: its exchange may commit nothing
         self._exchanger: _Exchanger | None = None
@@ -112,20 +111,10 @@ class ShardReplicas:
                 self._release(self.own.pop(s)[1])
             self._keep_newest(self.own, KEEP - 1, self._release)
             buf = self._take(nflat + len(skel))
-        # one fused copy of every tensor into its place; the places in a reused buffer are
-        # cached (the layout repeats from step to step)
-        key = (buf.data_ptr(), tuple(sizes))
-        dsts = self._places.get(key)
-        if dsts is None:
-            offs = [0]
-            for n in sizes:
-                offs.append(offs[-1] + n)
-            dsts = [buf[o:o + n] for o, n in zip(offs, sizes) if n]
-            self._places = {key: dsts} if len(self._places) > 2 * KEEP + 4 else \
-                {**self._places, key: dsts}
+        # one fused copy of every tensor into its place (split makes the places in one call)
         srcs = [t.reshape(-1).view(torch.uint8) for t, n in zip(tensors, sizes) if n]
         if srcs:
-            torch._foreach_copy_(dsts, srcs)
+            torch._foreach_copy_(list(buf[:nflat].split([n for n in sizes if n])), srcs)
         buf[nflat:nflat + len(skel)].numpy()[:] = np.frombuffer(skel, dtype=np.uint8)
         with self._lock:
             self.own[step] = (skel, buf[:nflat])
