@@ -11,6 +11,8 @@ and the phase says when it strikes:
   regroup  while the worker holding that rank builds a new generation's group after a failure
            at that step (a second failure during a recovery)
   receive  in the worker taking over that rank, just before it receives the state of that step
+  exchange in that rank's background replica exchange (fsdp) of its snapshot of that step, after
+           the headers and before the payloads: its holder is receiving, the step computing
 
 Each fault fires once per run: the first worker to reach it claims it in the shared store, so the
 spare that takes over the rank and redoes the step does not fail again.
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 from . import protocol
 
 KINDS = ("kill", "hang", "raise", "corrupt")
-PHASES = ("step", "regroup", "receive")
+PHASES = ("step", "regroup", "receive", "exchange")
 
 
 class InjectedFault(RuntimeError):
@@ -75,12 +77,12 @@ class FaultInjector:
         self.worker_id = worker_id
         self.corrupt = lambda: None  # set by the job: flips a bit of the protected parameters
 
-    def _claim(self, index: int) -> bool:
-        return self.store.add(protocol.fault_claim_key(index), 1) == 1
+    def _claim(self, index: int, store=None) -> bool:
+        return (store or self.store).add(protocol.fault_claim_key(index), 1) == 1
 
-    def _record(self, fault: Fault) -> None:
+    def _record(self, fault: Fault, store=None) -> None:
         # The supervisor reads this to time detection from the real moment of failure.
-        self.store.set(protocol.fault_time_key(self.worker_id),
+        (store or self.store).set(protocol.fault_time_key(self.worker_id),
                        json.dumps({"t": time.time(), "kind": fault.kind, "step": fault.step}))
 
     def before_step(self, rank: int, step: int) -> None:
@@ -90,20 +92,25 @@ class FaultInjector:
     def raise_due(self, rank: int, step: int) -> None:
         self.at("step", rank, step, kinds=("raise",))
 
-    def at(self, phase: str, rank: int, step: int, kinds=KINDS) -> None:
-        """Fire the faults scheduled for this phase, rank and step (each once per job)."""
+    def scheduled(self, phase: str, rank: int, step: int) -> bool:
+        return any((f.phase, f.rank, f.step) == (phase, rank, step) for f in self.faults)
+
+    def at(self, phase: str, rank: int, step: int, kinds=KINDS, store=None) -> None:
+        """Fire the faults scheduled for this phase, rank and step (each once per job).
+        `store`: a connection of the calling thread's own (the exchange thread's)."""
         for i, f in enumerate(self.faults):
             if (f.phase, f.rank, f.step) != (phase, rank, step) or f.kind not in kinds:
                 continue
-            if not self._claim(i):
+            if not self._claim(i, store):
                 continue
-            self._record(f)
+            self._record(f, store)
             where = "" if phase == "step" else f" ({phase})"
             print(f"[fault] injecting {f.kind} at rank {rank}, step {step}{where}", flush=True)
-            if f.kind == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            elif f.kind == "hang":
-                os.kill(os.getpid(), signal.SIGSTOP)
+            if f.kind in ("kill", "hang"):
+                os.kill(os.getpid(), signal.SIGKILL if f.kind == "kill" else signal.SIGSTOP)
+                # the signal can take effect a few ms after kill() returns (seen here: a thread
+                # sent a whole message after its own SIGSTOP); nothing may progress meanwhile
+                time.sleep(5)
             elif f.kind == "corrupt":
                 self.corrupt()
             else:

@@ -93,6 +93,18 @@ class Group:
                         info.shard_process_group = group
 
 
+def side_group(host: str, port: int, gen: int, rank: int, world_size: int, timeout_s: float):
+    """A second gloo group over generation `gen`'s members, for the replica exchange thread
+    (redundancy.py): one group's calls must not run from two threads at once.
+
+    Built in that thread on its own store connection, under its own prefix, and never registered
+    with torch.distributed, so FSDP and the training group know nothing of it. Tearing down the
+    training group shuts its sockets too (release.py severs every peer connection)."""
+    store = membership.connect(host, port)
+    return dist.ProcessGroupGloo(dist.PrefixStore(f"replicas/{gen}", store), rank, world_size,
+                                 timedelta(seconds=timeout_s))
+
+
 def reshard_all(modules) -> None:
     """A step cut short leaves FSDP mid-iteration: parameters gathered, and the forward order of
     the interrupted pass still recorded, by which the redo's backward would prefetch (a survivor

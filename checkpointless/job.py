@@ -35,6 +35,7 @@ from .ddp import DistributedDataParallel
 from .failures import report_error, report_uncaught
 from .faults import FaultInjector, InjectedFault, parse_faults
 from .grads import KeptGrads, all_reduce_extra
+from .group import side_group
 from .plain import PlainJob
 from .recovery import Phase, Recovery
 from .seeding import seed_all, step_seed
@@ -59,7 +60,6 @@ class Job:
                              self._injector)
         self._scope_used = False
         self._step_t0 = 0.0
-        self._replications: dict[int, int] = {}  # generation -> replica exchanges done in it
         self._ddp: DistributedDataParallel | None = None
         self._preempted = False
 
@@ -98,6 +98,12 @@ class Job:
         """Host memory held for peer copies of shards (fsdp), or None without replication."""
         r = self._state.replicas
         return r.host_bytes() if r is not None else None
+
+    def replica_timing(self) -> dict | None:
+        """What the replica exchanges cost this rank's training thread: their count, and the
+        seconds spent copying snapshots and waiting for the previous exchange (fsdp)."""
+        r = self._state.replicas
+        return dict(r.timing) if r is not None else None
 
     # ---- state ---------------------------------------------------------------------------------
     def protect(self, send_frozen: bool = True, **objects) -> None:
@@ -241,7 +247,7 @@ class Job:
         False when a peer failed meanwhile (the next turn recovers)."""
         detection.beat(self.store, self.worker_id, step, self._rec.gen, "step")
         self._injector.before_step(self._rec.rank, step)
-        self._step_t0 = time.time()  # the replica exchange is part of the step's cost
+        self._step_t0 = time.time()  # the replica snapshot (and any wait) is part of the step
         return self._replicate(step) and self._consistent(step)
 
     def _after_body(self) -> None:
@@ -258,17 +264,21 @@ class Job:
             raise
 
     def _replicate(self, step: int) -> bool:
-        """Copy this rank's shard to its peers when due; False when a peer failed meanwhile."""
+        """Snapshot this rank's shard when due and start copying it to its peers in the
+        background (redundancy.py); False when a peer failed meanwhile."""
         replicas, rec = self._state.replicas, self._rec
         if replicas is None or not replicas.due(step):
             return True
+        if replicas.on_exchange is None:
+            replicas.on_exchange = self._exchange_fault
+        gen, rank, world = rec.gen, rec.rank, rec.world_size
+        watch = rec.watch
         try:
-            # message sizes are exchanged on the first two copies of each generation (the
-            # optimizer state appears after the first step), then reused
-            done = self._replications.get(rec.gen, 0)
-            replicas.replicate(step, self._state.state(), rec.rank, rec.world_size,
-                               moved=lambda: rec.watch.moved(rec.gen), sizes_known=done >= 2)
-            self._replications = {rec.gen: done + 1}
+            replicas.replicate(
+                step, self._state.state, rank, world, gen=gen,
+                connect=lambda: side_group(watch.host, watch.port, gen, rank, world,
+                                           self.spec.pg_timeout_s),
+                moved=lambda: watch.moved(gen))
             return True
         except Exception as exc:
             if not rec.is_peer_failure(exc):
@@ -276,6 +286,13 @@ class Job:
                 raise
             rec.fail()
             return False
+
+    def _exchange_fault(self, rank: int, step: int) -> None:
+        """In the exchange thread: a kill or hang scheduled `@exchange` fires here, claimed over
+        a store connection of the thread's own."""
+        if self._injector.scheduled("exchange", rank, step):
+            store = membership.connect(self._rec.watch.host, self._rec.watch.port)
+            self._injector.at("exchange", rank, step, kinds=("kill", "hang"), store=store)
 
     def _consistent(self, step: int) -> bool:
         """Every `consistency_every` steps, check that all replicas hold the same parameters; a
@@ -366,6 +383,8 @@ class Job:
                     f"{sums}); the run is not a success")
                 report_error(self.store, self.worker_id, exc)
                 raise exc
+        if self._state.replicas is not None:  # the last copy is worth nothing now: stop it
+            self._state.replicas.close(lambda: self._rec.watch.moved(self.gen), timeout_s=10.0)
         self.store.set(protocol.result_key(self.rank), json.dumps(result or {}))
         detection.beat(self.store, self.worker_id, self._rec.completed, self.gen, "done")
         self.store.set(protocol.done_key(self.worker_id), "1")

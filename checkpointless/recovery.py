@@ -176,6 +176,8 @@ class Recovery:
 
     def recover(self) -> None:
         self.catching_up = 0
+        if self.state.replicas is not None:  # its thread may be blocked on the dead peer
+            self.state.replicas.abandon()
         self.group.teardown()
         plan = self.wait_plan(self.gen, self.recovery_timeout())
         self.enter(plan)

@@ -1,29 +1,49 @@
 """Redundancy for sharded state: each rank's slice lives on in peers' host memory.
 
 Under FSDP a rank holds the only copy of its slice of parameters and optimizer state, so a dead
-rank takes its slice with it. Every `interval` steps, at the start of a step, each rank snapshots
-its slice into host memory and sends a copy to `factor - 1` holders (the next ranks on the ring,
-or ranks a node apart when placement spreads copies over nodes). Each rank keeps its own snapshot
-too, so that all ranks can roll back to the newest step for which every slice exists somewhere.
+rank takes its slice with it. Every `interval` steps, at the start of a step, each rank copies its
+slice into a host buffer (its own snapshot) and a background thread sends that buffer to
+`factor - 1` holders (the next ranks on the ring, or ranks a node apart when placement spreads
+copies over nodes) while the step computes. The step itself pays for the copy only.
 
-The two newest versions are kept on each side: a failure in the middle of an exchange leaves the
-previous version complete everywhere.
+The thread talks over its own gloo group (one per generation, built by the thread itself on first
+use): collectives of the training group cannot be used from two threads at once. Before a rank
+starts the exchange of a new snapshot it waits for its previous exchange to finish; that wait
+watches for a newer membership, so a peer lost mid-exchange is never waited for.
+
+Which versions exist. A copy counts only once every byte of it has arrived (`held` gets the entry
+after the receive completed). With interval k, take P the newest snapshot any rank has taken. That
+rank finished step P-1, whose collectives every rank joined after finishing its exchange of P-2k.
+So version P-2k is complete on every holder, and at most two newer ones are in flight or partial.
+Each side therefore keeps three versions: own snapshots v-2k, v-k, v, and held copies v-2k, v-k
+plus the one arriving. A failure at any moment leaves a version that every slice has somewhere
+(restorable_step finds the newest). Buffers of dropped versions are reused, not reallocated.
 """
 from __future__ import annotations
 
+import pickle
+import queue
+import threading
+import time
 
+import numpy as np
 import torch
-import torch.distributed as dist
 
-from .failures import MembershipMoved, communicating
-from .transfer import flatten_state
+from .failures import MembershipMoved, PeerLost
+from .transfer import strip_tensors
 
-KEEP = 2
+KEEP = 3  # versions of each slice kept on each side (see above)
+_SLACK = 1 << 16  # buffers are rounded up so a skeleton a few bytes longer fits the same buffer
+_TAG_HEADER, _TAG_PAYLOAD = 11, 12
+
+
+class Abandoned(RuntimeError):
+    """The exchange belongs to a generation that was left; its results are discarded."""
 
 
 class ShardReplicas:
-    """Owns this rank's snapshots of its own shard and the copies it holds of its peers' shards
-    (two versions each), and the exchange that refreshes them."""
+    """Owns this rank's snapshots of its own shard and the copies it holds of its peers' shards,
+    their host buffers, and the background exchange that refreshes the copies."""
 
     def __init__(self, factor: int = 2, interval: int = 1, offset: int = 1):
         if factor < 1 or interval < 1:
@@ -32,7 +52,17 @@ class ShardReplicas:
         self.own: dict[int, tuple[bytes, torch.Tensor]] = {}  # step -> my slice
         self.held: dict[int, dict[int, tuple[bytes, torch.Tensor]]] = {}  # rank -> step -> slice
         self.bytes_per_copy = 0
-        self._sizes: dict[int, int] = {}  # source rank -> bytes of its last message
+        # called in the exchange thread as (rank, step) between headers and payloads (faults.py)
+        self.on_exchange = None
+        self._lock = threading.Lock()  # own, held, the pool and the token, across both threads
+        self._pool: list[torch.Tensor] = []  # buffers of dropped versions, to be reused
+        self._retired: set[int] = set()  # buffers an abandoned exchange may still read
+        self._token = 0  # bumped when a generation is left: its exchange may commit nothing
+        self._exchanger: _Exchanger | None = None
+        self._inflight: _Job | None = None
+        self._pin = torch.cuda.is_available()  # pinned buffers make device-to-host copies fast
+        # what the exchanges cost the training thread itself (the rest runs beside the step)
+        self.timing = {"exchanges": 0, "snapshot_s": 0.0, "wait_s": 0.0}
 
     def holders_of(self, rank: int, world: int) -> list[int]:
         return [(rank + i * self.offset) % world for i in range(1, self.factor)
@@ -42,67 +72,250 @@ class ShardReplicas:
         return [(rank - i * self.offset) % world for i in range(1, self.factor)
                 if (rank - i * self.offset) % world != rank]
 
-    @staticmethod
-    def _trim(versions: dict) -> None:
-        for s in sorted(versions)[:-KEEP]:
-            del versions[s]
-
     def due(self, step: int) -> bool:
         return self.factor > 1 and step % self.interval == 0
 
-    def replicate(self, step: int, state, rank: int, world: int, moved=None,
-                  sizes_known: bool = False) -> int:
-        """Snapshot my slice (the state after `step` steps) and swap copies with my peers.
+    # ---- buffers (call with the lock held) ------------------------------------------------
+    def _take(self, nbytes: int) -> torch.Tensor:
+        fits = [i for i, b in enumerate(self._pool) if b.numel() >= nbytes]
+        if fits:  # the smallest that fits (list.remove would compare tensors by value)
+            return self._pool.pop(min(fits, key=lambda i: self._pool[i].numel()))
+        # none fits: the layout grew (the optimizer state appears after the first step), and
+        # smaller spares would never fit again
+        self._pool.clear()
+        size = -(-nbytes // _SLACK) * _SLACK
+        return torch.empty(size, dtype=torch.uint8, pin_memory=self._pin)
 
-        A collective over the members: all ranks call it at the same step. Returns bytes sent.
-        In steady state (`sizes_known`, the same on every rank) each rank sends one message per
-        holder, sized as last time: a peer that fails cannot leave another waiting for a second
-        message that will never come. Otherwise sizes go first, in their own exchange.
-        """
-        skel, flat = flatten_state(state)
-        self.own[step] = (skel, flat.clone())  # flatten may alias a single tensor: own the bytes
-        self._trim(self.own)
-        self.bytes_per_copy = len(skel) + flat.numel()
-        payload = torch.cat([torch.tensor([len(skel)], dtype=torch.int64).view(torch.uint8),
-                             torch.frombuffer(bytearray(skel), dtype=torch.uint8), flat])
+    def _release(self, view: torch.Tensor) -> None:
+        buf = view if view._base is None else view._base
+        if buf.data_ptr() in self._retired:  # an abandoned thread may still read it: drop it
+            self._retired.discard(buf.data_ptr())
+            return
+        self._pool.append(buf)
+
+    @staticmethod
+    def _keep_newest(versions: dict, n: int, release) -> None:
+        for s in sorted(versions)[:max(0, len(versions) - n)]:
+            release(versions.pop(s)[1])
+
+    # ---- the exchange ---------------------------------------------------------------------
+    def snapshot(self, step: int, state) -> tuple[torch.Tensor, int]:
+        """Copy my slice (the state after `step` steps) into a reused host buffer laid out as
+        [tensor bytes | pickled skeleton]; returns (the whole message, its tensor bytes)."""
+        skeleton, tensors = strip_tensors(state)
+        skel = pickle.dumps(skeleton)
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        nflat = sum(sizes)
+        with self._lock:
+            for s in [s for s in self.own if s >= step]:  # redone after a rollback: replaced
+                self._release(self.own.pop(s)[1])
+            self._keep_newest(self.own, KEEP - 1, self._release)
+            buf = self._take(nflat + len(skel))
+        # one fused copy of every tensor into its place (split makes the places in one call)
+        srcs = [t.reshape(-1).view(torch.uint8) for t, n in zip(tensors, sizes) if n]
+        if srcs:
+            torch._foreach_copy_(list(buf[:nflat].split([n for n in sizes if n])), srcs)
+        buf[nflat:nflat + len(skel)].numpy()[:] = np.frombuffer(skel, dtype=np.uint8)
+        with self._lock:
+            self.own[step] = (skel, buf[:nflat])
+        self.bytes_per_copy = nflat + len(skel)
+        return buf[:nflat + len(skel)], nflat
+
+    def replicate(self, step: int, state, rank: int, world: int, gen: int = 0, connect=None,
+                  moved=None) -> int:
+        """Snapshot my slice and start sending it to my holders in the background (receiving my
+        sources' slices at the same time). Every rank calls it at the same steps. `state`: the
+        state, or a function returning it.
+
+        Waits first for this rank's previous exchange (raising PeerLost if it failed, or
+        MembershipMoved as soon as `moved()` says a newer generation exists). `connect()` builds
+        the side group of generation `gen`; it is called in the exchange thread, once per
+        generation. Returns the bytes this exchange sends."""
+        t0 = time.perf_counter()
+        if callable(state):  # read here, so reading the state dicts is timed with the copy
+            state = state()
+        payload, nflat = self.snapshot(step, state)
+        t1 = time.perf_counter()
+        self.wait(moved)
+        self.timing["exchanges"] += 1
+        self.timing["snapshot_s"] += t1 - t0
+        self.timing["wait_s"] += time.perf_counter() - t1
         holders, sources = self.holders_of(rank, world), self.sources_for(rank, world)
-        if not (sizes_known and all(s in self._sizes for s in sources)):
-            mine = torch.tensor([payload.numel()], dtype=torch.int64)
-            got = {s: torch.empty(1, dtype=torch.int64) for s in sources}
-            _run([dist.P2POp(dist.isend, mine, h) for h in holders] +
-                 [dist.P2POp(dist.irecv, got[s], s) for s in sources], moved)
-            self._sizes.update({s: int(got[s]) for s in sources})
-        bufs = {s: torch.empty(self._sizes[s], dtype=torch.uint8) for s in sources}
-        _run([dist.P2POp(dist.isend, payload, h) for h in holders] +
-             [dist.P2POp(dist.irecv, bufs[s], s) for s in sources], moved)
-        for s in sources:  # only complete copies are kept
-            n = int(bufs[s][:8].view(torch.int64))
-            versions = self.held.setdefault(s, {})
-            versions[step] = (bufs[s][8:8 + n].numpy().tobytes(), bufs[s][8 + n:].clone())
-            self._trim(versions)
-        return self.bytes_per_copy * len(holders)
+        if not holders and not sources:
+            return 0
+        ex = self._exchanger
+        if ex is None or ex.gen != gen or ex.broken:
+            if ex is not None:
+                self.abandon()
+            if connect is None:
+                raise ValueError("replicate(): connect (the side group's constructor) is needed")
+            ex = self._exchanger = _Exchanger(self, gen, connect)
+        job = _Job(step, rank, payload, nflat, holders, sources, self._token)
+        self._inflight = job
+        ex.submit(job)
+        return payload.numel() * len(holders)
 
+    def wait(self, moved=None, timeout_s: float | None = None) -> bool:
+        """Wait for the exchange in flight, if any; True when none is left in flight.
+
+        Raises PeerLost when it failed, MembershipMoved when `moved()` turns true first. Gloo's
+        point-to-point work reports completion only through its own wait(), which the thread
+        does; this side polls the thread's event, so it can give up at any moment."""
+        job = self._inflight
+        if job is None:
+            return True
+        pause, waited = 0.0005, 0.0
+        while not job.done.wait(pause):
+            if moved is not None and moved():
+                raise MembershipMoved(f"the membership moved during the replica exchange of step "
+                                      f"{job.step}")
+            waited += pause
+            if timeout_s is not None and waited >= timeout_s:
+                return False
+            pause = min(0.01, pause * 2)
+        self._inflight = None
+        if job.error is not None:
+            raise PeerLost(f"the replica exchange of step {job.step} failed: "
+                           f"{job.error}") from job.error
+        return True
+
+    def abandon(self, join_s: float = 0.0) -> None:
+        """Leave the current generation's exchange: whatever it still does is discarded.
+
+        Called when a recovery begins. The thread may be blocked on a dead peer (tearing the
+        group down shuts its sockets too, release.py) or still building its group; it is never
+        joined (unless `join_s`). It commits nothing once the token moved, and the buffer it may
+        still be sending from is never reused."""
+        with self._lock:
+            self._token += 1
+            job = self._inflight
+            if job is not None and not job.done.is_set():
+                self._retired.add(job.payload.data_ptr())
+        self._inflight = None
+        if self._exchanger is not None:
+            self._exchanger.stop(join_s)
+            self._exchanger = None
+
+    def close(self, moved=None, timeout_s: float = 30.0) -> None:
+        """At the end of a run: let the last exchange finish (peers are still there), then stop
+        the thread and wait until its group is gone: a gloo group still being destroyed while
+        the process exits aborts it (seen here: exit code -6, "terminate called without an
+        active exception"). A failure of that last copy no longer matters."""
+        try:
+            self.wait(moved, timeout_s)
+        except Exception:  # noqa: BLE001  the run is over: a late copy is worth nothing
+            pass
+        self.abandon(join_s=timeout_s)
+
+    def _commit_receive(self, job: "_Job", headers: dict[int, torch.Tensor]):
+        """In the thread, after the headers: drop what the arriving versions replace and hand
+        out receive buffers. {source: (buffer view, flat bytes, skeleton bytes)}."""
+        out = {}
+        with self._lock:
+            if job.token != self._token:
+                raise Abandoned("generation left")
+            for s, h in headers.items():
+                step, nflat, nskel = (int(x) for x in h)
+                if step != job.step:
+                    raise RuntimeError(f"replica exchange: rank {s} sent step {step}, "
+                                       f"expected {job.step}")
+                versions = self.held.setdefault(s, {})
+                for old in [v for v in versions if v >= step]:
+                    self._release(versions.pop(old)[1])
+                self._keep_newest(versions, KEEP - 1, self._release)
+                out[s] = (self._take(nflat + nskel)[:nflat + nskel], nflat, nskel)
+        return out
+
+    def _commit_copies(self, job: "_Job", bufs) -> None:
+        """In the thread, once every byte has arrived: the copies become restorable."""
+        with self._lock:
+            if job.token != self._token:
+                raise Abandoned("generation left")
+            for s, (buf, nflat, nskel) in bufs.items():
+                skel = buf[nflat:nflat + nskel].numpy().tobytes()
+                self.held.setdefault(s, {})[job.step] = (skel, buf[:nflat])
+
+    # ---- what the agreement reads ----------------------------------------------------------
     def summary(self) -> dict:
-        return {"own": sorted(self.own), "held": {str(r): sorted(v) for r, v in self.held.items()}}
+        with self._lock:
+            return {"own": sorted(self.own),
+                    "held": {str(r): sorted(v) for r, v in self.held.items()}}
 
     def host_bytes(self) -> int:
-        own = sum(f.numel() for _, f in self.own.values())
-        held = sum(f.numel() for v in self.held.values() for _, f in v.values())
-        return own + held
+        """Host memory of every buffer this holds: snapshots, copies, and reusable spares."""
+        with self._lock:
+            views = [f for _, f in self.own.values()]
+            views += [f for v in self.held.values() for _, f in v.values()]
+            bases = {}
+            for b in [f if f._base is None else f._base for f in views] + self._pool:
+                bases[b.data_ptr()] = b.numel()
+            return sum(bases.values())
 
 
-def _run(ops, moved=None) -> None:
-    """Run point-to-point ops and wait for them.
+class _Job:
+    """One exchange: my message for `step`, to `holders`, while receiving from `sources`."""
 
-    (Gloo's send/recv work reports completion only through wait(), so this cannot poll; a peer
-    that leaves for recovery releases us by tearing its group down, which closes the sockets.)"""
-    if not ops:
-        return
-    with communicating("the replica exchange"):
-        for r in dist.batch_isend_irecv(ops):
-            r.wait()
-    if moved is not None and moved():
-        raise MembershipMoved("the membership moved during a replica exchange")
+    def __init__(self, step, rank, payload, nflat, holders, sources, token):
+        self.step, self.rank, self.payload, self.nflat = step, rank, payload, nflat
+        self.holders, self.sources, self.token = holders, sources, token
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+
+class _Exchanger:
+    """The background thread of one generation and its side group (built on the first job)."""
+
+    def __init__(self, owner: ShardReplicas, gen: int, connect):
+        self.owner, self.gen, self.connect = owner, gen, connect
+        self.broken = False  # after a failure the side group's state is unknown: not reused
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"checkpointless-replicas-{gen}")
+        self._thread.start()
+
+    def submit(self, job: _Job) -> None:
+        self._jobs.put(job)
+
+    def stop(self, join_s: float = 0.0) -> None:
+        self._jobs.put(None)
+        if join_s > 0:
+            self._thread.join(join_s)
+
+    def _run(self) -> None:
+        group = None
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                if group is None:
+                    group = self.connect()
+                self._exchange(group, job)
+            except BaseException as exc:  # noqa: BLE001  handed to the main thread's wait()
+                job.error = exc
+                self.broken = True
+            finally:
+                job.done.set()
+            if self.broken:
+                return
+
+    def _exchange(self, group, job: _Job) -> None:
+        header = torch.tensor([job.step, job.nflat, job.payload.numel() - job.nflat],
+                              dtype=torch.int64)
+        got = {s: torch.empty(3, dtype=torch.int64) for s in job.sources}
+        _wait_all([group.send([header], h, _TAG_HEADER) for h in job.holders] +
+                  [group.recv([got[s]], s, _TAG_HEADER) for s in job.sources])
+        if self.owner.on_exchange is not None:
+            self.owner.on_exchange(job.rank, job.step)
+        bufs = self.owner._commit_receive(job, got)
+        _wait_all([group.send([job.payload], h, _TAG_PAYLOAD) for h in job.holders] +
+                  [group.recv([bufs[s][0]], s, _TAG_PAYLOAD) for s in job.sources])
+        self.owner._commit_copies(job, bufs)
+
+
+def _wait_all(works) -> None:
+    for w in works:
+        w.wait()
 
 
 def restorable_step(infos: list[dict]) -> int | None:

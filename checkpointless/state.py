@@ -8,7 +8,7 @@ from torch.utils.data import DataLoader
 
 from .data import LoaderPosition, check_loader
 from .group import is_dtensor, local_part
-from .redundancy import ShardReplicas
+from .redundancy import KEEP, ShardReplicas
 
 
 class ProtectedState:
@@ -83,7 +83,8 @@ class ProtectedState:
             return
         local = sum(local_part(p).numel() * local_part(p).element_size()
                     for m in self.modules() for p in m.parameters())
-        need = local * 3 * self.replicas.factor * 2  # params + 2 Adam moments, 2 versions each
+        # params + 2 Adam moments, KEEP versions of each copy (redundancy.py)
+        need = local * 3 * self.replicas.factor * KEEP
         try:
             avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (ValueError, OSError):

@@ -282,6 +282,7 @@ def main(recipe_file: str) -> None:
                               "distributed_type": str(accelerator.distributed_type),
                               "torch_threads": torch.get_num_threads()},
               "replica_host_bytes": getattr(job, "replica_host_bytes", lambda: None)(),
+              "replica_timing": getattr(job, "replica_timing", lambda: None)(),
               "full_params": full_params,
               "final_loss": loss_value, "steps": job.completed_steps, "eval": last_eval}
     (out_dir / "results").mkdir(exist_ok=True)

@@ -80,7 +80,8 @@ one might assume:
   from the code paths named here, not measured on a GPU.
 * Host memory (per rank, listed apart): under fsdp with checkpointless.replication.factor f,
   each rank holds f-1 copies of a peer's shard (parameters and optimizer state sent to a
-  replacement) and a snapshot of its own, two versions of each (checkpointless.redundancy.KEEP).
+  replacement) and a snapshot of its own, three versions of each (checkpointless.redundancy.KEEP:
+  one exchange may be in flight beside the step, so the newest complete one can be two old).
 
 Device memory: distributed.device_memory_gb when set; else the smallest visible CUDA device's
 total memory when there is one; else 80 GB. Under distributed.device=cpu the budget is this

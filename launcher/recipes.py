@@ -23,7 +23,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from checkpointless.faults import KINDS
+from checkpointless.faults import KINDS, PHASES
 
 from .schema import CHOICES, Recipe
 
@@ -267,18 +267,22 @@ def _delete(cfg: DictConfig, dotted: str) -> None:
 
 
 def _normalize_faults(cfg: DictConfig) -> None:
-    """Accept 'kill:2:5' as shorthand for {kind: kill, rank: 2, step: 5}."""
+    """Accept 'kill:2:5' as shorthand for {kind: kill, rank: 2, step: 5}, and 'kill:2:5@exchange'
+    for the same at another phase."""
     faults = cfg.get("faults")
     if not isinstance(faults, ListConfig):
         return
     out = []
     for item in faults:
         if isinstance(item, str):
-            parts = item.split(":")
+            spec, _, phase = item.partition("@")
+            parts = spec.split(":")
             if len(parts) != 3:
-                raise RecipeError(f"faults: {item!r} is not kind:rank:step (e.g. kill:2:5)")
+                raise RecipeError(f"faults: {item!r} is not kind:rank:step[@phase] "
+                                  "(e.g. kill:2:5)")
             try:
-                item = {"kind": parts[0], "rank": int(parts[1]), "step": int(parts[2])}
+                item = {"kind": parts[0], "rank": int(parts[1]), "step": int(parts[2]),
+                        "phase": phase or "step"}
             except ValueError:
                 raise RecipeError(f"faults: {item!r}: rank and step must be integers") from None
         out.append(item)
@@ -518,6 +522,8 @@ def validate(cfg: DictConfig) -> None:
              f"must be a rank in 0..{d.num_processes - 1}")
         need(0 <= f.step < t.max_steps, f"faults[{i}].step", f.step,
              f"must be a step in 0..{t.max_steps - 1}")
+        need(f.phase in PHASES, f"faults[{i}].phase", f.phase,
+             f"choose one of {', '.join(PHASES)}")
     rep = c.replication
     need(rep.factor >= 1, "checkpointless.replication.factor", rep.factor,
          "must be >= 1 (1: no peer copies; 2: one copy in a peer's memory)")

@@ -159,6 +159,7 @@ class FaultConfig:
     kind: str = "kill"  # kill (SIGKILL), hang (SIGSTOP), raise (exception in the step), corrupt (flip a bit)
     rank: int = 0  # rank that fails
     step: int = 0  # step at whose start it fails
+    phase: str = "step"  # when: step, regroup, receive, exchange (checkpointless/faults.py)
 
 
 @dataclass

@@ -153,3 +153,24 @@ def test_with_checkpointless_off_a_failure_stops_the_run_and_its_checkpoints_sta
     _, resumed, _ = train(tmp_path, "off", "tiny-llama", *BASE, "checkpoint.resume=auto",
                           "checkpointless.spares=0")
     assert resumed["params_sha256"] == reference[1]["params_sha256"]
+
+
+def test_peers_lost_in_the_middle_of_a_background_replica_exchange(tmp_path, reference):
+    """The exchange runs beside the step (redundancy.py). Rank 2 is killed, then rank 0 hangs,
+    each in its exchange thread after the headers went out: its holder is mid-receive and the
+    step is computing. The torn copy never counts, survivors are released at once (the kill) or
+    as soon as the hang is declared, never at the process-group timeout (300 s)."""
+    _, rep, r = train(tmp_path, "exchange", "tiny-llama", *BASE, "checkpointless.spares=2",
+                      "checkpointless.heartbeat_timeout_s=5",
+                      "faults=[kill:2:7@exchange,hang:0:10@exchange]")
+    assert "(exchange)" in r.stdout
+    assert_replicas_agree(rep)
+    assert rep["params_sha256"] == reference[1]["params_sha256"]
+    kill, hang = rep["recoveries"]
+    assert (kill["failed_rank"], hang["failed_rank"]) == (2, 0)
+    assert {kill["restored_from"], hang["restored_from"]} == {"peer_memory"}
+    # the copy of step 7 (or 10) was torn in flight: the previous complete one is used
+    assert kill["served"] == {"2": 3} and kill["resumed_step"] in (5, 6)
+    assert hang["served"] == {"0": 1} and hang["resumed_step"] in (8, 9)
+    assert kill["recovery_s"] < 10
+    assert hang["recovery_s"] < 5 + 10  # the heartbeat timeout, then at once

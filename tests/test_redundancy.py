@@ -1,7 +1,6 @@
 """Peer replicas of sharded state: choosing the step to roll back to and who serves each slice."""
 import pytest
 import torch
-import torch.distributed as dist
 
 from checkpointless.redundancy import ShardReplicas, pick_holders, restorable_step
 from tests.conftest import spawn_gloo
@@ -48,28 +47,176 @@ def test_load_is_spread_over_holders():
     assert set(holders) == {2, 3} and len(set(holders.values())) == 2
 
 
+def _side(port, gen, rank, world, timeout_s=60.0):
+    """What the job's connect() builds: a gloo group of its own, per generation."""
+    from checkpointless.group import side_group
+    return lambda: side_group("127.0.0.1", port, gen, rank, world, timeout_s)
+
+
 def _exchange(rank, port, q):
-    store = dist.TCPStore("127.0.0.1", port, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=3)
     rep = ShardReplicas(factor=2)
-    for step in (4, 5, 6):
-        rep.replicate(step, {"w": torch.full((rank + 2,), float(rank * 10 + step))}, rank, 3)
+    for step in (3, 4, 5, 6):
+        rep.replicate(step, {"w": torch.full((rank + 2,), float(rank * 10 + step))}, rank, 3,
+                      gen=0, connect=_side(port, 0, rank, 3))
+    rep.wait()
     src = rep.sources_for(rank, 3)[0]
     from checkpointless.transfer import unflatten_state
     skel, flat = rep.held[src][6]
     got = unflatten_state(skel, flat)["w"]
     q.put((rank, sorted(rep.own), sorted(rep.held[src]), got.tolist()))
-    dist.destroy_process_group()
 
 
-def test_replicas_are_exchanged_over_gloo_and_two_versions_kept():
+def test_replicas_are_exchanged_in_the_background_and_three_versions_kept():
     got = spawn_gloo(_exchange, 3)
-    # rank r holds rank r-1's slice (uneven sizes), versions 5 and 6
-    assert got[0] == (0, [5, 6], [5, 6], [26.0] * 4)
-    assert got[1] == (1, [5, 6], [5, 6], [6.0] * 2)
-    assert got[2] == (2, [5, 6], [5, 6], [16.0] * 3)
+    # rank r holds rank r-1's slice (uneven sizes), versions 4, 5 and 6
+    assert got[0] == (0, [4, 5, 6], [4, 5, 6], [26.0] * 4)
+    assert got[1] == (1, [4, 5, 6], [4, 5, 6], [6.0] * 2)
+    assert got[2] == (2, [4, 5, 6], [4, 5, 6], [16.0] * 3)
 
 
 def test_bad_factor_is_refused():
     with pytest.raises(ValueError):
         ShardReplicas(factor=0)
+
+
+class _Done:
+    def __init__(self, then=None):
+        self.then = then
+
+    def wait(self):
+        if self.then is not None:
+            self.then()
+        return True
+
+
+class _PeerInProcess:
+    """The side group seen from rank 1 of 2: rank 0's messages are prepared by a ShardReplicas of
+    its own; the payload of `gated` arrives only when `gate` opens, and half of it then, if
+    `cut` is set, before the connection breaks."""
+
+    def __init__(self, peer: ShardReplicas, gated: int, gate, cut: bool):
+        self.peer, self.gated, self.gate, self.cut = peer, gated, gate, cut
+        self.step = None
+
+    def send(self, tensors, dst, tag):
+        if tensors[0].numel() == 3:  # my header: both sides exchange the same step
+            self.step = int(tensors[0][0])
+        return _Done()
+
+    def recv(self, tensors, src, tag):
+        (t,) = tensors
+        if t.numel() == 3:  # the header: rank 0's step and sizes
+            skel, flat = self.peer.own[self.step]
+            t.copy_(torch.tensor([self.step, flat.numel(), len(skel)]))
+            return _Done()
+        skel, flat = self.peer.own[self.step]
+        message = torch.cat([flat, torch.frombuffer(bytearray(skel), dtype=torch.uint8)])
+
+        def arrive():
+            if self.step == self.gated:
+                self.gate.wait(30)
+                if self.cut:
+                    t[:t.numel() // 2].copy_(message[:t.numel() // 2])
+                    raise RuntimeError("Connection reset by peer")
+            t.copy_(message)
+        return _Done(arrive)
+
+
+@pytest.mark.parametrize("cut", [False, True])
+def test_a_version_is_restorable_only_once_every_byte_arrived(cut):
+    import threading
+    from checkpointless.failures import PeerLost
+    from checkpointless.transfer import unflatten_state
+    peer, me, gate = ShardReplicas(factor=2), ShardReplicas(factor=2), threading.Event()
+    group = _PeerInProcess(peer, gated=7, gate=gate, cut=cut)
+    for step in (5, 6, 7):
+        peer.snapshot(step, {"w": torch.arange(4.0) + 100 * step})  # rank 0's slice at step
+        me.replicate(step, {"w": torch.full((3,), float(step))}, rank=1, world=2,
+                     connect=lambda: group)
+    assert not me.wait(timeout_s=0.2)  # step 7's copy is still arriving
+    # rank 0 is lost now: its slice at 7 is half here, so the newest restorable step is 6
+    spare, alive = info(-1, [], {}), {"completed": 7, **me.summary()}
+    assert alive["held"] == {"0": [5, 6]} and alive["own"] == [5, 6, 7]
+    assert restorable_step([spare, alive]) == 6
+    gate.set()
+    if cut:
+        with pytest.raises(PeerLost, match="step 7"):
+            me.wait()
+        assert me.summary()["held"] == {"0": [5, 6]}  # the torn copy never counts
+    else:
+        assert me.wait()
+        assert me.summary()["held"] == {"0": [5, 6, 7]}
+    skel, flat = me.held[0][6]
+    assert torch.equal(unflatten_state(skel, flat)["w"], torch.arange(4.0) + 600)  # bit-exact
+
+
+def test_an_abandoned_exchange_commits_nothing():
+    import threading
+    peer, me, gate = ShardReplicas(factor=2), ShardReplicas(factor=2), threading.Event()
+    group = _PeerInProcess(peer, gated=2, gate=gate, cut=False)
+    for step in (1, 2):
+        peer.snapshot(step, {"w": torch.ones(2) * step})
+        me.replicate(step, {"w": torch.zeros(2)}, rank=1, world=2, connect=lambda: group)
+    me.abandon()  # a recovery begins while step 2's copy is in flight
+    gate.set()
+    import time
+    time.sleep(0.2)
+    assert me.summary()["held"] == {"0": [1]}
+    assert me.wait()  # nothing in flight belongs to this generation any more
+
+
+def _first_exchange_of_a_generation(rank, port, q):
+    """Generation 0: three ranks exchange, then rank 2 dies in the middle of an exchange (after
+    the headers). Generation 1: rank 2's replacement never arrives, so the survivors' new side
+    group cannot even form. Neither may hold a survivor longer than the failure takes to be seen;
+    the side group's own timeout is 60 s."""
+    import os
+    import time
+    from checkpointless.failures import MembershipMoved, PeerLost
+    rep = ShardReplicas(factor=2)
+    def die(r, step):
+        if step == 2:
+            q.put((9, "died"))  # spawn_gloo waits for one message per rank
+            q.close()
+            q.join_thread()
+            os._exit(0)
+    if rank == 2:
+        rep.on_exchange = die
+    state = {"w": torch.full((1 << 18,), float(rank))}  # 1 MB: more than a socket buffer
+    for step in (0, 1, 2):
+        rep.replicate(step, state, rank, 3, gen=0, connect=_side(port, 0, rank, 3))
+    t0 = time.time()
+    try:
+        rep.wait()
+        lost = None
+    except PeerLost:
+        lost = time.time() - t0
+    held = sorted(rep.held.get(rep.sources_for(rank, 3)[0], {}))
+    rep.abandon()  # what a recovery does first
+    # generation 1, where the supervisor publishes its next plan 1 s after the exchange began
+    rep.replicate(3, state, rank, 3, gen=1, connect=_side(port, 1, rank, 3))
+    t1 = time.time()
+    try:
+        rep.replicate(4, state, rank, 3, gen=1, connect=_side(port, 1, rank, 3),
+                      moved=lambda: time.time() > t1 + 1.0)
+        moved = None
+    except MembershipMoved:
+        moved = time.time() - t1
+    t2 = time.time()
+    rep.abandon()
+    q.put((rank, lost, held, moved, time.time() - t2))
+
+
+@pytest.mark.slow
+def test_a_peer_lost_in_any_exchange_never_holds_a_survivor_for_the_timeout():
+    got = spawn_gloo(_first_exchange_of_a_generation, 3, timeout=90)[:2]  # rank 2 died
+    (r0, lost0, held0, moved0, abandon0), (r1, lost1, held1, moved1, abandon1) = got
+    # rank 0 receives rank 2's slice: the torn copy of step 2 is not kept, and it knew at once
+    assert r0 == 0 and lost0 is not None and lost0 < 5 and held0 == [0, 1]
+    # rank 1 sends to rank 2: its exchange fails too (at once) unless the kernel took the whole
+    # message; the copy from rank 0 counts only if rank 1's whole exchange finished
+    assert r1 == 1 and (lost1 is not None and lost1 < 5 and held1 == [0, 1] or
+                        lost1 is None and held1 == [0, 1, 2])
+    for moved, abandon in ((moved0, abandon0), (moved1, abandon1)):
+        assert moved is not None and 0.9 < moved < 5  # released by the new plan, not a timeout
+        assert abandon < 0.5

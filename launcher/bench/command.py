@@ -12,7 +12,7 @@ from .baseline import (PLAIN_LOOP, checkpoint_every, measure_consistency, measur
 from .config import parse
 from .failures import schedule
 from .modes import mode_recipe, run_supervised
-from .paired import paired_modes, run_paired
+from .paired import paired_modes, run_paired, run_paired_launchers
 from .records import read_records, run_digest, summarize
 from .report import report
 
@@ -54,6 +54,7 @@ def bench(args: list[str]) -> int:
         records = read_records(out)
         summary = summarize(records, kills)
         summary["replica_host_bytes"] = replica_host_bytes(out)
+        summary["replica_critical_ms"] = replica_critical_ms(out)
         summary.update(params_sha256=run_digest(out), exit_code=rc,
                        total_s_with_startup=round(elapsed, 1))
         if mode == "restart":
@@ -69,6 +70,12 @@ def bench(args: list[str]) -> int:
               f"({cfg.paired_steps} steps each)", flush=True)
         paired = run_paired(cfg, overrides, pair)
         print(f"[bench] paired: {json.dumps(paired)}", flush=True)
+    if {"fsdp", "fsdp-replicated"} <= set(modes) and cfg.paired_steps:
+        print(f"[bench] fsdp and fsdp-replicated side by side, taking turns every "
+              f"{cfg.turn_s:g} s ({cfg.paired_steps} steps each)", flush=True)
+        fsdp_pair = run_paired_launchers(cfg, overrides, ("fsdp", "fsdp-replicated"))
+        print(f"[bench] paired fsdp: {json.dumps(fsdp_pair)}", flush=True)
+        paired = dict(paired, **fsdp_pair)
     return report(cfg, results, save_cost, out_root, paired, grad_copy, consistency)
 
 
@@ -77,3 +84,18 @@ def replica_host_bytes(out: Path):
     hosts = [json.loads(f.read_text()).get("replica_host_bytes") for f in
              sorted((out / "results").glob("rank*.json"))] if (out / "results").exists() else []
     return max([h for h in hosts if h] or [0]) or None
+
+
+def replica_critical_ms(out: Path):
+    """Per exchange, the slowest rank's mean milliseconds of replication on the training thread
+    itself ({snapshot, wait}: the host copy, and waiting for the previous exchange); None
+    without replicas."""
+    found = []
+    for f in sorted((out / "results").glob("rank*.json")) if (out / "results").exists() else []:
+        t = json.loads(f.read_text()).get("replica_timing")
+        if t and t.get("exchanges"):
+            found.append({k: 1000 * t[f"{k}_s"] / t["exchanges"] for k in ("snapshot", "wait")})
+    if not found:
+        return None
+    return {k: round(max(x[k] for x in found), 3) for k in ("snapshot", "wait")}
+

@@ -145,3 +145,52 @@ def run_paired(cfg, overrides: list[str], modes=("off", "on")) -> dict:
     if "off" in names and "plain" in names:  # equal only if torch's sums add in the same order
         out["same_bits_plain_off"] = digests["off"] == digests["plain"] is not None
     return out
+
+
+def run_paired_launchers(cfg, overrides: list[str], modes=("fsdp", "fsdp-replicated")) -> dict:
+    """Modes that each run under their own supervisor (fsdp, fsdp-replicated), started as
+    `python -m launcher train` processes at the same time and taking turns like run_paired:
+    replication's few percent are readable only this way on a drifting machine. Returns
+    step_s_median_<mode> and steps_counted_<mode>, or {} when a mode had fewer than 5 steps
+    inside its turns."""
+    import sys
+    steps = cfg.paired_steps
+    # a stopped turn is a silence of (jobs - 1) x turn_s, for the supervisor too: not a hang
+    quiet = f"checkpointless.heartbeat_timeout_s={max(120.0, 10 * len(modes) * cfg.turn_s)}"
+    dirs = {m: mode_recipe(cfg, overrides + [quiet], m, name=f"paired-{m}", steps=steps)[1]
+            for m in modes}
+    turns = None
+    with contextlib.ExitStack() as stack:
+        procs = {}
+        for m in modes:
+            log = stack.enter_context(open(dirs[m] / "launcher.log", "w"))
+            procs[m] = subprocess.Popen(
+                [sys.executable, "-m", "launcher", "train", str(dirs[m] / "recipe.yaml")],
+                stdout=log, stderr=subprocess.STDOUT)
+        jobs = [(dirs[m], lambda p=procs[m]: tree_pids(p.pid), lambda p=procs[m]: p.poll()
+                 is not None) for m in modes]
+        turns = Turns(jobs, cfg.turn_s)
+        turns.start()
+        deadline = time.time() + cfg.mode_timeout_s
+        try:
+            for p in procs.values():
+                p.wait(timeout=max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:  # the steps that ran inside turns still count
+            print(f"[bench] {' and '.join(modes)} still running after bench.mode_timeout_s="
+                  f"{cfg.mode_timeout_s:g}: stopped", flush=True)
+        finally:
+            turns.stop.set()
+            turns.join()
+            for p in procs.values():
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    counted = {m: steps_in_turns(read_records(dirs[m]), turns.windows, i)
+               for i, m in enumerate(modes)}
+    if any(len(v) < 5 for v in counted.values()):
+        return {}
+    out = {"turns": len(turns.windows), "turn_s": cfg.turn_s}
+    for m in modes:
+        out[f"steps_counted_{m}"] = len(counted[m])
+        out[f"step_s_median_{m}"] = round(statistics.median(counted[m]), 5)
+    return out
