@@ -203,9 +203,12 @@ def prepare_node(cfg, log=print) -> None:
     A problem with the data is a RecipeError: one message, no traceback, no worker started."""
     import time
 
+    import datasets
+
     from models import build_tokenizer
 
     from .recipes import RecipeError
+    datasets.disable_progress_bars()  # our own progress lines say it once, not a bar per map
     n = num_procs(cfg)
     tok = build_tokenizer(cfg.tokenizer.kind, cfg.tokenizer.id or cfg.model.id,
                           cfg.tokenizer.chat_template)
