@@ -329,9 +329,18 @@ class Accelerator(accelerate.Accelerator):
         with super().local_main_process_first():
             yield
 
+    @property
+    def is_local_main_process(self):
+        """The lowest rank of each node. accelerate asks LOCAL_RANK, which on a GPU is the device
+        slot: a spare that took over a node's first rank sits in another slot, and without this
+        no process of that node would print after the recovery."""
+        if isinstance(self.job, PlainJob):
+            return super().is_local_main_process
+        return self.job.rank % max(1, self.job.spec.ranks_per_node) == 0
+
     def print(self, *args, **kwargs):
-        if not self._void:  # figures of a void pass are stand-ins
-            super().print(*args, **kwargs)
+        if not self._void and self.is_local_main_process:  # a void pass's figures are stand-ins
+            print(*args, **kwargs)
 
     def log(self, values: dict, step: int | None = None, log_kwargs: dict | None = None):
         if not self._void:

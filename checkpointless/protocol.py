@@ -156,6 +156,7 @@ class Spec:
         "factor": DEFAULTS.replication_factor, "interval": DEFAULTS.replication_interval,
         "offset": 1})
     workers_per_node: int = 1  # processes sharing this node's memory (active + spares)
+    ranks_per_node: int = 1  # active ranks per node: ranks k*n .. k*n+n-1 train on one node
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

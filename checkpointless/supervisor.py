@@ -290,7 +290,8 @@ class Supervisor:
                              pg_timeout_s=cfg.pg_timeout_s, confirm_s=cfg.confirm_s,
                              consistency_every=cfg.consistency_every,
                              replication=cfg.replication,
-                             workers_per_node=cfg.nproc // cfg.nodes + cfg.spares)
+                             workers_per_node=cfg.nproc // cfg.nodes + cfg.spares,
+                             ranks_per_node=cfg.nproc // cfg.nodes)
         self.store.set(protocol.SPEC, spec.to_json())
         self.t_start = time.time()
         if self.cluster:

@@ -20,15 +20,21 @@ class CheckpointMismatch(RuntimeError):
 class DurableCheckpoints:
     """Every `checkpoint.interval` steps the state goes to disk (every rank its part, async)."""
 
-    def __init__(self, cfg, job, model, optimizer):
+    def __init__(self, cfg, job, model, optimizer, scaler=None):
         self.cfg, self.job, self.model, self.optimizer = cfg, job, model, optimizer
+        # under fp16 the GradScaler's scale and growth tracker are training state: a resume
+        # that restarted them would scale (and skip) differently from the run that never stopped
+        self.scaler = scaler
         self.writer = durable.ShardedCheckpoints(cfg.checkpoint.dir, cfg.checkpoint.keep)
 
     def state(self, step: int) -> dict:
         """Model and optimizer state as this rank holds it (no gather: shards under fsdp)."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
         model, optim = get_state_dict(self.model, self.optimizer)
-        return {"model": model, "optimizer": optim, "step": step}
+        state = {"model": model, "optimizer": optim, "step": step}
+        if self.scaler is not None:
+            state["grad_scaler"] = self.scaler.state_dict()  # plain numbers, the same on all ranks
+        return state
 
     def save(self, step: int) -> None:
         """A collective (planning; every rank, the same step); the write goes on in a thread."""
@@ -38,10 +44,17 @@ class DurableCheckpoints:
         """Load checkpoint `path` at this job's world size and strategy (a collective)."""
         from torch.distributed.checkpoint.state_dict import set_state_dict
         state = self.state(-1)
-        refuse_another_model(path, state["model"])
+        saved = refuse_another_model(path, state["model"])
+        if "grad_scaler" in state and "grad_scaler.scale" not in saved:
+            state.pop("grad_scaler")  # written by a run without fp16: the scaler starts fresh
+            if self.job.rank == 0:
+                print(f"[launcher] {path} holds no GradScaler state (written without fp16): "
+                      "the loss scale starts from its initial value", flush=True)
         durable.load(path, state)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
+        if "grad_scaler" in state:
+            self.scaler.load_state_dict(state["grad_scaler"])
         return int(state["step"])
 
     def newest_step(self):
@@ -56,14 +69,15 @@ class DurableCheckpoints:
         self.writer.wait()
 
 
-def refuse_another_model(path, model_state: dict) -> None:
-    """Refuse a checkpoint of another model before any tensor is read, saying why and the fix."""
+def refuse_another_model(path, model_state: dict) -> dict:
+    """Refuse a checkpoint of another model before any tensor is read, saying why and the fix.
+    Returns the checkpoint's flattened keys and shapes."""
     saved = durable.saved_shapes(path)
     here = {f"model.{k}": tuple(v.shape) for k, v in model_state.items()}
     missing = [k for k in here if k not in saved]
     differ = [k for k in here if k in saved and saved[k] != here[k]]
     if not missing and not differ:
-        return
+        return saved
     why = []
     if missing:
         why.append(f"{len(missing)} of this model's {len(here)} tensors are not in it "
@@ -90,7 +104,7 @@ def old_format_error(directory) -> str | None:
             "start from scratch")
 
 
-def durable_checkpoints(cfg, job, model, optimizer):
+def durable_checkpoints(cfg, job, model, optimizer, scaler=None):
     """Set up checkpoints and, with checkpoint.resume=auto, continue from the newest one.
 
     The newest checkpoint is also the job's fallback when a lost slice has no copy in any
@@ -98,7 +112,7 @@ def durable_checkpoints(cfg, job, model, optimizer):
     c = cfg.checkpoint
     if c.interval <= 0 and c.resume == "never":
         return None
-    ckpt = DurableCheckpoints(cfg, job, model, optimizer)
+    ckpt = DurableCheckpoints(cfg, job, model, optimizer, scaler)
     if hasattr(job, "set_fallback"):
         job.set_fallback(ckpt.newest_step, ckpt.load_step)
     if not job.is_replacement and job.rank == 0:

@@ -167,7 +167,7 @@ def main(recipe_file: str) -> None:
     scaler = {"grad_scaler": accelerator.scaler} if accelerator.scaler is not None else {}
     job.protect(model=wrapped, optimizer=optimizer, send_frozen=cfg.peft.method == "none",
                 **scaler)
-    ckpt = durable_checkpoints(cfg, job, model, optimizer)
+    ckpt = durable_checkpoints(cfg, job, model, optimizer, accelerator.scaler)
     if not job.is_replacement:
         accelerator.print(start_line(cfg, accelerator), flush=True)
     metrics = (Metrics(cfg, out_dir, job.completed_steps, accelerator)

@@ -139,9 +139,16 @@ def shard(model, cfg):
     # fp32; gradients are cast to fp32 before the reduce-scatter, so the sum is fp32
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if cfg.trainer.precision == "bf16" else MixedPrecisionPolicy()
+    # the mesh names the device the shards live on: fully_shard's default is the accelerator
+    # whenever one is visible, which would put a distributed.device=cpu (gloo) run's shards on
+    # a GPU; ours follows the backend this worker joined with (nccl: its GPU, else the CPU)
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cuda" if dist.get_backend() == "nccl" else "cpu",
+                            (dist.get_world_size(),))
     for block in blocks or []:
-        fully_shard(block, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     if model in _UNFILLED:
         _fill_shards(model, cfg, *_UNFILLED.pop(model))
     return model

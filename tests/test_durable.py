@@ -157,3 +157,42 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_tensor(tmp_path):
     msg = str(err.value)
     assert "checkpoint.resume=auto" in msg and "a different model" in msg
     assert "'0.weight', [64, 32] there, [96, 32] here" in msg and "Fix:" in msg
+
+
+def _scaler_round_trip(rank, port, q, directory):
+    from types import SimpleNamespace
+
+    from launcher.checkpoints import DurableCheckpoints
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    cfg = SimpleNamespace(checkpoint=SimpleNamespace(dir=directory, keep=2))
+    job = SimpleNamespace(rank=rank, gen=0)
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
+    for step in range(3):  # the scale grows after every 2 good steps: 1024 -> 2048, tracker 1
+        scaler.scale(model(torch.ones(4, 32)).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    saved = scaler.state_dict()
+    ckpt = DurableCheckpoints(cfg, job, model, opt, scaler)
+    ckpt.save(3)
+    ckpt.close()
+    dist.barrier()
+    fresh = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
+    m2, m3 = _model(), _model()
+    step = DurableCheckpoints(cfg, job, m2, torch.optim.AdamW(m2.parameters()),
+                              fresh).load_step(3)
+    # and a run without fp16 loads the same checkpoint, the scaler's entries unasked for
+    DurableCheckpoints(cfg, job, m3, torch.optim.AdamW(m3.parameters())).load_step(3)
+    q.put((rank, step, saved, fresh.state_dict()))
+
+
+@pytest.mark.slow  # real processes
+def test_the_grad_scaler_state_survives_a_durable_checkpoint(tmp_path):
+    results = spawn_gloo(_scaler_round_trip, 2, str(tmp_path / "ckpt"), timeout=120)
+    for rank, step, saved, loaded in results:
+        assert step == 3
+        assert saved["scale"] == 2048.0 and saved["_growth_tracker"] == 1  # it did move
+        assert loaded == saved

