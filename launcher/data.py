@@ -115,7 +115,7 @@ def _load_hub(d, split: str, num_proc: int):
     `num_proc` processes, each taking whole files of the dataset (datasets lowers num_proc to the
     number of files itself)."""
     import datasets
-    return datasets.load_dataset(d.id, d.subset, split=split,
+    return datasets.load_dataset(d.id, d.subset, split=split, revision=d.revision,
                                  num_proc=num_proc if num_proc > 1 else None)
 
 
@@ -172,7 +172,7 @@ def cache_key(cfg, tokenizer, part: str = "train") -> str:
     files = _stat(d.files, resolve_files(d.files)) if d.source == "files" else []
     vocab = tokenizer_fingerprint(tokenizer)
     ident = {"v": DATA_FORMAT_VERSION, "source": d.source, "id": d.id,
-             "subset": d.subset, "split": d.split, "files": files,
+             "subset": d.subset, **({"revision": d.revision} if d.revision else {}), "split": d.split, "files": files,
              "field": d.text_field, "max_docs": d.max_docs, "seq_len": d.seq_len,
              "synthetic": [d.synthetic_docs, cfg.run.seed] if d.source == "synthetic"
              else None, "tokenizer": vocab}
@@ -221,6 +221,10 @@ def prepare_node(cfg, log=print) -> None:
             raise RecipeError(f"data ({part}): {exc}") from None
         log(f"[data] {part}: {len(ds):,} rows of {cfg.data.seq_len} tokens ready in {where} "
             f"({time.time() - t0:.1f} s)")
+    if cfg.data.source == "hub" and not cfg.data.revision:
+        log(f"[data] data.revision is not set: {cfg.data.id}'s rows are those of the first "
+            "download into this cache, even if the dataset changes on the hub since. Pin "
+            "data.revision=<commit> to train on a known version (a new revision, new rows)")
 
 
 def _complete(path: Path) -> bool:

@@ -167,7 +167,7 @@ def _data(cfg) -> str | None:
         elif d.source == "hub":
             import datasets
             try:
-                datasets.load_dataset_builder(d.id, d.subset)
+                datasets.load_dataset_builder(d.id, d.subset, revision=d.revision)
             except Exception as exc:  # noqa: BLE001
                 return _hub_problem(exc, "dataset", "data.id", d.id)
     except (ValueError, FileNotFoundError) as exc:

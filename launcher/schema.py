@@ -40,6 +40,7 @@ class DataConfig:
     source: str = "synthetic"  # synthetic (generated offline), hub (datasets hub id) or files
     id: Optional[str] = None  # hub dataset id when source=hub
     subset: Optional[str] = None  # hub dataset configuration name, if it has several
+    revision: Optional[str] = None  # hub dataset commit, tag or branch (source=hub); part of the token cache's key. Unpinned, the cache keeps the rows of its first download
     split: str = "train"  # dataset split to train on
     files: List[str] = field(default_factory=list)  # json/jsonl/txt/parquet files for source=files
     text_field: str = "text"  # column holding the text (format=text)

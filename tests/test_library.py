@@ -105,7 +105,7 @@ def test_a_peer_failure_is_a_recorded_loss_never_words_in_the_message():
     mine = RuntimeError("timed out reading shard 7 of my own dataset: connection reset by peer")
     t0 = time.time()
     assert not failures.is_peer_failure(mine, lambda: False, confirm_s=5.0)
-    assert time.time() - t0 < 0.05  # the user's own error is not held back
+    assert time.time() - t0 < 1.0  # not held back for confirm_s (5 s): at once, even on a loaded machine
     assert failures.is_peer_failure(mine, lambda: True, confirm_s=5.0)  # a loss was recorded
     assert not failures.is_peer_failure(KeyboardInterrupt(), lambda: True, confirm_s=5.0)
 

@@ -307,14 +307,14 @@ def test_the_cache_key_follows_what_changes_the_rows(tok, tmp_path):
     base = _chat_cfg(tmp_path)
     keys = {D.cache_key(base, tok)}
     for change in [{"train_on_prompt": True}, {"packing": False}, {"messages_field": "conv"},
-                   {"format": "instruction"}, {"seq_len": 64}]:
+                   {"format": "instruction"}, {"seq_len": 64}, {"revision": "c0ffee1"}]:
         keys.add(D.cache_key(OmegaConf.merge(base, {"data": change}), tok))
     other = byte_tokenizer()
     other.chat_template = other.chat_template.replace("|>", "|]")
     keys.add(D.cache_key(base, other))
     f = _jsonl(tmp_path / "val.jsonl", [{"messages": CONVS[0]}])
     keys.add(D.cache_key(OmegaConf.merge(base, {"eval": {"files": [f]}}), tok, "eval"))
-    assert len(keys) == 8
+    assert len(keys) == 9
 
 
 # --- validation data ------------------------------------------------------------------------
