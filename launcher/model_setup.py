@@ -139,19 +139,30 @@ def shard(model, cfg):
     # fp32; gradients are cast to fp32 before the reduce-scatter, so the sum is fp32
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if cfg.trainer.precision == "bf16" else MixedPrecisionPolicy()
-    # the mesh names the device the shards live on: fully_shard's default is the accelerator
-    # whenever one is visible, which would put a distributed.device=cpu (gloo) run's shards on
-    # a GPU; ours follows the backend this worker joined with (nccl: its GPU, else the CPU)
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh("cuda" if dist.get_backend() == "nccl" else "cpu",
-                            (dist.get_world_size(),))
+    mesh = shard_mesh()
     for block in blocks or []:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     if model in _UNFILLED:
         _fill_shards(model, cfg, *_UNFILLED.pop(model))
     return model
+
+
+def shard_mesh():
+    """The mesh FSDP2 shards over: the job's default group itself, on the device of the backend
+    this worker joined with (nccl: its GPU, else the CPU).
+
+    Left to itself, fully_shard builds a mesh on the accelerator whenever one is visible, which
+    would put a distributed.device=cpu (gloo) run's shards on a GPU; and a mesh made with
+    init_device_mesh on a machine with a GPU over a gloo default group creates a second group,
+    a collective of its own. A replacement shards alone, after joining: it would wait there
+    forever for survivors that made theirs long ago (seen on an H200 machine: the survivors'
+    restore timed out). From the default group, a recovery's new group (which takes the old
+    one's name) is the mesh's group at once, for survivors and replacement alike."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    return DeviceMesh.from_group(dist.group.WORLD,
+                                 "cuda" if dist.get_backend() == "nccl" else "cpu")
 
 
 def _fill_shards(model, cfg, rules, seed):

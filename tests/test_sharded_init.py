@@ -158,3 +158,25 @@ def test_pretrained_weights_are_read_shard_by_shard_and_equal_the_saved_model(tm
     assert {g[2] for g in got} == {expected}
     for _, elements, _ in got:  # each rank read about half of the model, never all of it
         assert elements < 0.55 * n, (elements, n)
+
+
+def _mesh_on_a_gpu_machine(rank, port, q):
+    import torch.distributed as dist
+
+    from launcher.model_setup import shard_mesh
+    dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", port, is_master=False),
+                            rank=rank, world_size=2)
+    torch.cuda.is_available = lambda: True  # what a GPU machine answers (distributed.device=cpu)
+    try:
+        mesh = shard_mesh()
+        q.put((rank, mesh.device_type, mesh.get_group().group_name == dist.group.WORLD.group_name))
+    except Exception as exc:  # noqa: BLE001
+        q.put((rank, "error", repr(exc)))
+    dist.destroy_process_group()
+
+
+def test_the_shard_mesh_is_the_default_group_even_where_a_gpu_is_visible():
+    """On a machine with a GPU, a mesh built by init_device_mesh over a gloo group makes a
+    second group (a collective): a replacement sharding alone after it joins would wait for it
+    forever. The mesh must be the default group itself, whose successor a recovery names alike."""
+    assert spawn_gloo(_mesh_on_a_gpu_machine, 2) == [(0, "cpu", True), (1, "cpu", True)]
