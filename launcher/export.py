@@ -105,6 +105,7 @@ def _write_files(model, tokenizer, path: Path, files, rank: int, keep: dict) -> 
         dist.barrier()  # every file is complete before the index names it
     if rank != 0:
         return
+    _remove_stale_weights(path, {_file_name(i, len(files)) for i in range(len(files))})
     if len(files) > 1:
         _write_index(path, len(files))
     config = model.config  # what save_pretrained records: the class (FSDP2's subclass named as
@@ -114,6 +115,18 @@ def _write_files(model, tokenizer, path: Path, files, rank: int, keep: dict) -> 
     if getattr(model, "generation_config", None) is not None and model.can_generate():
         model.generation_config.save_pretrained(str(path))
     tokenizer.save_pretrained(str(path))
+
+
+def _remove_stale_weights(path: Path, written: set[str]) -> None:
+    """An output folder used before (the same run.output_dir resumed at another world size, or
+    run again) may hold weight files of the earlier export: from_pretrained would prefer a stale
+    single `model.safetensors` over the new index, or keep orphan shards beside it. Only files
+    this export wrote remain."""
+    for p in path.iterdir():
+        stale = (p.name.startswith("model") and p.name.endswith((".safetensors", ".tmp"))
+                 and p.name not in written)
+        if stale or (p.name == INDEX and len(written) == 1):
+            p.unlink(missing_ok=True)
 
 
 def _write_index(path: Path, n: int) -> None:

@@ -120,6 +120,9 @@ def test_the_streamed_digest_is_the_gathered_one_and_the_sharded_export_reloads(
 
     from checkpointless.digest import model_sha256
     out = tmp_path / "model"
+    out.mkdir()  # an earlier export in the same folder, at other world sizes
+    for stale in ("model.safetensors", "model-00003-of-00004.safetensors"):
+        (out / stale).write_bytes(b"stale")
     results = spawn_gloo(_digest_and_export, 2, str(out), timeout=120)
     digests = {want for _, want, _, _ in results} | {got for _, _, got, _ in results}
     assert len(digests) == 1  # same hex as before, on every rank
