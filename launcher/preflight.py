@@ -8,7 +8,10 @@ Checked here, in the launcher:
   * the model config and the tokenizer, when the recipe names a hub id or folder: resolved once,
     an unreachable hub, a gated model, a wrong id each get their own sentence;
   * the data: local files exist; a hub dataset id can be resolved;
-  * checkpoint.resume=auto over checkpoints this version cannot read (the old single-file ones);
+  * checkpoint.resume=auto over checkpoints this version cannot read (the old single-file ones)
+    or over the newest checkpoint of another model (its `.metadata` against the shapes of the
+    recipe's model built on the meta device: no tensor read, no memory);
+  * model.init=pretrained from a local folder without the weight files its loader reads;
   * the memory plan (launcher/plan.py), when it is available.
 """
 from __future__ import annotations
@@ -21,8 +24,10 @@ from .recipes import RecipeError
 def preflight(cfg) -> None:
     """Raise RecipeError listing every problem found, each with its fix; return when none."""
     _offline_unless_reachable(cfg)
-    problems = [p for p in (_devices(cfg), _model(cfg), _tokenizer(cfg), _data(cfg),
-                            _checkpoints(cfg)) if p]
+    model, tokenizer = _model(cfg), _tokenizer(cfg)
+    problems = [p for p in (_devices(cfg), model, tokenizer, _data(cfg),
+                            # the model is built to compare shapes only when it can be
+                            _checkpoints(cfg, model_ok=not (model or tokenizer))) if p]
     if not problems:
         problems += _memory(cfg)
     if problems:
@@ -50,7 +55,7 @@ def _offline_unless_reachable(cfg) -> None:
     from pathlib import Path
     ids = [cfg.model.id, cfg.tokenizer.id if cfg.tokenizer.kind == "hub" else None,
            cfg.data.id if cfg.data.source == "hub" else None]
-    remote = [i for i in ids if i and not Path(i).expanduser().exists()]
+    remote = [i for i in ids if i and not _looks_like_path(i)]
     if not remote or os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false"):
         return
     try:
@@ -61,12 +66,58 @@ def _offline_unless_reachable(cfg) -> None:
               "local cache", flush=True)
 
 
-def _checkpoints(cfg) -> str | None:
-    """checkpoint.resume=auto over single-file checkpoints of an earlier version."""
+def _checkpoints(cfg, model_ok: bool = True) -> str | None:
+    """checkpoint.resume=auto over single-file checkpoints of an earlier version, or over a
+    newest checkpoint of another model (told from its `.metadata`, before any worker reads it)."""
     if cfg.checkpoint.resume != "auto":
         return None
-    from .checkpoints import old_format_error
-    return old_format_error(cfg.checkpoint.dir)
+    from checkpointless import durable
+
+    from .checkpoints import CheckpointMismatch, old_format_error, refuse_another_model
+    if (msg := old_format_error(cfg.checkpoint.dir)) is not None:
+        return msg
+    found = durable.latest(cfg.checkpoint.dir)
+    if found is None or not model_ok:
+        return None
+    try:
+        durable.saved_shapes(found[1])
+    except Exception as exc:  # noqa: BLE001  a truncated or foreign .metadata
+        return (f"checkpoint.resume=auto: {found[1]}/.metadata cannot be read ({type(exc).__name__}"
+                f": {exc}). Fix: move that checkpoint away (the one before it is then the newest), "
+                "or start from scratch with checkpoint.resume=never (or an empty checkpoint.dir)")
+    try:
+        refuse_another_model(found[1], meta_model_state(cfg))
+    except CheckpointMismatch as exc:
+        return str(exc)
+    return None
+
+
+def meta_model_state(cfg) -> dict:
+    """The model state dict a worker saves and loads (launcher/checkpoints.py), its keys and
+    global shapes, from the recipe's model built as launcher/model_setup.build builds it but on the
+    meta device: no weights read, no memory."""
+    import warnings
+
+    from omegaconf import OmegaConf
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from models import build_model, build_tokenizer
+    from models.init import EmptyBuild
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+    tok = build_tokenizer(cfg.tokenizer.kind, cfg.tokenizer.id or cfg.model.id,
+                          cfg.tokenizer.chat_template)
+    with EmptyBuild():
+        model = build_model(cfg.model.name, cfg.model.init, cfg.model.id,
+                            OmegaConf.to_container(cfg.model.config), vocab_size=len(tok),
+                            token_ids={"eos_token_id": tok.eos_token_id,
+                                       "bos_token_id": tok.bos_token_id,
+                                       "pad_token_id": tok.pad_token_id},
+                            load_weights=False)
+        if cfg.peft.method == "lora":
+            from models.lora import apply_lora
+            p = cfg.peft
+            model = apply_lora(model, p.r, p.alpha, p.dropout, list(p.target_modules))
+    return get_model_state_dict(model)  # the keys get_state_dict gives the workers
 
 
 def _devices(cfg) -> str | None:
@@ -123,35 +174,97 @@ def _hub_problem(exc: Exception, what: str, key: str, ident: str) -> str:
     return f"{key}={ident}: the {what} could not be loaded: {type(exc).__name__}: {exc}"
 
 
-def _model(cfg) -> str | None:
-    if not cfg.model.id:
+def _looks_like_path(ident: str) -> bool:
+    """A local folder, or meant as one: it exists on disk, or starts with '/', '.' or '~' (a hub
+    id is 'org/name', which a relative path with one slash also is: that one counts as a path
+    only when it exists)."""
+    return ident.startswith(("/", ".", "~")) or Path(ident).expanduser().exists()
+
+
+def _folder_problem(key: str, ident: str, what: str) -> str | None:
+    """A sentence for a local folder that cannot hold a Hugging Face model or tokenizer."""
+    if not _looks_like_path(ident):
         return None
-    from transformers import AutoConfig
-    try:
-        AutoConfig.from_pretrained(cfg.model.id)
-    except Exception as exc:  # noqa: BLE001  every kind is told apart in _hub_problem
-        return _hub_problem(exc, "model", "model.id", cfg.model.id)
-    folder = Path(cfg.model.id)
-    if (cfg.model.init == "pretrained" and cfg.distributed.strategy == "fsdp" and folder.is_dir()
-            and not (folder / "model.safetensors").exists()
-            and not (folder / "model.safetensors.index.json").exists()):
+    folder = Path(ident).expanduser()
+    if not folder.exists():
+        return (f"{key}={ident}: no such folder. Fix: point {key} at a folder written by "
+                f"save_pretrained, or at a hub id ('org/name')")
+    if ident.startswith("~"):
+        return (f"{key}={ident}: transformers does not expand '~' in a path. Fix: write it in "
+                f"full, {key}={folder}")
+    if not folder.is_dir():
+        return (f"{key}={ident}: not a folder. Fix: point {key} at the folder that holds the "
+                f"{what}'s config.json (written by save_pretrained), or at a hub id ('org/name')")
+    if not (folder / "config.json").is_file():
+        return (f"{key}={ident}: the folder has no config.json (a Hugging Face model folder "
+                f"written by save_pretrained has one). Fix: point {key} at the folder "
+                f"save_pretrained wrote, or save the {what} there with save_pretrained")
+    return None
+
+
+# what AutoModelForCausalLM.from_pretrained reads from a local folder (transformers'
+# SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME): the workers load
+# a whole pretrained model this way under ddp; under fsdp each rank reads its shard from the
+# safetensors files only (models/pretrained.py)
+SAFETENSORS_FILES = ("model.safetensors", "model.safetensors.index.json")
+FROM_PRETRAINED_FILES = SAFETENSORS_FILES + ("pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def _weights_problem(cfg) -> str | None:
+    """model.init=pretrained from a local folder without the files its loader reads."""
+    folder = Path(cfg.model.id).expanduser()
+    if cfg.model.init != "pretrained" or not folder.is_dir():
+        return None  # a hub id: the workers download what they need
+    fsdp = cfg.distributed.strategy == "fsdp"
+    accepted = SAFETENSORS_FILES if fsdp else FROM_PRETRAINED_FILES
+    if any((folder / f).is_file() for f in accepted):
+        return None
+    if not fsdp:
+        try:  # a config may name its weights file itself (transformers' transformers_weights)
+            import json
+            named = json.loads((folder / "config.json").read_text()).get("transformers_weights")
+        except (OSError, ValueError):
+            named = None
+        if named and (folder / named).is_file():
+            return None
+    if fsdp:
         # each fsdp rank reads its own rows of each tensor, which safetensors allows
         return (f"model.id={cfg.model.id}: model.init=pretrained under distributed.strategy=fsdp "
                 "reads the weights shard by shard from safetensors files, and this folder has "
                 "no model.safetensors or model.safetensors.index.json. Save it with "
                 "save_pretrained(..., safe_serialization=True), or use distributed.strategy=ddp")
-    return None
+    return (f"model.id={cfg.model.id}: model.init=pretrained reads the weights from this folder, "
+            f"and it has none ({', '.join(accepted)}). Fix: save the model there with "
+            "save_pretrained, or start from random weights with model.init=random")
+
+
+def _model(cfg) -> str | None:
+    if not cfg.model.id:
+        return None
+    if (msg := _folder_problem("model.id", cfg.model.id, "model")) is not None:
+        return msg
+    from transformers import AutoConfig
+    try:
+        AutoConfig.from_pretrained(cfg.model.id)
+    except Exception as exc:  # noqa: BLE001  every kind is told apart in _hub_problem
+        return _hub_problem(exc, "model", "model.id", cfg.model.id)
+    return _weights_problem(cfg)
 
 
 def _tokenizer(cfg) -> str | None:
     if cfg.tokenizer.kind != "hub":
         return None
     ident = cfg.tokenizer.id or cfg.model.id
+    key = "tokenizer.id" if cfg.tokenizer.id else "model.id"
+    if _looks_like_path(ident) and not Path(ident).expanduser().is_dir():
+        # said once, by _model, when it is model.id's folder
+        return None if ident == cfg.model.id else _folder_problem(key, ident, "tokenizer")
     from transformers import AutoTokenizer
     try:
         AutoTokenizer.from_pretrained(ident)
     except Exception as exc:  # noqa: BLE001
-        key = "tokenizer.id" if cfg.tokenizer.id else "model.id"
+        if ident == cfg.model.id and _folder_problem("model.id", ident, "model"):
+            return None  # the folder's problem, said once by _model
         return _hub_problem(exc, "tokenizer", key, ident)
     return None
 

@@ -528,7 +528,10 @@ def validate(cfg: DictConfig) -> None:
     need(rep.factor >= 1, "checkpointless.replication.factor", rep.factor,
          "must be >= 1 (1: no peer copies; 2: one copy in a peer's memory)")
     need(rep.factor <= max(1, d.num_processes), "checkpointless.replication.factor", rep.factor,
-         f"cannot exceed distributed.num_processes={d.num_processes}")
+         f"cannot exceed distributed.num_processes={d.num_processes} (each copy is held by "
+         f"another worker). Fix: set checkpointless.replication.factor={max(1, d.num_processes)}"
+         f"{' (no peer copies)' if d.num_processes <= 1 else ''} or use more processes "
+         f"(distributed.num_processes={rep.factor})")
     need(rep.interval >= 1, "checkpointless.replication.interval", rep.interval, "must be >= 1")
     need(cfg.checkpoint.interval >= 0, "checkpoint.interval", cfg.checkpoint.interval,
          "must be >= 0 (0 disables durable checkpoints)")

@@ -73,3 +73,80 @@ def test_fp16_on_a_machine_without_gpus_is_refused_when_the_device_is_left_to_au
     with pytest.raises(RecipeError) as err:
         preflight(cfg)
     assert "trainer.precision=fp16" in str(err.value) and "trainer.precision=bf16" in str(err.value)
+
+
+def _checkpoint_of(cfg, directory, step=4):
+    """A checkpoint as the workers write it (`step-%08d/` with `.metadata`; the model's keys
+    under "model."), of the model `cfg` builds, written without any worker."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from launcher.preflight import meta_model_state
+    import warnings
+    state = {k: torch.zeros(v.shape) for k, v in meta_model_state(cfg).items()}
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": state, "step": step}, checkpoint_id=str(directory / f"step-{step:08d}"))
+
+
+def test_resume_over_another_models_checkpoint_is_refused_before_launch(tmp_path):
+    _checkpoint_of(load("tiny-gpt2"), tmp_path)
+    resume = [f"checkpoint.dir={tmp_path}", "checkpoint.resume=auto"]
+    preflight(load("tiny-gpt2", resume))  # its own checkpoint: resumed
+    preflight(load("tiny-llama", [f"checkpoint.dir={tmp_path}"]))  # resume=never: not read
+    with pytest.raises(RecipeError) as err:  # another architecture
+        preflight(load("tiny-llama", resume))
+    msg = str(err.value)
+    assert f"checkpoint.resume=auto: {tmp_path / 'step-00000004'} is a checkpoint of a " \
+           "different model" in msg
+    assert "'model.embed_tokens.weight'" in msg and "Fix:" in msg
+    assert "checkpoint.resume=never" in msg and "Traceback" not in msg
+    _checkpoint_of(load("tiny-llama"), tmp_path, step=8)  # the newest is the one compared
+    preflight(load("tiny-llama", resume))
+    with pytest.raises(RecipeError, match=r"another shape \(first: 'model.embed_tokens.weight', "
+                                          r"\[257, 128\] there, \[257, 64\] here\).*Fix:"):
+        preflight(load("tiny-llama", resume + ["model.config.hidden_size=64"]))
+
+
+def test_a_pretrained_folder_without_weights_is_refused_under_any_strategy(tmp_path):
+    from transformers import LlamaConfig
+    LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=2, vocab_size=257).save_pretrained(tmp_path / "m")
+    pretrained = [f"model.id={tmp_path / 'm'}", "model.init=pretrained"]
+    with pytest.raises(RecipeError) as err:
+        preflight(load("tiny-llama", pretrained + ["distributed.strategy=ddp"]))
+    msg = str(err.value)
+    assert f"model.id={tmp_path / 'm'}: model.init=pretrained" in msg
+    assert "pytorch_model.bin" in msg and "save_pretrained" in msg and "model.init=random" in msg
+    # under ddp the workers load with from_pretrained, which reads a .bin too; fsdp does not
+    (tmp_path / "m" / "pytorch_model.bin").write_bytes(b"")
+    preflight(load("tiny-llama", pretrained + ["distributed.strategy=ddp"]))
+    with pytest.raises(RecipeError, match="no model.safetensors.*distributed.strategy=ddp"):
+        preflight(load("tiny-llama", pretrained + ["distributed.strategy=fsdp"]))
+
+
+def test_a_missing_model_folder_and_one_without_config_get_their_own_sentence(tmp_path,
+                                                                              monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for ident in (str(tmp_path / "nonexistent"), "./nonexistent_dir", "../nonexistent_dir"):
+        with pytest.raises(RecipeError) as err:
+            preflight(load("tiny-llama", [f"model.id={ident}"]))
+        msg = str(err.value)
+        assert f"model.id={ident}: no such folder" in msg and "Repo id" not in msg
+        assert msg.count("model.id=") == 1  # said once, not again for the tokenizer
+    (tmp_path / "empty").mkdir()
+    for ident in (str(tmp_path / "empty"), "empty"):  # an existing relative folder is a folder
+        with pytest.raises(RecipeError) as err:
+            preflight(load("tiny-llama", [f"model.id={ident}"]))
+        msg = str(err.value)
+        assert f"model.id={ident}: the folder has no config.json (a Hugging Face model folder " \
+               "written by save_pretrained has one)" in msg
+        assert "model_type" not in msg and msg.count("model.id=") == 1
+
+
+def test_replication_above_the_process_count_names_the_fix():
+    with pytest.raises(RecipeError) as err:
+        load("tiny-llama", ["distributed.num_processes=1"])
+    msg = str(err.value)
+    assert "checkpointless.replication.factor=2: cannot exceed distributed.num_processes=1" in msg
+    assert "set checkpointless.replication.factor=1 (no peer copies) or use more processes" in msg
