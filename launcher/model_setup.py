@@ -102,11 +102,16 @@ def build(cfg, device, sharded: bool | None = None):
 
 
 def master_dtype(cfg):
-    """fsdp with trainer.precision=bf16 keeps fp32 master parameters (FSDP2 computes in bf16, see
-    shard()), whatever dtype the model's config names; otherwise the config's dtype (None)."""
-    if cfg.distributed.strategy == "fsdp" and cfg.trainer.precision == "bf16":
-        return torch.float32
-    return None
+    """What the trained parameters are kept in: fp32, whatever dtype the model's config or
+    checkpoint names (Llama 3 and gpt-oss say bfloat16). trainer.precision=bf16/fp16 computes in
+    half precision over these fp32 masters (fsdp: FSDP2's MixedPrecisionPolicy, see shard();
+    ddp: autocast), with fp32 gradients and AdamW moments: bf16 weights would drop every update
+    smaller than their resolution (at lr 5e-5 on N(0, 0.02) weights, a large share of each
+    step). Under LoRA with ddp the frozen base keeps the config's dtype (None): it never
+    changes, and peft keeps the adapters in fp32."""
+    if cfg.peft.method != "none" and cfg.distributed.strategy != "fsdp":
+        return None
+    return torch.float32
 
 
 def build_eval(cfg, tokenizer):

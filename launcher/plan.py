@@ -13,12 +13,13 @@ when the peak does not fit.
 What is counted, per rank (GB = 10^9 bytes). The numerics are the project's as they are, not as
 one might assume:
 
-* Parameter dtype: the model is built as `models.build_model` builds it. transformers takes the
-  dtype from the config (`from_config`) or, for `from_pretrained` with no dtype given, "auto":
-  the checkpoint's. The Llama 3 and gpt-oss configs say bfloat16, so those recipes hold bf16
-  parameters, bf16 gradients and bf16 AdamW moments (torch's AdamW keeps its state in the
-  parameter's dtype): 8 bytes per trained parameter, not 16. GPT-2's configs name no dtype:
-  fp32, 16 bytes per trained parameter. trainer.precision=bf16 autocasts matmuls to bf16.
+* Parameter dtype: trained parameters are fp32 masters (`model_setup.master_dtype`), whatever
+  dtype the config names (the Llama 3 and gpt-oss configs say bfloat16): 16 bytes per trained
+  parameter with its fp32 gradient and two AdamW moments (torch's AdamW keeps its state in the
+  parameter's dtype). The one exception is a frozen LoRA base under ddp, kept in the config's
+  dtype (transformers' `from_config`, or "auto" for `from_pretrained`: the checkpoint's).
+  trainer.precision=bf16 autocasts matmuls to bf16. (`LoopFacts(fp32_masters=False)` plans the
+  loop that kept bf16 parameters and moments for bf16 configs: 8 bytes per trained parameter.)
 * parameters, gradients, optimizer state (AdamW: 2 moments per trained parameter): whole on
   every rank under ddp, divided by num_processes under fsdp (FSDP2 fully_shard). Under
   peft.method=lora only the adapters have gradients and optimizer state; an adapter on a linear
@@ -117,12 +118,15 @@ class LoopFacts:
     full_state_on_device: bool = True  # full_state(): get_model_state_dict(cpu_offload=False)
     # (the loop now streams the digest and the export one tensor at a time: False)
     lora_fsdp_one_unit: bool = True  # shard() looks for the blocks on the peft wrapper: none found
+    fp32_masters: bool = False  # model_setup.master_dtype: trained parameters in fp32 whatever
+    # the config's dtype (False: the config's, so bf16 parameters and moments for Llama 3)
 
 
 # shard() looks through peft's wrapper and sets FSDP2's bf16 policy; the loop reduce-scatters
 # every micro-batch; launcher/export.py streams the end-of-run state one tensor at a time
 CURRENT_LOOP = LoopFacts(lora_fsdp_one_unit=False, fsdp_unsharded_accumulation=False,
-                         fsdp_mixed_precision=True, full_state_on_device=False)
+                         fsdp_mixed_precision=True, full_state_on_device=False,
+                         fp32_masters=True)
 
 # Configs of the models the shipped recipes name, from their public config.json files, for when
 # the hub cannot be reached (a plan needs shapes, not weights). Only what shapes the model.
@@ -554,8 +558,10 @@ def plan(cfg, facts: ModelFacts | None = None, loop: LoopFacts = CURRENT_LOOP,
     bf16 = t.precision in ("bf16", "fp16")  # half-precision autocast: 2-byte activations
     # fsdp + bf16: fp32 master state (sharded), units gathered and computed in bf16
     mp = fsdp and t.precision == "bf16" and loop.fsdp_mixed_precision
-    if mp:
+    # fp32 masters (model_setup.master_dtype): all but a frozen LoRA base under ddp
+    if mp or (loop.fp32_masters and (fsdp or not lora)):
         pb = 4
+    dname = "float32" if pb == 4 else facts.dtype_name
     cb = 2 if mp else pb  # bytes of a parameter as forward and backward use it
     gb = 4 if mp else pb  # bytes of a gradient before its reduce-scatter (fp32 reduce_dtype)
     p = 2 if (bf16 or pb == 2) else 4
@@ -586,14 +592,14 @@ def plan(cfg, facts: ModelFacts | None = None, loop: LoopFacts = CURRENT_LOOP,
 
     items = [
         Item("parameters", at(params_bytes),
-             note=("fp32 master, gathered in bf16" if mp else f"{facts.dtype_name}")
+             note=("fp32 master, gathered in bf16" if mp else dname)
              + (f", 1/{world} shard" if fsdp else ", whole")
              + (f", + {adapters:,} fp32 adapters" if lora else "")),
         Item("gradients", at(grads, *grad_phases),
              note=("adapters only, " if lora else "") + ("1/%d shard" % world if fsdp else
                                                         "whole")),
         Item("optimizer state", at(optim), note="AdamW, 2 moments in the "
-             + ("adapters' fp32" if lora else ("fp32 master parameters'" if mp else f"parameters' {facts.dtype_name}"))),
+             + ("adapters' fp32" if lora else ("fp32 master parameters'" if mp else f"parameters' {dname}"))),
     ]
     if not fsdp:
         copy_phases = ("layer backward", "optimizer step") if d.grad_sync == "buckets" \

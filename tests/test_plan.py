@@ -206,7 +206,7 @@ def test_check_fits_refuses_llama3_70b_under_ddp_and_names_what_fits():
 def test_the_override_named_is_computed_and_fits():
     with pytest.raises(RecipeError) as err:
         # the recipe as it was before it was sized by the plan
-        P.check_fits(load("llama3.2-1b", OLD_1B := ["distributed.device_memory_gb=24",
+        P.check_fits(load("llama3.2-1b", OLD_1B := ["distributed.strategy=ddp",
                                                     "model.gradient_checkpointing=false",
                                                     "trainer.micro_batch_size=4"]))
     fix = re.search(r"Add: (.*)", str(err.value)).group(1).split()
@@ -246,6 +246,12 @@ def test_the_loop_facts_are_what_launcher_loop_does():
     assert P.CURRENT_LOOP.fsdp_mixed_precision == (
         "MixedPrecisionPolicy(param_dtype=torch.bfloat16" in inspect.getsource(model_setup.shard)
         and "torch.float32" in inspect.getsource(model_setup.master_dtype))
+    # fp32 masters: a bf16-config model trained whole keeps fp32 parameters under ddp too; a
+    # frozen LoRA base under ddp keeps the config's dtype
+    import torch
+    masters = model_setup.master_dtype(load("llama3.2-1b", ["distributed.strategy=ddp"]))
+    assert P.CURRENT_LOOP.fp32_masters == (masters == torch.float32)
+    assert model_setup.master_dtype(load("llama3-8b-lora")) is None
 
 
 # ---- the command line -------------------------------------------------------------------------

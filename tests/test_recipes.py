@@ -312,10 +312,10 @@ def test_cli_train_refuses_fp16_on_cpu_before_any_worker_starts(tmp_path):
 
 
 def test_fp16_is_for_ddp_on_gpus_only():
-    assert load("llama3.2-1b", ["trainer.precision=fp16"]).trainer.precision == "fp16"
+    assert load("gpt2", ["trainer.precision=fp16"]).trainer.precision == "fp16"
     _refused("llama3-8b", ["trainer.precision=fp16"], must_say=["fp16", "distributed.strategy=ddp",
                                                               "trainer.precision=bf16"])
-    _refused("llama3.2-1b", ["trainer.precision=fp16", "distributed.backend=gloo"],
+    _refused("gpt2", ["trainer.precision=fp16", "distributed.backend=gloo"],
              must_say=["distributed.backend=gloo"])
 
 
