@@ -80,6 +80,7 @@ survivors are not there to meet it) and refuses any other collective there.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import inspect
 import os
@@ -172,6 +173,8 @@ class Accelerator(accelerate.Accelerator):
         self._void = False  # the rest of this body is discarded (a failure, or the loop moved)
         self._in_body = False  # control is in the script's loop body
         self._epoch: int | None = None  # the epoch whose body runs now
+        self._ended = False  # end_training() ran: the job is left
+        self._finish_at_exit = False  # the loop ended: finish at exit if the script does not
 
     # ---- the loop ------------------------------------------------------------------------------
     def epochs(self, num_epochs: int):
@@ -187,6 +190,7 @@ class Accelerator(accelerate.Accelerator):
                 self._void = False
                 epoch, _ = loop.current()
                 if epoch >= num_epochs:
+                    self._loop_ended()
                     return
                 self._epoch = epoch
                 self._to_user()
@@ -202,11 +206,30 @@ class Accelerator(accelerate.Accelerator):
     def batches(self, dataloader):
         """Yield this epoch's batches of a prepared `dataloader`, one per step, from the agreed
         step: a step redone after a recovery gets the same batch again; a replacement starts at
-        the batch after the last committed one."""
+        the batch after the last committed one. Do not count them with Python's `enumerate`
+        where the count decides a collective: use `accelerator.enumerate(dataloader)`."""
+        with contextlib.closing(self._indexed(dataloader, "batches")) as indexed:
+            for _, batch in indexed:
+                yield batch
+
+    def enumerate(self, dataloader):
+        """Yield `(index, batch)` for this epoch's batches of a prepared `dataloader`, as
+        `batches()` yields them; `index` is the batch's position in the epoch (0 for its first
+        batch), the same on every rank after any recovery: a redone step gets its index again, a
+        replacement starting mid-epoch gets the true index. Python's `enumerate` over `batches()`
+        does not (it counts a redone batch twice and restarts at 0 in a replacement), so a
+        collective decided by its count (`if step % 10 == 0: accelerator.reduce(loss)`) would
+        meet a different one on another rank."""
+        return self._indexed(dataloader, "enumerate")
+
+    def _indexed(self, dataloader, what: str):
         if self._epoch is None:
-            raise RuntimeError("accelerator.batches(): call it inside `for epoch in "
+            raise RuntimeError(f"accelerator.{what}(): call it inside `for epoch in "
                                "accelerator.epochs(n):`, which says which epoch's batches to give")
-        check_loader(dataloader)
+        check_loader(dataloader, what)
+        return self._batches(dataloader)
+
+    def _batches(self, dataloader):
         d, loop, epoch = self._driver, self._loop, self._epoch
         cursor = _Cursor(dataloader, epoch)
         self._to_library()
@@ -219,14 +242,15 @@ class Accelerator(accelerate.Accelerator):
                     return
                 if self._void:
                     return
-                batch = cursor.batch(step - start)
+                index = step - start  # the batch's position in the epoch, agreed by all
+                batch = cursor.batch(index)
                 if batch is END:
                     return
                 if not d.ready(step):
                     continue  # a peer failed meanwhile: the next turn recovers
                 d.open_step(step)
                 self._to_user()
-                yield batch
+                yield index, batch
                 self._to_library()
                 if d.close_step():
                     loop.commit()
@@ -234,6 +258,21 @@ class Accelerator(accelerate.Accelerator):
         finally:
             cursor.close()
             self._to_user()
+
+    def _loop_ended(self) -> None:
+        """The last epoch of `epochs()` is done on every rank. Many accelerate scripts never call
+        `end_training()`; a clean exit of such a worker would look like a failure to the
+        supervisor, so it is called at the interpreter's exit (after the script's own code past
+        the loop: a save, a final gather) unless the script called it or died of an exception."""
+        if self._finish_at_exit or isinstance(self.job, PlainJob):
+            return
+        self._finish_at_exit = True
+        atexit.register(self._end_at_exit)
+
+    def _end_at_exit(self) -> None:
+        if self._ended or getattr(sys, "last_value", None) is not None:
+            return  # finished already, or the script raised: the supervisor sees the failure
+        self._end_training()
 
     @property
     def recovering(self) -> bool:
@@ -411,7 +450,14 @@ class Accelerator(accelerate.Accelerator):
 
     def end_training(self, result: dict | None = None):
         """Finish the trackers, report this rank's `result` (default: the digest of the prepared
-        models' parameters, `params_sha256`) and leave the job."""
+        models' parameters, `params_sha256`) and leave the job. A script that does not call it
+        leaves at its exit, once `epochs()` ended; calling it again does nothing."""
+        self._end_training(result)
+
+    def _end_training(self, result: dict | None = None) -> None:
+        if self._ended:
+            return
+        self._ended = True
         for tracker in self.trackers:
             tracker.finish()
         if result is None:
@@ -446,20 +492,20 @@ class _LoopPosition:
         self.pending = None
 
 
-def check_loader(loader) -> None:
+def check_loader(loader, what: str = "batches") -> None:
     """Refuse, in `batches()`, a loader whose batches a replacement could not find again."""
     if not isinstance(loader, DataLoaderShard):
-        raise TypeError(f"accelerator.batches(): got {type(loader).__name__}; pass a DataLoader "
+        raise TypeError(f"accelerator.{what}(): got {type(loader).__name__}; pass a DataLoader "
                         "returned by accelerator.prepare()")
     if isinstance(loader.dataset, IterableDataset):
-        raise TypeError("accelerator.batches(): the loader reads an IterableDataset, which has "
+        raise TypeError(f"accelerator.{what}(): the loader reads an IterableDataset, which has "
                         "no index a replacement could resume at; use a map-style dataset")
     sampler = loader.batch_sampler
     while hasattr(sampler, "batch_sampler"):
         sampler = sampler.batch_sampler
     sampler = getattr(sampler, "sampler", None)
     if not isinstance(sampler, ORDERED):
-        raise TypeError(f"accelerator.batches(): the loader's order comes from a "
+        raise TypeError(f"accelerator.{what}(): the loader's order comes from a "
                         f"{type(sampler).__name__}, which a replacement cannot draw again; use "
                         "shuffle=True / False, or a DistributedSampler")
 
