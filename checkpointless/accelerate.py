@@ -10,18 +10,26 @@ no line of a loop's body changes and nothing is re-indented:
         model, optimizer, train_dl, eval_dl, lr_scheduler)
     for epoch in accelerator.epochs(num_epochs):             # was: for epoch in range(num_epochs):
         model.train()
-        for step, batch in enumerate(accelerator.batches(train_dl)):   # was: enumerate(train_dl)
+        for step, batch in accelerator.enumerate(train_dl):   # was: enumerate(train_dl)
             outputs = model(**batch)
             accelerator.backward(outputs.loss)
             optimizer.step()
             lr_scheduler.step()
             optimizer.zero_grad()
+            if step % 10 == 0:                               # the same `step` on every rank
+                accelerator.print(accelerator.reduce(outputs.loss.detach(), "mean"))
         model.eval()
         for step, batch in enumerate(eval_dl):
             ...
             predictions, references = accelerator.gather_for_metrics((predictions, batch["labels"]))
         accelerator.print(f"epoch {epoch}:", ...)
-    accelerator.end_training()                               # reports this rank's result, leaves
+    accelerator.end_training()      # reports this rank's result, leaves (at exit if not called)
+
+`step` is the batch's index in its epoch, the position the library keeps to resume the data: after
+a recovery it is the same on every rank (the redone batch gets its index again, a replacement the
+true one), so a collective may depend on it. Python's `enumerate(accelerator.batches(train_dl))`
+must not decide a collective: it counts a redone batch twice on a survivor and restarts at 0 in a
+replacement. Neither may any counter of the script's own; derive counters from `step`.
 
 Run it with `python -m checkpointless --nproc N --spares S script.py`; under torchrun (or
 `accelerate launch`) the same script runs without fault tolerance (`checkpointless.join()` returns
@@ -65,8 +73,10 @@ Also different: the step's random seed is set per step (`job.seed_step`), and gr
 summed in fixed buckets, so the bits differ from the same script on plain accelerate (they are
 the same under the supervisor, with or without failures, and under torchrun).
 `end_training(result=None)` reports `result` (by default `{"rank", "params_sha256"}` of the
-prepared models) with `job.finish()` and leaves the job; the script must call it.
-`accelerator.recovering` is True during a void pass, for code with side effects of its own.
+prepared models) with `job.finish()` and leaves the job; a script that does not call it leaves at
+the interpreter's exit once `epochs()` ended (not after an exception), and a second call does
+nothing. `accelerator.recovering` is True during a void pass, for code with side effects of its
+own (a file written, a counter that must not see the void pass).
 
 Not supported (refused where it can be seen): gradient accumulation over several batches,
 DeepSpeed, FSDP, Megatron and tensor-parallel configurations, `dispatch_batches`, iterable
