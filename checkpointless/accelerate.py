@@ -10,18 +10,26 @@ no line of a loop's body changes and nothing is re-indented:
         model, optimizer, train_dl, eval_dl, lr_scheduler)
     for epoch in accelerator.epochs(num_epochs):             # was: for epoch in range(num_epochs):
         model.train()
-        for step, batch in enumerate(accelerator.batches(train_dl)):   # was: enumerate(train_dl)
+        for step, batch in accelerator.enumerate(train_dl):   # was: enumerate(train_dl)
             outputs = model(**batch)
             accelerator.backward(outputs.loss)
             optimizer.step()
             lr_scheduler.step()
             optimizer.zero_grad()
+            if step % 10 == 0:                               # the same `step` on every rank
+                accelerator.print(accelerator.reduce(outputs.loss.detach(), "mean"))
         model.eval()
         for step, batch in enumerate(eval_dl):
             ...
             predictions, references = accelerator.gather_for_metrics((predictions, batch["labels"]))
         accelerator.print(f"epoch {epoch}:", ...)
-    accelerator.end_training()                               # reports this rank's result, leaves
+    accelerator.end_training()      # reports this rank's result, leaves (at exit if not called)
+
+`step` is the batch's index in its epoch, the position the library keeps to resume the data: after
+a recovery it is the same on every rank (the redone batch gets its index again, a replacement the
+true one), so a collective may depend on it. Python's `enumerate(accelerator.batches(train_dl))`
+must not decide a collective: it counts a redone batch twice on a survivor and restarts at 0 in a
+replacement. Neither may any counter of the script's own; derive counters from `step`.
 
 Run it with `python -m checkpointless --nproc N --spares S script.py`; under torchrun (or
 `accelerate launch`) the same script runs without fault tolerance (`checkpointless.join()` returns
@@ -65,8 +73,10 @@ Also different: the step's random seed is set per step (`job.seed_step`), and gr
 summed in fixed buckets, so the bits differ from the same script on plain accelerate (they are
 the same under the supervisor, with or without failures, and under torchrun).
 `end_training(result=None)` reports `result` (by default `{"rank", "params_sha256"}` of the
-prepared models) with `job.finish()` and leaves the job; the script must call it.
-`accelerator.recovering` is True during a void pass, for code with side effects of its own.
+prepared models) with `job.finish()` and leaves the job; a script that does not call it leaves at
+the interpreter's exit once `epochs()` ended (not after an exception), and a second call does
+nothing. `accelerator.recovering` is True during a void pass, for code with side effects of its
+own (a file written, a counter that must not see the void pass).
 
 Not supported (refused where it can be seen): gradient accumulation over several batches,
 DeepSpeed, FSDP, Megatron and tensor-parallel configurations, `dispatch_batches`, iterable
@@ -80,6 +90,7 @@ survivors are not there to meet it) and refuses any other collective there.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import inspect
 import os
@@ -172,6 +183,8 @@ class Accelerator(accelerate.Accelerator):
         self._void = False  # the rest of this body is discarded (a failure, or the loop moved)
         self._in_body = False  # control is in the script's loop body
         self._epoch: int | None = None  # the epoch whose body runs now
+        self._ended = False  # end_training() ran: the job is left
+        self._finish_at_exit = False  # the loop ended: finish at exit if the script does not
 
     # ---- the loop ------------------------------------------------------------------------------
     def epochs(self, num_epochs: int):
@@ -187,6 +200,7 @@ class Accelerator(accelerate.Accelerator):
                 self._void = False
                 epoch, _ = loop.current()
                 if epoch >= num_epochs:
+                    self._loop_ended()
                     return
                 self._epoch = epoch
                 self._to_user()
@@ -202,11 +216,30 @@ class Accelerator(accelerate.Accelerator):
     def batches(self, dataloader):
         """Yield this epoch's batches of a prepared `dataloader`, one per step, from the agreed
         step: a step redone after a recovery gets the same batch again; a replacement starts at
-        the batch after the last committed one."""
+        the batch after the last committed one. Do not count them with Python's `enumerate`
+        where the count decides a collective: use `accelerator.enumerate(dataloader)`."""
+        with contextlib.closing(self._indexed(dataloader, "batches")) as indexed:
+            for _, batch in indexed:
+                yield batch
+
+    def enumerate(self, dataloader):
+        """Yield `(index, batch)` for this epoch's batches of a prepared `dataloader`, as
+        `batches()` yields them; `index` is the batch's position in the epoch (0 for its first
+        batch), the same on every rank after any recovery: a redone step gets its index again, a
+        replacement starting mid-epoch gets the true index. Python's `enumerate` over `batches()`
+        does not (it counts a redone batch twice and restarts at 0 in a replacement), so a
+        collective decided by its count (`if step % 10 == 0: accelerator.reduce(loss)`) would
+        meet a different one on another rank."""
+        return self._indexed(dataloader, "enumerate")
+
+    def _indexed(self, dataloader, what: str):
         if self._epoch is None:
-            raise RuntimeError("accelerator.batches(): call it inside `for epoch in "
+            raise RuntimeError(f"accelerator.{what}(): call it inside `for epoch in "
                                "accelerator.epochs(n):`, which says which epoch's batches to give")
-        check_loader(dataloader)
+        check_loader(dataloader, what)
+        return self._batches(dataloader)
+
+    def _batches(self, dataloader):
         d, loop, epoch = self._driver, self._loop, self._epoch
         cursor = _Cursor(dataloader, epoch)
         self._to_library()
@@ -219,14 +252,15 @@ class Accelerator(accelerate.Accelerator):
                     return
                 if self._void:
                     return
-                batch = cursor.batch(step - start)
+                index = step - start  # the batch's position in the epoch, agreed by all
+                batch = cursor.batch(index)
                 if batch is END:
                     return
                 if not d.ready(step):
                     continue  # a peer failed meanwhile: the next turn recovers
                 d.open_step(step)
                 self._to_user()
-                yield batch
+                yield index, batch
                 self._to_library()
                 if d.close_step():
                     loop.commit()
@@ -234,6 +268,21 @@ class Accelerator(accelerate.Accelerator):
         finally:
             cursor.close()
             self._to_user()
+
+    def _loop_ended(self) -> None:
+        """The last epoch of `epochs()` is done on every rank. Many accelerate scripts never call
+        `end_training()`; a clean exit of such a worker would look like a failure to the
+        supervisor, so it is called at the interpreter's exit (after the script's own code past
+        the loop: a save, a final gather) unless the script called it or died of an exception."""
+        if self._finish_at_exit or isinstance(self.job, PlainJob):
+            return
+        self._finish_at_exit = True
+        atexit.register(self._end_at_exit)
+
+    def _end_at_exit(self) -> None:
+        if self._ended or getattr(sys, "last_value", None) is not None:
+            return  # finished already, or the script raised: the supervisor sees the failure
+        self._end_training()
 
     @property
     def recovering(self) -> bool:
@@ -411,7 +460,14 @@ class Accelerator(accelerate.Accelerator):
 
     def end_training(self, result: dict | None = None):
         """Finish the trackers, report this rank's `result` (default: the digest of the prepared
-        models' parameters, `params_sha256`) and leave the job."""
+        models' parameters, `params_sha256`) and leave the job. A script that does not call it
+        leaves at its exit, once `epochs()` ended; calling it again does nothing."""
+        self._end_training(result)
+
+    def _end_training(self, result: dict | None = None) -> None:
+        if self._ended:
+            return
+        self._ended = True
         for tracker in self.trackers:
             tracker.finish()
         if result is None:
@@ -446,20 +502,20 @@ class _LoopPosition:
         self.pending = None
 
 
-def check_loader(loader) -> None:
+def check_loader(loader, what: str = "batches") -> None:
     """Refuse, in `batches()`, a loader whose batches a replacement could not find again."""
     if not isinstance(loader, DataLoaderShard):
-        raise TypeError(f"accelerator.batches(): got {type(loader).__name__}; pass a DataLoader "
+        raise TypeError(f"accelerator.{what}(): got {type(loader).__name__}; pass a DataLoader "
                         "returned by accelerator.prepare()")
     if isinstance(loader.dataset, IterableDataset):
-        raise TypeError("accelerator.batches(): the loader reads an IterableDataset, which has "
+        raise TypeError(f"accelerator.{what}(): the loader reads an IterableDataset, which has "
                         "no index a replacement could resume at; use a map-style dataset")
     sampler = loader.batch_sampler
     while hasattr(sampler, "batch_sampler"):
         sampler = sampler.batch_sampler
     sampler = getattr(sampler, "sampler", None)
     if not isinstance(sampler, ORDERED):
-        raise TypeError(f"accelerator.batches(): the loader's order comes from a "
+        raise TypeError(f"accelerator.{what}(): the loader's order comes from a "
                         f"{type(sampler).__name__}, which a replacement cannot draw again; use "
                         "shuffle=True / False, or a DistributedSampler")
 

@@ -131,12 +131,18 @@ class Supervisor:
         if more:
             self.store.add(protocol.LOST, len(more))
         lost += [(w, False) for w in more]
-        for w, _ in lost:
+        for w, hung in lost:
             if not self.store.check([protocol.ready_key(w.wid)]):
                 self._stop(f"worker {w.wid} (rank {w.rank}) exited with code "
                            f"{w.proc.returncode} before it finished starting up; its output "
                            "above says why. A start-up failure is a bug, not a fault to recover "
                            "from")
+            if not hung and not w.node_lost and w.proc.returncode == 0:
+                self._stop(f"worker {w.wid} (rank {w.rank}) exited with code 0 without calling "
+                           "job.finish() (accelerator.end_training()): a clean exit before the "
+                           "job finished is a script that left its loop, not a fault a spare "
+                           "could recover from. Call job.finish() (accelerator.end_training()) "
+                           "at the end of the script, on every rank")
         for w, _ in lost:  # hung ones, and the children of dead ones (their sockets too)
             self.pool.kill(w)
         for w, hung in lost:

@@ -3,8 +3,11 @@
     python -m checkpointless --nproc 2 --spares 1 --fault kill:1:5 examples/accelerate_checkpointless.py --cpu
 
 The import brings checkpointless.accelerate.Accelerator (a hot spare waits in its constructor
-until it takes over a failed rank); `accelerator.epochs()` and `accelerator.batches()` resume the
-loop at the agreed epoch and batch. A worker killed mid-epoch or during an evaluation is replaced
+until it takes over a failed rank); `accelerator.epochs()` and `accelerator.enumerate()` resume the
+loop at the agreed epoch and batch. `step` is the batch's index in the epoch, the same on every rank
+after a recovery, so the loss logged every 5 batches (a collective) meets on every rank; Python's
+`enumerate` over `accelerator.batches()` would count a redone batch twice and restart at 0 in a
+replacement. A worker killed mid-epoch or during an evaluation is replaced
 by a spare that receives the model, optimizer, schedule and the loop's position from a peer; the
 step (or the evaluation) cut short is run again, and the run ends with the bits of the same script
 run without a failure. Under torchrun it runs as the plain script does, without fault tolerance.
@@ -81,13 +84,16 @@ def training_function(config, args):
 
     for epoch in accelerator.epochs(num_epochs):
         model.train()
-        for step, batch in enumerate(accelerator.batches(train_dataloader)):
+        for step, batch in accelerator.enumerate(train_dataloader):
             outputs = model(**batch)
             loss = outputs.loss
             accelerator.backward(loss)
             optimizer.step()
             lr_scheduler.step()
             optimizer.zero_grad()
+            if step % 5 == 0:  # log the loss averaged over the ranks: a collective every 5 batches
+                loss = accelerator.reduce(loss.detach(), reduction="mean")
+                accelerator.print(f"epoch {epoch} batch {step}: loss {loss.item()!r}")
 
         model.eval()
         correct = total = 0

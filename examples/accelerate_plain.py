@@ -88,6 +88,9 @@ def training_function(config, args):
             optimizer.step()
             lr_scheduler.step()
             optimizer.zero_grad()
+            if step % 5 == 0:  # log the loss averaged over the ranks: a collective every 5 batches
+                loss = accelerator.reduce(loss.detach(), reduction="mean")
+                accelerator.print(f"epoch {epoch} batch {step}: loss {loss.item()!r}")
 
         model.eval()
         correct = total = 0

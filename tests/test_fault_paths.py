@@ -152,3 +152,14 @@ def test_the_drop_in_ddp_with_several_buckets_in_flight_recovers_a_kill(tmp_path
     (rec,) = rep["recoveries"]
     assert rec["failed_rank"] == 2 and rec["ranks_reusing_grads"] == [0, 1, 3]
     assert [f["rank"] for f in rep["failures"]] == [2]  # no survivor was lost on the way
+
+
+def test_a_worker_that_exits_cleanly_without_finishing_stops_the_job_with_that_said(tmp_path):
+    """Exit code 0 before job.finish() is a script that left its loop, not a fault: the spare is
+    not handed the rank (it would find no member holding the state), the job says why."""
+    rep = run(tmp_path, "--spares", "1", expect_rc=1, timeout=120, MAX_STEPS="2",
+              SKIP_FINISH="1")
+    out = rep["stdout"] + rep["stderr"]
+    assert "exited with code 0 without calling job.finish() (accelerator.end_training())" in out
+    assert "no member of the new generation holds training state" not in out
+    assert "this is a bug" not in out
