@@ -382,6 +382,9 @@ class Plan:
     phases: dict  # phase -> device bytes
     summary: str
     fix: list | None = None  # overrides that fit, when this plan does not
+    host_budget: int | None = None  # one node's host memory (None: not known here)
+    host_source: str = ""
+    ranks_per_node: int = 1  # ranks whose host rows share that memory
     fix_tried: bool = False
     closest: tuple | None = None  # (overrides, Plan) needing the least, when none fits
 
@@ -405,6 +408,18 @@ class Plan:
     @property
     def fits(self) -> bool:
         return self.need <= self.budget
+
+    @property
+    def host_per_node(self) -> int:
+        return self.host * self.ranks_per_node
+
+    @property
+    def host_fits(self) -> bool:
+        """The host rows of a node's ranks (peer replicas, snapshots: held besides each process
+        itself) within its host memory; true when that memory is not known, and on cpu, where
+        the host rows are counted with the device's."""
+        return (self.device_type == "cpu" or self.host_budget is None
+                or self.host_per_node <= self.host_budget)
 
     @property
     def headroom(self) -> float:
@@ -462,9 +477,16 @@ class Plan:
         if not self.host:
             host = "host per rank: nothing planned beyond the process (no peer replicas)"
         else:
-            host = (f"host per rank: {_gb(self.host)} ({self.host:,} bytes)"
-                    + (" (on cpu: counted with the device rows)" if self.device_type == "cpu"
-                       else " (not compared: the nodes' host memory is not known here)"))
+            host = f"host per rank: {_gb(self.host)} ({self.host:,} bytes)"
+            if self.device_type == "cpu":
+                host += " (on cpu: counted with the device rows)"
+            elif self.host_budget is None:
+                host += (" (not compared: no GPU here to say what a node holds; set "
+                         "distributed.host_memory_gb)")
+            else:
+                host += (f"; {self.ranks_per_node} ranks per node: {_gb(self.host_per_node)} "
+                         f"of {_gb(self.host_budget)} ({self.host_source})"
+                         + ("" if self.host_fits else ": DOES NOT FIT"))
         return "\n".join([
             f"plan: {self.recipe}" + (f" with {' '.join(self.overrides)}" if self.overrides
                                       else ""),
@@ -539,6 +561,22 @@ def _budget(cfg, device_type: str) -> tuple[int, str]:
         return int(small.total_memory), f"this machine's {small.name}"
     return int(DEFAULT_DEVICE_GB * GB), (f"default {DEFAULT_DEVICE_GB:.0f} GB: no GPU here; set "
                                          "distributed.device_memory_gb for other devices")
+
+
+def _host_budget(cfg, device_type: str) -> tuple[int | None, str]:
+    """One node's host memory: distributed.host_memory_gb, or this machine's when it has GPUs
+    (the launcher runs on the node its workers use); otherwise unknown."""
+    given = float(cfg.distributed.get("host_memory_gb", 0.0) or 0.0)
+    if given < 0:
+        raise RecipeError(f"distributed.host_memory_gb={given}: must be >= 0 (0: this machine's "
+                          "when it has GPUs, else not compared)")
+    if given > 0:
+        return int(given * GB), "distributed.host_memory_gb"
+    import torch
+    if device_type == "cuda" and torch.cuda.is_available():
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return total, "this machine's memory"
+    return None, ""
 
 
 def plan(cfg, facts: ModelFacts | None = None, loop: LoopFacts = CURRENT_LOOP,
@@ -708,9 +746,14 @@ def plan(cfg, facts: ModelFacts | None = None, loop: LoopFacts = CURRENT_LOOP,
                f"{t.micro_batch_size} x seq_len {cfg.data.seq_len}, grad_accum_steps {accum}; "
                f"gradient checkpointing {'on' if ckpt else 'off'}; precision {t.precision} "
                f"(activations {p} bytes, residual stream {r}); attention {attn}")
+    host_budget, host_source = _host_budget(cfg, device_type)
+    nodes = max(1, int(d.get("num_nodes", 1) or 1))
     result = Plan(recipe=cfg.run.name, facts=facts, overrides=[],
                   device_type=device_type, budget=budget, budget_source=budget_source,
-                  items=items, trainable=trainable, phases=phases, summary=summary)
+                  items=items, trainable=trainable, phases=phases, summary=summary,
+                  host_budget=host_budget, host_source=host_source,
+                  ranks_per_node=int(d.get("nproc_per_node", 0) or 0)
+                  or math.ceil(world / nodes))
     if search and not result.fits:
         result.fix, result.closest = find_fix(cfg, facts, loop, device_type)
         result.fix_tried = True
@@ -782,6 +825,15 @@ def check_fits(cfg, loop: LoopFacts = CURRENT_LOOP) -> Plan:
     data); raises RecipeError with the numbers and the overrides that fit when it does not fit.
     On distributed.device=cpu the budget is this machine's memory per process."""
     result = plan(cfg, loop=loop)
+    if result.fits and not result.host_fits:
+        raise RecipeError(
+            f"memory plan: the host memory of a node does not fit: its {result.ranks_per_node} "
+            f"ranks hold {_gb(result.host_per_node)} of peer replicas and snapshots "
+            f"({_gb(result.host)} each) beside their processes, and the node has "
+            f"{_gb(result.host_budget)} ({result.host_source}). Fix: "
+            "checkpointless.replication.factor=1 (no peer copies: a lost rank's state then "
+            "comes from the durable checkpoint), or more nodes for the same job, or set "
+            "distributed.host_memory_gb if the nodes the job runs on have more")
     if result.fits:
         return result
     lines = [f"memory plan: {result.verdict()}.",

@@ -87,6 +87,7 @@ class DistributedConfig:
     backend: str = "auto"  # auto (nccl with GPUs, else gloo), gloo or nccl
     device: str = "auto"  # what the recipe is sized for: cuda (refused on a machine without enough GPUs), cpu, or auto (cuda when present)
     device_memory_gb: float = 0.0  # memory of one device, GB (0: the real device's when there is one, else 80)
+    host_memory_gb: float = 0.0  # host memory of one node, GB, against which the plan checks the peer replicas and snapshots of its ranks (0: this machine's when it has GPUs, else not compared)
     master_addr: str = "127.0.0.1"  # address the coordination store listens on
     master_port: int = 0  # port of the coordination store (0: any free port)
     threads_per_worker: int = 0  # torch CPU threads per worker (0: cores / processes)

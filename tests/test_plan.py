@@ -268,3 +268,23 @@ def test_cli_plan_prints_the_table_and_the_verdict(capsys):
     assert "peer replicas" in r.stdout and "host/rank" in r.stdout
     # with launcher/loop.py as it is the 70B recipe fits its 64 GPUs
     assert r.returncode == 0 and "\nfits: " in r.stdout
+
+
+def test_a_nodes_host_memory_is_checked_against_its_ranks_replicas_and_snapshots():
+    """gpt-oss-20b: 8 ranks per node hold three versions of their own 42 GB slice of fp32 state
+    and of a peer's: 1.6 TB of host memory per node beside the processes."""
+    over = ["distributed.host_memory_gb=1024"]
+    with pytest.raises(RecipeError) as err:
+        P.check_fits(load("gpt-oss-20b", over))
+    text = str(err.value)
+    assert "host memory of a node does not fit" in text and "8 ranks" in text
+    assert "1,024.00 GB (distributed.host_memory_gb)" in text
+    assert "checkpointless.replication.factor=1" in text
+    fixed = P.check_fits(load("gpt-oss-20b", [*over, "checkpointless.replication.factor=1"]))
+    assert fixed.host_fits and fixed.host_per_node < 1024 * P.GB
+    big = P.check_fits(load("gpt-oss-20b", ["distributed.host_memory_gb=2048"]))
+    assert big.host_fits and "8 ranks per node" in big.report()
+    if not torch.cuda.is_available():  # no key and no GPU here: a node's memory is not known
+        assert "not compared" in P.plan(load("gpt-oss-20b"), search=False).report()
+    with pytest.raises(RecipeError, match="distributed.host_memory_gb=-1.0: must be >= 0"):
+        P.plan(load("gpt-oss-20b", ["distributed.host_memory_gb=-1"]), search=False)
