@@ -387,9 +387,16 @@ class Accelerator(accelerate.Accelerator):
             return super().is_local_main_process
         return self.job.rank % max(1, self.job.spec.ranks_per_node) == 0
 
-    def print(self, *args, **kwargs):
-        if not self._void and self.is_local_main_process:  # a void pass's figures are stand-ins
-            print(*args, **kwargs)
+    def print(self, *args, sep=" ", end="\n", file=None, flush=False):
+        """Print on each node's lowest rank, as one write: the builtin writes each argument and
+        the newline separately, and another process writing to the same pipe at that moment
+        (a peer's last line, the supervisor's) could land between them and split the line."""
+        if self._void or not self.is_local_main_process:  # a void pass's figures are stand-ins
+            return
+        out = file if file is not None else sys.stdout
+        out.write(sep.join(str(a) for a in args) + end)
+        if flush:
+            out.flush()
 
     def log(self, values: dict, step: int | None = None, log_kwargs: dict | None = None):
         if not self._void:
