@@ -110,13 +110,20 @@ def reshard_all(modules) -> None:
     the interrupted pass still recorded, by which the redo's backward would prefetch (a survivor
     would then all-gather where a fresh replacement reduce-scatters, and both wait forever).
     The root's iteration state is reset as torch resets it after an exception in a step
-    (FSDPState._reset_iter_state, torch 2.13); without it, every module is resharded."""
+    (FSDPState._reset_iter_state, torch 2.13); without it, every module is resharded.
+
+    Neither drops the gradients that autograd already accumulated into the unsharded parameters
+    of blocks whose backward ran but whose reduce-scatter the failure cut short (nor their
+    reduce-dtype accumulators): the redo's backward would add to them, and the step would end
+    with a gradient the failure-free run never had (seen: the redone step's loss equal, its
+    grad_norm not). They are dropped here, for every sharded parameter."""
     for obj in modules:
         for module in obj.modules():
             get_state = getattr(module, "_get_fsdp_state", None)
             if get_state is None:
                 continue
             state = get_state()
+            _drop_unsharded_grads(state)
             if getattr(state, "_is_root", None) and hasattr(state, "_reset_iter_state"):
                 try:
                     state._reset_iter_state()
@@ -125,6 +132,17 @@ def reshard_all(modules) -> None:
                     pass
             if hasattr(module, "reshard"):
                 module.reshard()
+
+
+def _drop_unsharded_grads(state) -> None:
+    """Forget the gradients an interrupted backward left on one FSDP state's parameters."""
+    group = getattr(state, "_fsdp_param_group", None)
+    for fsdp_param in getattr(group, "fsdp_params", None) or []:
+        unsharded = getattr(fsdp_param, "_unsharded_param", None)
+        if unsharded is not None:
+            unsharded.grad = None
+        if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
+            fsdp_param.unsharded_accumulated_grad = None
 
 
 def is_dtensor(t) -> bool:
