@@ -38,8 +38,10 @@ def main(argv=None) -> int:
     p.add_argument("--host", default="127.0.0.1", help="address of the coordination store")
     p.add_argument("--port", type=int, default=0, help="port of the store (0: any free one)")
     p.add_argument("--seed", type=int, default=0, help="base of the per-step seeds")
-    p.add_argument("--fault", action="append", default=[], metavar="KIND:RANK:STEP",
-                   help="inject a fault (kill, hang or raise); repeatable")
+    p.add_argument("--fault", action="append", default=[], metavar="KIND:RANK:STEP[@PHASE]",
+                   help="inject a fault (kill, hang, raise, corrupt) at a phase of the step "
+                        "(step, backward, optimizer, random[:SEED], exchange, regroup, receive); "
+                        "repeatable")
     p.add_argument("--report", default=None, help="write the JSON report here")
     p.add_argument("script")
     p.add_argument("args", nargs=argparse.REMAINDER)

@@ -8,6 +8,14 @@ A fault is data, `{kind, rank, step, phase}`, or `kind:rank:step[@phase]` on a c
            consistency check (consistency.py) can catch it
 and the phase says when it strikes:
   step     at the start of that step (the default; `raise` inside the step's scope)
+  backward in that step's backward, once the later half of the model's blocks have their
+           gradients (under fsdp they were reduce-scattered, under ddp their buckets' all-reduce
+           started) and the earlier half do not: after some but not all gradient collectives
+  optimizer as the optimizer's step() begins: after every collective of the step's compute
+           (gradient reduction, the loss sum, the clipping norm), before the update lands
+  random   at a seeded random moment of that step: `@random` or `@random:SEED`; the delay is
+           that fraction of the previous step's duration, so it falls anywhere from the step's
+           start to its end (kill and hang only: a timer thread fires it)
   regroup  while the worker holding that rank builds a new generation's group after a failure
            at that step (a second failure during a recovery)
   receive  in the worker taking over that rank, just before it receives the state of that step
@@ -21,14 +29,27 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
+import threading
 import time
 from dataclasses import dataclass
+
+import torch
 
 from . import protocol
 
 KINDS = ("kill", "hang", "raise", "corrupt")
-PHASES = ("step", "regroup", "receive", "exchange")
+PHASES = ("step", "regroup", "receive", "exchange", "backward", "optimizer", "random")
+# the kinds each phase can fire: a thread can only kill or stop its process, and a bit flipped
+# anywhere but between steps would be a different fault from the one the consistency check sees
+_KINDS_AT = {"exchange": ("kill", "hang"), "random": ("kill", "hang"),
+             "backward": ("kill", "hang", "raise"), "optimizer": ("kill", "hang", "raise")}
+
+
+def kinds_at(phase: str) -> tuple:
+    """The kinds of fault that can strike at `phase`."""
+    return _KINDS_AT.get(phase, KINDS)
 
 
 class InjectedFault(RuntimeError):
@@ -42,30 +63,50 @@ class Fault:
     rank: int
     step: int
     phase: str = "step"
+    seed: int = 0  # the random phase's seed
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"faults: kind={self.kind!r} is not one of {', '.join(KINDS)}")
         if self.phase not in PHASES:
             raise ValueError(f"faults: phase={self.phase!r} is not one of {', '.join(PHASES)}")
+        if self.kind not in kinds_at(self.phase):
+            raise ValueError(f"faults: kind={self.kind!r} cannot strike @{self.phase}; there, "
+                             f"use one of {', '.join(kinds_at(self.phase))}")
         if self.rank < 0 or self.step < 0:
             raise ValueError(f"faults: rank={self.rank} and step={self.step} must be >= 0")
 
 
+def split_fault(text: str) -> dict:
+    """The fields of a 'kind:rank:step[@phase]' string (the random phase takes its seed as
+    '@random:SEED'), checked for form only: Fault checks the values."""
+    spec, _, phase = text.partition("@")
+    phase, _, seed = phase.partition(":")
+    parts = spec.split(":")
+    if len(parts) != 3:
+        raise ValueError(f"fault {text!r}: expected kind:rank:step[@phase], e.g. kill:2:5 or "
+                         "kill:2:5@backward")
+    if seed and phase != "random":
+        raise ValueError(f"fault {text!r}: only @random takes a seed (@random:SEED)")
+    try:
+        return {"kind": parts[0], "rank": int(parts[1]), "step": int(parts[2]),
+                "phase": phase or "step", "seed": int(seed or 0)}
+    except ValueError:
+        raise ValueError(f"fault {text!r}: rank, step and seed must be integers, e.g. "
+                         "kill:2:5@random:7") from None
+
+
+def parse_fault(item) -> Fault:
+    """One fault from a dict ({kind, rank, step[, phase, seed]}) or a string (split_fault)."""
+    if isinstance(item, str):
+        item = split_fault(item)
+    return Fault(kind=str(item["kind"]), rank=int(item["rank"]), step=int(item["step"]),
+                 phase=str(item.get("phase", "step")), seed=int(item.get("seed", 0) or 0))
+
+
 def parse_faults(items) -> list[Fault]:
-    """Faults from dicts ({kind, rank, step}) or 'kind:rank:step' strings."""
-    out = []
-    for item in items or []:
-        if isinstance(item, str):
-            spec, _, phase = item.partition("@")
-            parts = spec.split(":")
-            if len(parts) != 3:
-                raise ValueError(f"fault {item!r}: expected kind:rank:step[@phase], e.g. kill:2:5")
-            item = {"kind": parts[0], "rank": int(parts[1]), "step": int(parts[2]),
-                    "phase": phase or "step"}
-        out.append(Fault(kind=str(item["kind"]), rank=int(item["rank"]), step=int(item["step"]),
-                         phase=str(item.get("phase", "step"))))
-    return out
+    """Faults from dicts or 'kind:rank:step[@phase]' strings (parse_fault)."""
+    return [parse_fault(item) for item in items or []]
 
 
 class FaultInjector:
@@ -76,6 +117,11 @@ class FaultInjector:
         self.store = store
         self.worker_id = worker_id
         self.corrupt = lambda: None  # set by the job: flips a bit of the protected parameters
+        self.connect = None  # set by the job: a store connection for a timer thread of its own
+        self.where = lambda: (-1, -1)  # set by the job: (rank, step) of the step in flight
+        self._armed_backward: set = set()  # (id(module), step) whose output hook is placed
+        self._last_start = None  # when the previous step began, and how long it took:
+        self._step_s = None  # a random moment is a fraction of that
 
     def _claim(self, index: int, store=None) -> bool:
         return (store or self.store).add(protocol.fault_claim_key(index), 1) == 1
@@ -86,8 +132,67 @@ class FaultInjector:
                        json.dumps({"t": time.time(), "kind": fault.kind, "step": fault.step}))
 
     def before_step(self, rank: int, step: int) -> None:
-        """Kill or hang now if scheduled; a `raise` fault is returned by `raise_due`."""
+        """Kill or hang now if scheduled; a `raise` fault is returned by `raise_due`. Arms a
+        fault scheduled at a random moment of this step."""
+        now = time.time()
+        if self._last_start is not None and now > self._last_start:
+            self._step_s = now - self._last_start
+        self._last_start = now
         self.at("step", rank, step, kinds=("kill", "hang", "corrupt"))
+        if self.scheduled("random", rank, step):
+            self._arm_random(rank, step)
+
+    def _arm_random(self, rank: int, step: int) -> None:
+        """Claim the random fault now (once per job) and fire it from a timer thread after its
+        seeded fraction of the previous step's duration, wherever the step then is."""
+        for i, f in enumerate(self.faults):
+            if (f.phase, f.rank, f.step) != ("random", rank, step) or not self._claim(i):
+                continue
+            fraction = random.Random(f"{f.seed}:{rank}:{step}").random()
+            delay = fraction * (self._step_s or 0.5)
+            due = time.time() + delay
+
+            def fire(f=f, delay=delay, fraction=fraction, due=due):
+                store = self.connect() if self.connect is not None else self.store
+                time.sleep(max(0.0, due - time.time()))
+                self._record(f, store)
+                print(f"[fault] injecting {f.kind} at rank {rank}, step {step} (random: "
+                      f"{delay:.3f} s into the step, {fraction:.0%} of the last one)", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL if f.kind == "kill" else signal.SIGSTOP)
+
+            threading.Thread(target=fire, daemon=True, name="checkpointless-fault").start()
+
+    # ---- faults inside a step's compute --------------------------------------------------------
+    def install(self, obj) -> None:
+        """Place the hooks by which `@backward` and `@optimizer` faults strike inside a protected
+        model's backward or a protected optimizer's step (nothing when none is scheduled)."""
+        phases = {f.phase for f in self.faults}
+        if "optimizer" in phases and isinstance(obj, torch.optim.Optimizer):
+            obj.register_step_pre_hook(lambda *_: self._inside("optimizer"))
+        if "backward" in phases and isinstance(obj, torch.nn.Module):
+            block = _middle_block(obj)
+            if block is not None:
+                block.register_forward_hook(
+                    lambda module, args, output: self._arm_backward(obj, module, output))
+
+    def _inside(self, phase: str) -> None:
+        rank, step = self.where()
+        if self.scheduled(phase, rank, step):
+            self.at(phase, rank, step)
+
+    def _arm_backward(self, model, block, output) -> None:
+        """In the middle block's forward: the fault fires when the gradient of its output is
+        computed, i.e. once every block after it has had its backward (and its collectives).
+        Under a ddp wrapper only a backward that syncs counts (not a no_sync micro-batch)."""
+        rank, step = self.where()
+        if not self.scheduled("backward", rank, step) or not torch.is_grad_enabled() or \
+                not getattr(model, "_sync", True) or (id(block), step) in self._armed_backward:
+            return
+        tensor = _first_tensor(output)
+        if tensor is None or not tensor.requires_grad:
+            return
+        self._armed_backward.add((id(block), step))
+        tensor.register_hook(lambda grad: (self.at("backward", rank, step), grad)[1])
 
     def raise_due(self, rank: int, step: int) -> None:
         self.at("step", rank, step, kinds=("raise",))
@@ -115,3 +220,23 @@ class FaultInjector:
                 self.corrupt()
             else:
                 raise InjectedFault(f"injected fault: raise at rank {rank}, step {step}{where}")
+
+
+def _middle_block(model: torch.nn.Module):
+    """The block in the middle of the model's longest list of layers (a transformer's decoder
+    blocks), or None for a model without one."""
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) >= 2]
+    if not lists:
+        return None
+    layers = max(lists, key=len)
+    return layers[len(layers) // 2]
+
+
+def _first_tensor(output):
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)):
+        for x in output:
+            if isinstance(x, torch.Tensor):
+                return x
+    return None

@@ -56,8 +56,10 @@ class Job:
         self._kept = KeptGrads()
         self._injector = FaultInjector(parse_faults(spec.faults), store, worker_id)
         self._injector.corrupt = lambda: consistency.flip_a_bit(self._state.modules())
+        self._injector.connect = lambda: membership.connect(host, port)
         self._rec = Recovery(store, worker_id, spec, host, port, self._state, self._kept,
                              self._injector)
+        self._injector.where = lambda: (self._rec.rank, self._rec.completed)
         self._scope_used = False
         self._step_t0 = 0.0
         self._ddp: DistributedDataParallel | None = None
@@ -117,6 +119,7 @@ class Job:
         self._state.send_frozen = send_frozen
         self._state.protect(**objects)
         for obj in objects.values():
+            self._injector.install(obj)  # faults scheduled @backward or @optimizer
             if isinstance(obj, DistributedDataParallel):  # it keeps our gradients for a redo
                 self._ddp = obj
                 obj.on_local_grads = lambda grads, extra: self._kept.remember(
@@ -391,7 +394,11 @@ class Job:
         self.store.add(protocol.DONE, 1)
         self._rec.watch.stop()
         if dist.is_initialized():
-            dist.barrier()
+            try:
+                dist.barrier()  # leave together: no group torn down under a peer still in it
+            except Exception:  # noqa: BLE001  a peer died after reporting its result: the
+                self._rec.group.teardown()  # run's results are all in; only the exit is left
+                return
             dist.destroy_process_group()
 
 

@@ -104,9 +104,17 @@ def _restore_shards(state: ProtectedState, me: Position, hook) -> Outcome:
     if step is None:  # a peer-memory step is always preferred to disk when one exists
         return _restore_from_disk(state, me, info, newest, t0)
     holders = pick_holders(infos, step)
-    if me.holds_state and me.completed != step:
+    # A member with state rolls back to its own snapshot of `step`, even when it had completed
+    # exactly `step`: the interrupted body may have touched its live state (a user's loop can
+    # change anything before the collective that failed), and the snapshot is the state every
+    # rank had at that boundary, byte for byte. Without one (it failed before taking it), its
+    # live state is that boundary's: the body never started.
+    if me.holds_state and step in replicas.own:
         skel, flat = replicas.own[step]
         state.load(transfer.unflatten_state(skel, flat))
+    elif me.holds_state and me.completed != step:
+        raise RuntimeError(f"restore: rank {me.rank} has no snapshot of step {step} and "
+                           f"completed {me.completed}")
     for f, h in holders.items():
         if me.rank == h:
             skel, flat = replicas.held[f][step]

@@ -97,6 +97,7 @@ class Supervisor:
         self.gen = -1
         self.ranks: dict[int, int] = {}  # active worker id -> rank
         self._refills: list[tuple[float, Worker]] = []  # (when, lost worker) of delayed refills
+        self.killed_after_done: list[int] = []  # workers killed once their result was in
         self._crashes: dict[int, int] = {}  # rank -> its replacements lost before a first step
         self.store = None
         self.port = 0
@@ -405,9 +406,20 @@ class Supervisor:
                     self.store.check([protocol.done_key(wid)]) for wid in self.ranks):
                 for wid in self.ranks:
                     self.workers[wid].proc.wait()
-                bad = [wid for wid in self.ranks if self.workers[wid].proc.returncode != 0]
+                codes = {wid: self.workers[wid].proc.returncode for wid in self.ranks}
+                # killed by a signal once its result was in (a node going down as the job
+                # ends): every rank's result and state are reported, nothing is lost. An exit
+                # with an error of its own after finish() is the script's failure.
+                killed = sorted(wid for wid, c in codes.items() if c is not None and c < 0)
+                bad = sorted(wid for wid, c in codes.items() if c is not None and c > 0)
                 if bad:
-                    self._stop(f"workers {bad} reported done but exited non-zero")
+                    self._stop(f"workers {bad} reported done but exited non-zero "
+                               f"(exit codes {[codes[w] for w in bad]})")
+                if killed:
+                    self.killed_after_done = killed
+                    self.log(f"[checkpointless] workers {killed} were killed (signals "
+                             f"{[-codes[w] for w in killed]}) after reporting their results; "
+                             "every rank's result is in, so the run stands")
                 return
 
     def _stop(self, message: str):
@@ -428,6 +440,8 @@ class Supervisor:
                             time.time() - self.t_start, self.failures, self.gen,
                             list(self.workers.values()))
         report["pids_at_start"] = self.pids_at_start
+        if self.killed_after_done:
+            report["killed_after_done"] = self.killed_after_done
         return report
 
 

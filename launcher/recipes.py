@@ -23,7 +23,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from checkpointless.faults import KINDS, PHASES
+from checkpointless.faults import KINDS, PHASES, kinds_at, split_fault
 
 from .schema import CHOICES, Recipe
 
@@ -267,24 +267,19 @@ def _delete(cfg: DictConfig, dotted: str) -> None:
 
 
 def _normalize_faults(cfg: DictConfig) -> None:
-    """Accept 'kill:2:5' as shorthand for {kind: kill, rank: 2, step: 5}, and 'kill:2:5@exchange'
-    for the same at another phase."""
+    """Accept 'kill:2:5' as shorthand for {kind: kill, rank: 2, step: 5}, 'kill:2:5@backward'
+    for the same at another phase, and 'kill:2:5@random:7' for a seeded random moment (the
+    grammar is checkpointless.faults.split_fault's)."""
     faults = cfg.get("faults")
     if not isinstance(faults, ListConfig):
         return
     out = []
     for item in faults:
         if isinstance(item, str):
-            spec, _, phase = item.partition("@")
-            parts = spec.split(":")
-            if len(parts) != 3:
-                raise RecipeError(f"faults: {item!r} is not kind:rank:step[@phase] "
-                                  "(e.g. kill:2:5)")
             try:
-                item = {"kind": parts[0], "rank": int(parts[1]), "step": int(parts[2]),
-                        "phase": phase or "step"}
-            except ValueError:
-                raise RecipeError(f"faults: {item!r}: rank and step must be integers") from None
+                item = split_fault(item)
+            except ValueError as exc:
+                raise RecipeError(f"faults: {exc}") from None
         out.append(item)
     cfg.faults = out
 
@@ -524,6 +519,11 @@ def validate(cfg: DictConfig) -> None:
              f"must be a step in 0..{t.max_steps - 1}")
         need(f.phase in PHASES, f"faults[{i}].phase", f.phase,
              f"choose one of {', '.join(PHASES)}")
+        need(f.phase not in PHASES or f.kind not in KINDS or f.kind in kinds_at(f.phase),
+             f"faults[{i}].kind", f.kind, f"cannot strike @{f.phase}; use one of "
+             f"{', '.join(kinds_at(f.phase))}")
+        need(f.seed == 0 or f.phase == "random", f"faults[{i}].seed", f.seed,
+             "only phase=random takes a seed (kill:2:5@random:7); delete it")
     rep = c.replication
     need(rep.factor >= 1, "checkpointless.replication.factor", rep.factor,
          "must be >= 1 (1: no peer copies; 2: one copy in a peer's memory)")

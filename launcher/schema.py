@@ -160,8 +160,10 @@ class CheckpointConfig:
 class FaultConfig:
     kind: str = "kill"  # kill (SIGKILL), hang (SIGSTOP), raise (exception in the step), corrupt (flip a bit)
     rank: int = 0  # rank that fails
-    step: int = 0  # step at whose start it fails
-    phase: str = "step"  # when: step, regroup, receive, exchange (checkpointless/faults.py)
+    step: int = 0  # step in which it fails
+    phase: str = "step"  # when in it: step (its start), backward, optimizer, random, exchange,
+    # regroup, receive (checkpointless/faults.py)
+    seed: int = 0  # phase=random: the seed of the moment (kill:2:5@random:7)
 
 
 @dataclass
