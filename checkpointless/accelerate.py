@@ -618,6 +618,9 @@ class _Supervised:
         self.rec = self.job._rec
         self.started = False
         self.fresh = self.job.is_replacement  # knows nothing of the loop until it is restored
+        # a recovery outside the loop (in end_training's checks) agrees on the loop's position
+        # as the replacement does when it starts, so both meet the same collectives
+        self.job.on_recovered = self._agree
 
     def start(self) -> None:
         self.job._start()

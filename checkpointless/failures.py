@@ -60,16 +60,17 @@ def communicating(what: str):
 
 
 def raised_in_torch_distributed(exc: BaseException) -> bool:
-    """True when the innermost frame of the traceback lies in torch.distributed: a collective
-    (called by the user's code or by FSDP inside backward) raised it, not the user's own code."""
-    tb, last = exc.__traceback__, None
+    """True when torch.distributed raised it: the innermost frame of the traceback lies in torch
+    and a frame of torch.distributed is on the way to it (a collective called by the user's code,
+    by FSDP inside backward, or by a DTensor's full_tensor(), which waits through torch._ops),
+    not the user's own code."""
+    tb, names = exc.__traceback__, []
     while tb is not None:
-        last = tb
+        names.append(tb.tb_frame.f_globals.get("__name__", ""))
         tb = tb.tb_next
-    if last is None:
+    if not names or not (names[-1] == "torch" or names[-1].startswith("torch.")):
         return False
-    name = last.tb_frame.f_globals.get("__name__", "")
-    return name.startswith("torch.distributed")
+    return any(n.startswith("torch.distributed") for n in names)
 
 
 def is_peer_failure(exc: BaseException, loss_seen, confirm_s: float) -> bool:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from . import consistency, detection, membership, protocol
 from .data import END, Cursor, LoaderPosition
 from .ddp import DistributedDataParallel
-from .failures import report_error, report_uncaught
+from .failures import GroupAborted, communicating, report_error, report_uncaught
 from .faults import FaultInjector, InjectedFault, parse_faults
 from .grads import KeptGrads, all_reduce_extra
 from .group import side_group
@@ -64,6 +64,15 @@ class Job:
         self._step_t0 = 0.0
         self._ddp: DistributedDataParallel | None = None
         self._preempted = False
+        # between_steps() calls completed since the last step, in order: after a recovery this
+        # rank runs them again, as a replacement runs them for the first time (see between_steps)
+        self._sections: list = []
+        self._sections_gen = -1  # the generation in which they last ran
+        self._secured: tuple[int, int] | None = None  # (gen, step) whose state peers hold whole
+        # called after a recovery outside a step with the committed step before it (the drop-in
+        # Accelerator agrees on its loop's position there, as its replacement does on start);
+        # False: a peer failed meanwhile
+        self.on_recovered = None
 
     # ---- where this worker stands -------------------------------------------------------------
     @property
@@ -155,10 +164,12 @@ class Job:
         while True:
             step = self._turn()
             if step >= max_steps or self._stop_here(step):
-                return
+                if self._secure():
+                    return
+                continue  # a peer failed at the end: recover, and redo what the restore says
             if not self._ready(step):
                 continue
-            self._scope_used = False
+            self._new_step()
             yield step
             self._after_body()
 
@@ -167,8 +178,14 @@ class Job:
         one after a recovery, until `num_epochs` epochs (or `max_steps` steps) are done."""
         self._start()
         pos = self._position(loader)
-        while pos.epoch < num_epochs and (max_steps is None or self.completed_steps < max_steps) \
-                and not self._stop_here(self.completed_steps):
+        while True:
+            self._turn()
+            if pos.epoch >= num_epochs or (max_steps is not None and
+                                           self.completed_steps >= max_steps) \
+                    or self._stop_here(self.completed_steps):
+                if self._secure():
+                    return
+                continue
             epoch = pos.epoch
             yield epoch
             if pos.epoch == epoch:  # its batches ran out here, not moved on by a recovery
@@ -191,7 +208,7 @@ class Job:
                 return
             if not self._ready(step):
                 continue
-            self._scope_used = False
+            self._new_step()
             yield batch
             self._after_body()
 
@@ -199,13 +216,33 @@ class Job:
         """Run `fn()`, which may use collectives, outside any step (a final evaluation, a
         gather for export) and return its result. A peer's failure inside it is recovered like
         one in a step, and `fn` runs again on the new group; a replacement that took over after
-        the last step runs it too, as long as the script calls it after its loop."""
+        the last step runs it too, as long as the script calls it after its loop.
+
+        Every member runs the same collectives after a recovery: this rank first runs again the
+        between_steps() calls it completed since the last step (their results are dropped), as
+        the replacement, following the script, runs them for the first time. So `fn` must give
+        the same result when run again (a gather, an evaluation, an export that rewrites its
+        files). Under sharded state the state at this boundary is first copied whole to peers
+        (`_secure`), so a failure here restores exactly it."""
         self._start()
         rec = self._rec
         while True:
+            gen, before = rec.gen, rec.completed
             self._turn()
+            # outside the steps a rank beats here: one still busy after the loop (an export)
+            # is not taken for one left behind while the others wait for it
+            detection.beat(self.store, self.worker_id, rec.completed, rec.gen, "between")
+            if rec.gen != gen and self.on_recovered is not None and \
+                    not self.on_recovered(before):
+                continue
+            if not self._secure():
+                continue
             rec.phase = Phase.IN_STEP  # a hung peer is caught here as in a step
             try:
+                if self._sections_gen != rec.gen:  # a recovery since they ran: again, in order
+                    for done in self._sections:
+                        done()
+                    self._sections_gen = rec.gen
                 out = fn()
             except Exception as exc:
                 rec.phase = Phase.TRAINING
@@ -215,7 +252,48 @@ class Job:
                 report_error(self.store, self.worker_id, exc)
                 raise
             rec.phase = Phase.TRAINING
+            rec.resumed()
+            self._sections.append(fn)
             return out
+
+    def _new_step(self) -> None:
+        """A step's body starts: what ran between the steps before it is never run again."""
+        self._scope_used = False
+        self._sections, self._sections_gen = [], self._rec.gen
+
+    def _secure(self) -> bool:
+        """At a boundary outside the loop's steps (its end, a between_steps call): make the
+        state of this step restorable, whole, from peers' memory, once per generation.
+
+        Under sharded state the snapshots are taken at a step's start, so the state after the
+        last step exists nowhere but in the live shards: a failure after the loop would roll
+        every rank back to a step no loop is left to redo. Here each rank snapshots and sends
+        its slice, waits for its exchange, and all confirm in one collective: once that returns
+        on any rank, every copy is complete, and any later failure restores exactly this step.
+        False when a peer failed meanwhile (the next turn recovers; inside a loop, the restore
+        may send it back to redo a step)."""
+        rec = self._rec
+        replicas = self._state.replicas
+        if self._secured == (rec.gen, rec.completed) or replicas is None or replicas.factor <= 1:
+            return True
+        rec.phase = Phase.IN_STEP  # a hung peer is caught here as in a step
+        try:
+            if not self._replicate(rec.completed, force=True):
+                return False
+            replicas.wait(lambda: rec.watch.moved(rec.gen))
+            with communicating("confirming every copy of the state at the loop's end"):
+                dist.all_reduce(torch.zeros(1))
+        except Exception as exc:
+            if not rec.is_peer_failure(exc):
+                report_error(self.store, self.worker_id, exc)
+                raise
+            rec.fail()
+            return False
+        finally:
+            if rec.phase is Phase.IN_STEP:
+                rec.phase = Phase.TRAINING
+        self._secured = (rec.gen, rec.completed)
+        return True
 
     def _position(self, loader) -> LoaderPosition:
         found = [o for o in self._state.objects.values() if isinstance(o, LoaderPosition) and
@@ -266,11 +344,12 @@ class Job:
             report_error(self.store, self.worker_id, exc)
             raise
 
-    def _replicate(self, step: int) -> bool:
-        """Snapshot this rank's shard when due and start copying it to its peers in the
-        background (redundancy.py); False when a peer failed meanwhile."""
+    def _replicate(self, step: int, force: bool = False) -> bool:
+        """Snapshot this rank's shard when due (or `force`d, with copies at all) and start
+        copying it to its peers in the background (redundancy.py); False when a peer failed
+        meanwhile."""
         replicas, rec = self._state.replicas, self._rec
-        if replicas is None or not replicas.due(step):
+        if replicas is None or not (replicas.due(step) or force and replicas.factor > 1):
             return True
         if replicas.on_exchange is None:
             replicas.on_exchange = self._exchange_fault
@@ -377,29 +456,62 @@ class Job:
     def finish(self, result: dict | None = None) -> None:
         """Check the replicas agree, report this rank's result and leave the job cleanly.
 
-        Replicas that disagree at the end are an error on every rank, never a quiet success."""
+        Replicas that disagree at the end are an error on every rank, never a quiet success.
+        The ranks leave together, at a barrier after every result is reported: a peer lost
+        before its result was in is recovered like a failure between steps (this rank runs
+        again what the replacement runs on its way here); a peer lost after it (on its way
+        out) loses nothing, and the run stands."""
         if self._state.replicas is None and self._state.modules():
-            sums = consistency.gather(self._state.modules(), self.world_size)
+            sums = self.between_steps(
+                lambda: consistency.gather(self._state.modules(), self.world_size))
             if len(set(sums)) > 1:
                 exc = consistency.NoMajority(
                     f"the replicas disagree at the end of the run (parameter checksums by rank: "
                     f"{sums}); the run is not a success")
                 report_error(self.store, self.worker_id, exc)
                 raise exc
+        text, rec = json.dumps(result or {}), self._rec
+        complete = False
+        while True:
+            self.store.set(protocol.result_key(self.rank), text)
+            detection.beat(self.store, self.worker_id, rec.completed, rec.gen, "finish")
+            rec.phase = Phase.IN_STEP  # a peer hung on its way here is caught as in a step
+            try:
+                if not dist.is_initialized():  # the watch aborted it: a newer generation exists
+                    raise GroupAborted(f"the group of generation {rec.gen} was aborted")
+                dist.barrier()  # leave together: no group torn down under a peer still in it
+                break
+            except Exception as exc:  # noqa: BLE001
+                rec.phase = Phase.TRAINING
+                if self._results_in():  # the peer died on its way out: nothing is lost
+                    complete = True
+                    break
+                if not rec.is_peer_failure(exc):
+                    report_error(self.store, self.worker_id, exc)
+                    raise
+                rec.fail()
+                self.between_steps(lambda: None)  # recover; the calls since the last step again
+            finally:
+                if rec.phase is Phase.IN_STEP:
+                    rec.phase = Phase.TRAINING
         if self._state.replicas is not None:  # the last copy is worth nothing now: stop it
             self._state.replicas.close(lambda: self._rec.watch.moved(self.gen), timeout_s=10.0)
-        self.store.set(protocol.result_key(self.rank), json.dumps(result or {}))
         detection.beat(self.store, self.worker_id, self._rec.completed, self.gen, "done")
         self.store.set(protocol.done_key(self.worker_id), "1")
         self.store.add(protocol.DONE, 1)
         self._rec.watch.stop()
-        if dist.is_initialized():
-            try:
-                dist.barrier()  # leave together: no group torn down under a peer still in it
-            except Exception:  # noqa: BLE001  a peer died after reporting its result: the
-                self._rec.group.teardown()  # run's results are all in; only the exit is left
-                return
+        if complete:
+            self._rec.group.teardown()  # its sockets are shut; a peer may still hold its end
+        elif dist.is_initialized():
             dist.destroy_process_group()
+
+    def _results_in(self) -> bool:
+        """Every rank of this generation reported its result (the end is reached)."""
+        try:
+            return all(self.store.check([protocol.result_key(r)])
+                       for r in range(self.world_size))
+        except Exception:  # noqa: BLE001  the store is gone: nothing to confirm with
+            return False
 
 
 class _StepScope:

@@ -132,6 +132,9 @@ class Defaults:
     # a node whose launcher is silent this long is lost; below confirm_s, so that survivors whose
     # collectives failed with the node's workers hear of the loss before they give up waiting
     node_timeout_s: float = 3.0
+    # a worker that died after reporting its result is lost only if another rank's result is
+    # still missing this long after (below confirm_s, for the same reason as node_timeout_s)
+    result_grace_s: float = 1.0
 
 
 DEFAULTS = Defaults()

@@ -208,6 +208,12 @@ class Recovery:
         self.completed += 1
         if self.rank == 0:
             self.store.set(protocol.step_key(step), f"{step_started_at:.6f},{t1:.6f}")
+        self.resumed(t1)
+
+    def resumed(self, t: float | None = None) -> None:
+        """The generation did its first useful work (a commit, or after the loop a between-steps
+        call): the recovery that entered it is over (report.py times it to here)."""
         if self.awaiting_first is not None:
-            self.store.set(protocol.first_commit_key(self.awaiting_first, self.rank), f"{t1:.6f}")
+            self.store.set(protocol.first_commit_key(self.awaiting_first, self.rank),
+                           f"{time.time() if t is None else t:.6f}")
             self.awaiting_first = None

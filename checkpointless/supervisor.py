@@ -98,6 +98,7 @@ class Supervisor:
         self.ranks: dict[int, int] = {}  # active worker id -> rank
         self._refills: list[tuple[float, Worker]] = []  # (when, lost worker) of delayed refills
         self.killed_after_done: list[int] = []  # workers killed once their result was in
+        self._exit_seen: dict[int, float] = {}  # when a worker that left a result was seen dead
         self._crashes: dict[int, int] = {}  # rank -> its replacements lost before a first step
         self.store = None
         self.port = 0
@@ -117,8 +118,25 @@ class Supervisor:
         membership.publish(self.store, plan)
 
     def _exited(self) -> list[Worker]:
-        return [self.workers[wid] for wid in list(self.ranks) if not self.workers[wid].alive()
-                and not self.store.check([protocol.done_key(wid)])]
+        """Ranks' workers that exited before they were done: lost. One that died after its
+        result was in (killed on its way out) is lost only while some other rank's result is
+        still missing, a moment later (those ranks may need it again, job.finish); once every
+        result is in, it finished."""
+        out = []
+        for wid in list(self.ranks):
+            w = self.workers[wid]
+            if w.alive() or wid in self.killed_after_done or \
+                    self.store.check([protocol.done_key(wid)]):
+                continue
+            if self.store.check([protocol.result_key(self.ranks[wid])]):
+                if all(self.store.check([protocol.result_key(r)]) for r in range(self.cfg.nproc)):
+                    self.killed_after_done.append(wid)
+                    continue
+                seen = self._exit_seen.setdefault(wid, time.time())
+                if time.time() - seen < D.result_grace_s:
+                    continue
+            out.append(w)
+        return out
 
     def _handle(self, lost: list[tuple[Worker, bool]]) -> None:
         # the record first: survivors whose collective failed are waiting for it (failures.py)
@@ -402,8 +420,10 @@ class Supervisor:
                 self._preempt()
             self._say_recoveries()
             self._refill_dead_spares()
-            if membership.counter(self.store, protocol.DONE) >= len(self.ranks) and all(
-                    self.store.check([protocol.done_key(wid)]) for wid in self.ranks):
+            gone = set(self.killed_after_done)
+            if membership.counter(self.store, protocol.DONE) + len(gone) >= len(self.ranks) and \
+                    all(wid in gone or self.store.check([protocol.done_key(wid)])
+                        for wid in self.ranks):
                 for wid in self.ranks:
                     self.workers[wid].proc.wait()
                 codes = {wid: self.workers[wid].proc.returncode for wid in self.ranks}

@@ -81,7 +81,7 @@ def digest_and_export(model, strategy: str, tokenizer, path: Path | None, rank: 
             keep[name] = t.detach().to("cpu", copy=True).contiguous()
         del t
     if path is not None:
-        _write_files(model, tokenizer, Path(path), files, rank, keep)
+        _write_files(model, tokenizer, Path(path), files, rank, keep, world)
     return digest.hexdigest(), count
 
 
@@ -89,7 +89,8 @@ def _file_name(i: int, n: int) -> str:
     return "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
 
 
-def _write_files(model, tokenizer, path: Path, files, rank: int, keep: dict) -> None:
+def _write_files(model, tokenizer, path: Path, files, rank: int, keep: dict,
+                 world: int) -> None:
     from safetensors.torch import save_file
     path.mkdir(parents=True, exist_ok=True)
     if keep:
@@ -101,7 +102,7 @@ def _write_files(model, tokenizer, path: Path, files, rank: int, keep: dict) -> 
         name = path / _file_name(rank, len(files))
         save_file(keep, str(name) + ".tmp", metadata={"format": "pt"})
         os.replace(str(name) + ".tmp", name)
-    if dist.is_initialized():
+    if world > 1:  # (an aborted group raises here: the failure is recovered, job.py)
         dist.barrier()  # every file is complete before the index names it
     if rank != 0:
         return
