@@ -4,6 +4,7 @@
 #   make test                                    the whole suite (CPU, offline; what CI runs)
 #   make test-fast                               the suite without real training processes (< 3 min)
 #   make test-scale                              the 0.4B-parameter, 8-worker memory tests (not in make test)
+#   make test-sweep                              workers SIGKILLed at a grid of seeded moments (not in make test)
 #   make bench                                   goodput benchmark (checkpointless vs restart)
 # Every variable given on make's command line other than RECIPE is passed on as an override.
 
@@ -14,7 +15,7 @@ RECIPE ?= tiny-demo
 OVERRIDES := $(foreach o,$(filter-out RECIPE=%,$(MAKEOVERRIDES)),'$(o)')
 STAMP := $(VENV)/.installed
 
-.PHONY: train test test-fast test-scale bench ls validate clean
+.PHONY: train test test-fast test-scale test-sweep bench ls validate clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,13 +28,16 @@ train: $(STAMP)
 	HF_HUB_DISABLE_TELEMETRY=1 $(PY) -m launcher train $(RECIPE) $(OVERRIDES)
 
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not scale" tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not scale and not sweep" tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 test-fast: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not slow and not scale" tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not slow and not scale and not sweep" tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 test-scale: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m scale tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+test-sweep: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m sweep tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m launcher bench $(OVERRIDES)

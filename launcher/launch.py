@@ -191,6 +191,8 @@ def _report(cfg, run: dict, t0: float, **extra) -> dict:
         "goodput": run["goodput"],
         "recoveries": run["recoveries"],
         "failures": run["failures"],
+        # workers killed once every result was in (on their way out): nothing was lost
+        "killed_after_done": run.get("killed_after_done", []),
         "pids_at_start": {str(r): p for r, p in run["pids_at_start"].items()},
         "pids_at_end": {str(r): p for r, p in run["pids_at_end"].items()},
         "local_params_by_rank": {str(r): v.get("local_params") for r, v in results.items()},

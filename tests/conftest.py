@@ -46,3 +46,20 @@ def tiny_llama_30_steps_digest(tmp_path_factory):
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads((out / "out" / "report.json").read_text())["params_sha256"]
+
+
+FSDP_12 = ("distributed.strategy=fsdp", "trainer.max_steps=12", "checkpoint.interval=4",
+           "checkpoint.keep=3")
+
+
+@pytest.fixture(scope="session")
+def fsdp_12_steps(tmp_path_factory):
+    """(output dir, report) of tiny-llama under fsdp, 4 workers, 12 steps, checkpoints every 4,
+    no failure: the bits every fsdp fault test must end with (trained once per session), and
+    the disk state the fallback and resume tests start from."""
+    from tests.test_train_e2e import assert_replicas_agree, train
+    tmp = tmp_path_factory.mktemp("fsdp_ref")
+    out, rep, _ = train(tmp, "ref", "tiny-llama", *FSDP_12, "checkpointless.spares=0")
+    assert_replicas_agree(rep)
+    assert rep["steps_completed"] == 12
+    return out, rep

@@ -8,21 +8,17 @@ import shutil
 
 import pytest
 
+from tests.conftest import FSDP_12
 from tests.test_train_e2e import assert_replicas_agree, losses, train
 
 pytestmark = pytest.mark.slow  # real training processes; `make test-fast` skips them
 
-BASE = ("distributed.strategy=fsdp", "trainer.max_steps=12", "checkpoint.interval=4",
-        "checkpoint.keep=3")
+BASE = FSDP_12
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("fsdp_ref")
-    out, rep, _ = train(tmp, "ref", "tiny-llama", *BASE, "checkpointless.spares=0")
-    assert_replicas_agree(rep)
-    assert rep["steps_completed"] == 12
-    return out, rep
+@pytest.fixture
+def reference(fsdp_12_steps):
+    return fsdp_12_steps
 
 
 # FSDP2's memory savers together: bf16 compute over fp32 master parameters (MixedPrecisionPolicy),
@@ -176,3 +172,20 @@ def test_peers_lost_in_the_middle_of_a_background_replica_exchange(tmp_path, ref
     assert hang["served"] == {"0": 1} and hang["resumed_step"] in (8, 9)
     assert kill["recovery_s"] < 10
     assert hang["recovery_s"] < 5 + 10  # the heartbeat timeout, then at once
+
+
+def test_kills_inside_backward_the_optimizer_step_and_at_a_random_moment(tmp_path, reference):
+    """Faults that strike inside a step's compute: rank 1 in backward after the last blocks
+    reduce-scattered their gradients and before the first did (survivors then hold gradients
+    of the interrupted pass in FSDP's unsharded parameters: the redo must not add to them),
+    rank 2 as its optimizer step begins (the others finish the step and roll back to their
+    snapshot), rank 3 at a seeded random moment of its step."""
+    _, rep, r = train(tmp_path, "phases", "tiny-llama", *BASE, "checkpointless.spares=2",
+                      "faults=[kill:1:3@backward,kill:2:6@optimizer,kill:3:9@random:1]")
+    for phase in ("(backward)", "(optimizer)", "(random: "):
+        assert phase in r.stdout
+    assert_replicas_agree(rep)
+    assert rep["params_sha256"] == reference[1]["params_sha256"]
+    assert [x["failed_rank"] for x in rep["recoveries"]] == [1, 2, 3]
+    assert {x["restored_from"] for x in rep["recoveries"]} == {"peer_memory"}
+    assert rep["recoveries"][0]["resumed_step"] == 3  # no survivor had applied step 3

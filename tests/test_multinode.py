@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import FSDP_12, ROOT
 
 pytestmark = pytest.mark.slow
 
@@ -139,12 +139,13 @@ def test_sigterm_to_one_nodes_launcher_stops_the_whole_job_at_one_boundary(tmp_p
     assert not _job_processes(tmp_path)
 
 
-def test_fsdp_across_nodes_restores_a_lost_nodes_slices_from_another_nodes_memory(tmp_path):
+def test_fsdp_across_nodes_restores_a_lost_nodes_slices_from_another_nodes_memory(
+        tmp_path, fsdp_12_steps):
     port = _port()
-    extra = ("distributed.strategy=fsdp", "trainer.max_steps=20")
-    procs = [_launch(tmp_path, k, port, *extra) for k in range(3)]
+    procs = [_launch(tmp_path, k, port, *FSDP_12) for k in range(3)]
     try:
-        _wait_steps(tmp_path, 8, procs)
+        _wait_steps(tmp_path, 6, procs)
+        time.sleep(0.15)  # into step 6's compute, not at its start
         os.killpg(procs[1].pid, signal.SIGKILL)
         assert procs[0].wait(timeout=240) == 0, (tmp_path / "node0.log").read_text()[-3000:]
     finally:
@@ -158,6 +159,8 @@ def test_fsdp_across_nodes_restores_a_lost_nodes_slices_from_another_nodes_memor
     assert {r["restored_from"] for r in recs} == {"peer_memory"}
     assert set(recs[0]["served"].values()) <= {0, 1}
     assert len(set(rep["params_sha256_by_rank"].values())) == 1
+    # 2 nodes x 2 with a node lost mid-step = 1 node x 4 without a failure, to the bit
+    assert rep["params_sha256"] == fsdp_12_steps[1]["params_sha256"]
     assert "(2 ranks of lost nodes, 0 processes)" in (tmp_path / "node0.log").read_text()
 
 

@@ -60,7 +60,8 @@ def test_tiny_llama_trains_its_loss_falls_and_the_export_reloads_and_generates(t
     assert tok.decode(gen[0]).startswith("alice went to")
 
 
-def test_tiny_gpt2_with_dropout_is_deterministic_and_flat_sync_recovers_the_same_bits(tmp_path):
+def test_tiny_gpt2_with_dropout_is_deterministic_and_flat_sync_and_kills_mid_step_keep_the_bits(
+        tmp_path):
     """Dropout's randomness is a function of (step, rank); with 2 ranks a sum of two gradients
     has one order, so the flat all-reduce after backward (distributed.grad_sync=flat), even
     across a kill, ends with the overlapped buckets' bits."""
@@ -74,6 +75,20 @@ def test_tiny_gpt2_with_dropout_is_deterministic_and_flat_sync_recovers_the_same
     assert a["params_sha256"] == b["params_sha256"]
     ls = losses(out_a)
     assert ls[-1] < ls[0] - 1.0
+    # kills inside a step's compute, under small buckets (with 2 ranks a sum has one order, so
+    # their layout keeps the bits): in backward once the later buckets' all-reduce started, as
+    # the optimizer step begins (the survivor has finished the step: it stands), and at a seeded
+    # random moment of a step
+    _, c, r = train(tmp_path, "c", "tiny-gpt2", *args, "distributed.bucket_cap_mb=0.25",
+                    "checkpointless.spares=2",
+                    "faults=[kill:1:4@backward,kill:0:9@optimizer,kill:1:14@random:2]")
+    assert_replicas_agree(c)
+    assert c["params_sha256"] == a["params_sha256"]
+    for phase in ("(backward)", "(optimizer)", "(random: "):
+        assert phase in r.stdout
+    steps = [x["resumed_step"] for x in c["recoveries"]]
+    assert steps[:2] == [4, 10] and steps[2] in (14, 15)
+    assert c["recoveries"][0]["ranks_reusing_grads"] == [0]  # its own, kept from the cut pass
 
 
 def test_fsdp_really_shards_and_its_replicas_agree(tmp_path):

@@ -1,0 +1,81 @@
+"""SIGKILL a run's workers from outside, at seeded moments: not through `faults`, which fire at
+chosen points of the library's own code, but wherever the victim happens to be (in forward, in a
+collective, in the optimizer step, in the export after the last step).
+
+A moment is (line, delay): once the run's metrics.jsonl has `line` lines (rank 0 logged step
+line - 1), wait `delay` seconds, then kill one worker that still holds its first rank. Steps take
+about 0.2-0.5 s here, so a delay drawn from [0, 0.5) lands anywhere in the next step.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.conftest import ROOT
+
+
+def worker_pids(run_dir: Path, worker_id: int) -> list[int]:
+    """The live training processes of `run_dir` started as worker `worker_id` (the ids a
+    first generation's ranks have: rank r is worker r until it is replaced)."""
+    found = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            cmd = (p / "cmdline").read_bytes().decode(errors="replace")
+            if "launcher.loop" not in cmd or str(run_dir) not in cmd:
+                continue
+            env = (p / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"CL_WORKER_ID={worker_id}".encode() in env:
+            found.append(int(p.name))
+    return found
+
+
+def metric_lines(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def seeded_moments(seed: int, lines: list[int], max_delay_s: float = 0.5) -> list[tuple]:
+    rng = random.Random(seed)
+    return [(n, round(rng.uniform(0.0, max_delay_s), 3)) for n in lines]
+
+
+def train_killing(tmp_path, name: str, recipe: str, moments, *overrides, timeout_s=400):
+    """Train `recipe` through the CLI and kill worker 1, then 2, then 3 ... at `moments`.
+    Returns (out dir, report, kills: [(line, delay, pid or None)], log text)."""
+    out = tmp_path / name
+    log_path = tmp_path / f"{name}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "launcher", "train", recipe, f"run.output_dir={out}",
+             f"data.cache_dir={tmp_path / 'cache'}", "trainer.progress_bar=false", *overrides],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+            env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        kills = []
+        try:
+            deadline = time.time() + timeout_s
+            for victim, (line, delay) in enumerate(moments, start=1):
+                while metric_lines(out) < line and proc.poll() is None:
+                    assert time.time() < deadline, log_path.read_text()[-3000:]
+                    time.sleep(0.003)
+                time.sleep(delay)
+                pids = worker_pids(out, victim)
+                for pid in pids:
+                    os.kill(pid, signal.SIGKILL)
+                kills.append((line, delay, pids[0] if pids else None))
+            rc = proc.wait(timeout=max(1.0, deadline - time.time()))
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    text = log_path.read_text()
+    assert rc == 0, (kills, text[-4000:])
+    return out, json.loads((out / "report.json").read_text()), kills, text
