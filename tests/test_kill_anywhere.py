@@ -28,9 +28,12 @@ def test_fsdp_workers_killed_from_outside_mid_step_and_after_the_last_step(tmp_p
     lost = [f["worker"] for f in rep["failures"]]
     assert lost == sorted(lost) and set(lost) | set(rep["killed_after_done"]) == {1, 2, 3}
     assert {x["restored_from"] for x in rep["recoveries"]} <= {"peer_memory"}
-    # a kill after the last step restores the final state the loop's end copied to peers
+    # a kill after the last step restores the final state the loop's end copied to peers, or,
+    # when it strikes while that copy is in flight, rolls back and redoes the last step
     if 3 in lost:
-        assert rep["recoveries"][-1]["resumed_step"] == 12
+        last = rep["recoveries"][-1]
+        assert last["resumed_step"] == 12 or (last["resumed_step"], last["steps_redone"]) == \
+            (11, 1), last
     assert rep["steps_completed"] == 12
     assert (out / "model" / "model.safetensors.index.json").exists()
 
