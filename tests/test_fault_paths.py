@@ -163,3 +163,22 @@ def test_a_worker_that_exits_cleanly_without_finishing_stops_the_job_with_that_s
     assert "exited with code 0 without calling job.finish() (accelerator.end_training())" in out
     assert "no member of the new generation holds training state" not in out
     assert "this is a bug" not in out
+
+
+def test_a_rank_killed_after_the_loop_or_on_its_way_out_ends_with_the_failure_free_bits(
+        tmp_path, clean_digest):
+    """Rank 2 killed after the last step, before finish(): the survivors, in finish()'s replica
+    check or its barrier, recover; the replacement takes the rank after the loop and finishes
+    with them. Rank 1 killed once finish() returned (its result in): nothing is lost, no
+    recovery runs, and the run stands."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    before = run(tmp_path / "a", "--spares", "1", KILL_BEFORE_FINISH="2")
+    assert digest(before) == clean_digest and before["status"] == "ok"
+    (rec,) = before["recoveries"]
+    assert rec["failed_rank"] == 2 and rec["resumed_step"] == 16
+    after = run(tmp_path / "b", "--spares", "1", KILL_AFTER_FINISH="1")
+    assert digest(after) == clean_digest and after["status"] == "ok"
+    assert after["recoveries"] == [] and after["killed_after_done"] == [1]
+    assert "workers [1] were killed (signals [9]) after reporting their results" in \
+        after["stdout"] + after["stderr"]

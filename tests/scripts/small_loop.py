@@ -11,6 +11,8 @@
     SKIP_FINISH=1        the script ends without job.finish(): its workers exit with code 0
     LOADER_WORKERS=n     a DataLoader with n worker processes, forked after join, is stepped
                          along (its children inherit the process group's sockets)
+    KILL_BEFORE_FINISH=r that rank SIGKILLs itself after its loop, before job.finish() (once)
+    KILL_AFTER_FINISH=r  that rank SIGKILLs itself once job.finish() returned (its result is in)
 """
 import hashlib
 import os
@@ -74,5 +76,17 @@ for step in job.steps(STEPS):
 h = hashlib.sha256()
 for name, t in sorted(model.state_dict().items()):
     h.update(name.encode() + t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+
+
+def kill_self_once(what: str) -> None:
+    marker = f"{os.environ['MARKER_DIR']}/{what}"
+    if os.environ.get(what) == str(job.rank) and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getpid(), 9)
+        time.sleep(5)
+
+
+kill_self_once("KILL_BEFORE_FINISH")
 if not os.environ.get("SKIP_FINISH"):
     job.finish({"params_sha256": h.hexdigest(), "steps": job.completed_steps})
+kill_self_once("KILL_AFTER_FINISH")
