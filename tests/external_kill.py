@@ -2,8 +2,8 @@
 chosen points of the library's own code, but wherever the victim happens to be (in forward, in a
 collective, in the optimizer step, in the export after the last step).
 
-A moment is (line, delay): once the run's metrics.jsonl has `line` lines (rank 0 logged step
-line - 1), wait `delay` seconds, then kill one worker that still holds its first rank. Steps take
+A moment is (n, delay): once rank 0 has logged n distinct steps in metrics.jsonl, wait `delay`
+seconds, then kill one worker (by default worker 1, then 2, ...: the first ranks' own). Steps take
 about 0.2-0.5 s here, so a delay drawn from [0, 0.5) lands anywhere in the next step.
 """
 from __future__ import annotations
@@ -39,9 +39,19 @@ def worker_pids(run_dir: Path, worker_id: int) -> list[int]:
     return found
 
 
-def metric_lines(run_dir: Path) -> int:
+def steps_logged(run_dir: Path) -> int:
+    """How many distinct steps rank 0 has logged (a step redone after a roll-back is logged
+    again: lines would count it twice)."""
     path = run_dir / "metrics.jsonl"
-    return len(path.read_text().splitlines()) if path.exists() else 0
+    if not path.exists():
+        return 0
+    steps = set()
+    for line in path.read_text().splitlines():
+        try:
+            steps.add(json.loads(line).get("step"))
+        except ValueError:  # a line being written
+            pass
+    return len(steps - {None})
 
 
 def seeded_moments(seed: int, lines: list[int], max_delay_s: float = 0.5) -> list[tuple]:
@@ -49,9 +59,11 @@ def seeded_moments(seed: int, lines: list[int], max_delay_s: float = 0.5) -> lis
     return [(n, round(rng.uniform(0.0, max_delay_s), 3)) for n in lines]
 
 
-def train_killing(tmp_path, name: str, recipe: str, moments, *overrides, timeout_s=400):
-    """Train `recipe` through the CLI and kill worker 1, then 2, then 3 ... at `moments`.
-    Returns (out dir, report, kills: [(line, delay, pid or None)], log text)."""
+def train_killing(tmp_path, name: str, recipe: str, moments, *overrides, victims=None,
+                  timeout_s=400):
+    """Train `recipe` through the CLI and kill worker 1, then 2, then 3 ... (or the worker ids in
+    `victims`) at `moments`. Returns (out dir, report, kills: [(line, delay, pid or None)], log
+    text)."""
     out = tmp_path / name
     log_path = tmp_path / f"{name}.log"
     with open(log_path, "w") as log:
@@ -63,8 +75,8 @@ def train_killing(tmp_path, name: str, recipe: str, moments, *overrides, timeout
         kills = []
         try:
             deadline = time.time() + timeout_s
-            for victim, (line, delay) in enumerate(moments, start=1):
-                while metric_lines(out) < line and proc.poll() is None:
+            for victim, (line, delay) in zip(victims or range(1, len(moments) + 1), moments):
+                while steps_logged(out) < line and proc.poll() is None:
                     assert time.time() < deadline, log_path.read_text()[-3000:]
                     time.sleep(0.003)
                 time.sleep(delay)

@@ -5,7 +5,7 @@ bits (tests/external_kill.py does the killing).
 in forward, inside a reduce-scatter or an all-reduce, in the optimizer step, during the replica
 exchange, in the export after the last step, on the way out. The suite runs one fsdp job killed
 three times (mid-run twice, once after its last step); `make test-sweep` runs many single kills
-over a grid of seeded moments, under fsdp and ddp.
+over a grid of seeded moments, under fsdp (with and without its memory savers) and ddp.
 """
 import pytest
 
@@ -16,51 +16,77 @@ from tests.test_train_e2e import assert_replicas_agree
 pytestmark = pytest.mark.slow
 
 
-def test_fsdp_workers_killed_from_outside_mid_step_and_after_the_last_step(tmp_path,
-                                                                           fsdp_12_steps):
-    moments = seeded_moments(19, [3, 7]) + [(12, 0.05)]  # two mid-step, one in the export
-    out, rep, kills, log = train_killing(tmp_path, "outside", "tiny-llama", moments, *FSDP_12,
-                                         "checkpointless.spares=3")
+def test_fsdp_kills_inside_a_steps_compute_and_from_outside_end_with_the_failure_free_bits(
+        tmp_path, fsdp_12_steps):
+    """One fsdp run, five failures. Injected: rank 1 in backward after the last blocks
+    reduce-scattered their gradients and before the first did (survivors then hold gradients of
+    the interrupted pass in FSDP's unsharded parameters: the redo must not add to them), rank 2
+    as its optimizer step begins (the others finish the step and roll back to their snapshot),
+    rank 3 at a seeded random moment of its step. From outside: worker 4 (the spare that took
+    rank 1) SIGKILLed at a seeded moment of a later step, and worker 5 (rank 2's) just after the
+    last step, in the export or on its way out. No two neighbours on the ring are lost at once,
+    so every slice keeps a copy in a peer's memory."""
+    moments = seeded_moments(19, [10]) + [(12, 0.05)]  # one mid-step, one in the export
+    out, rep, kills, log = train_killing(
+        tmp_path, "anywhere", "tiny-llama", moments, *FSDP_12, "checkpointless.spares=4",
+        "faults=[kill:1:3@backward,kill:2:6@optimizer,kill:3:8@random:1]", victims=[4, 5])
+    for phase in ("(backward)", "(optimizer)", "(random: "):
+        assert phase in log
     assert all(pid for _, _, pid in kills), kills  # each victim was alive when it was killed
     assert_replicas_agree(rep)
     assert rep["status"] == "ok"
     assert rep["params_sha256"] == fsdp_12_steps[1]["params_sha256"], (kills, rep["recoveries"])
-    lost = [f["worker"] for f in rep["failures"]]
-    assert lost == sorted(lost) and set(lost) | set(rep["killed_after_done"]) == {1, 2, 3}
-    assert {x["restored_from"] for x in rep["recoveries"]} <= {"peer_memory"}
-    # a kill after the last step restores the final state the loop's end copied to peers, or,
-    # when it strikes while that copy is in flight, rolls back and redoes the last step
-    if 3 in lost:
-        last = rep["recoveries"][-1]
-        assert last["resumed_step"] == 12 or (last["resumed_step"], last["steps_redone"]) == \
-            (11, 1), last
+    recs = rep["recoveries"]
+    assert [x["failed_worker"] for x in recs[:4]] == [1, 2, 3, 4]
+    assert recs[0]["resumed_step"] == 3  # no survivor had applied step 3
+    assert {x["restored_from"] for x in recs} == {"peer_memory"}
+    # the last kill, after the last step, restores the final state the loop's end copied to
+    # peers, or, striking while that copy is in flight, rolls back and redoes the last step;
+    # or it finds worker 5 on its way out, its result in: nothing is lost
+    if len(recs) == 5:
+        assert recs[4]["resumed_step"] == 12 or \
+            (recs[4]["resumed_step"], recs[4]["steps_redone"]) == (11, 1), recs[4]
+    else:
+        assert rep["killed_after_done"] == [5], rep
     assert rep["steps_completed"] == 12
     assert (out / "model" / "model.safetensors.index.json").exists()
 
 
-SWEEP = [(strategy, seed) for strategy in ("fsdp", "ddp") for seed in range(6)]
-
-
-@pytest.mark.sweep
-@pytest.mark.parametrize("strategy,seed", SWEEP, ids=[f"{s}-{n}" for s, n in SWEEP])
-def test_sweep_a_kill_at_a_seeded_moment_ends_with_the_failure_free_bits(
-        tmp_path, strategy, seed, fsdp_12_steps, tiny_llama_12_steps_ddp):
-    """One worker killed once, after a seeded line of metrics.jsonl (1 to 12: the last is the
-    export and the exit) and a seeded delay within the next step."""
-    import random
-    rng = random.Random(f"{strategy}:{seed}")
-    moment = (rng.randint(1, 12), round(rng.uniform(0.0, 0.5), 3))
-    args = FSDP_12 if strategy == "fsdp" else ("trainer.max_steps=12",)
-    _, rep, kills, _ = train_killing(tmp_path, "sweep", "tiny-llama", [moment], *args,
-                                     "checkpointless.spares=1")
-    want = fsdp_12_steps[1] if strategy == "fsdp" else tiny_llama_12_steps_ddp
-    assert_replicas_agree(rep)
-    assert rep["params_sha256"] == want["params_sha256"], (moment, kills, rep["recoveries"])
+# fsdp's memory savers together: bf16 compute over fp32 masters, activation checkpointing, and
+# accumulation over 2 micro-batches (each reduce-scattered)
+SAVERS = ("trainer.precision=bf16", "model.gradient_checkpointing=true",
+          "trainer.grad_accum_steps=2")
+RUNS = {"fsdp": FSDP_12, "fsdp-savers": FSDP_12 + SAVERS, "ddp": ("trainer.max_steps=12",)}
+SWEEP = [(kind, seed) for kind, n in (("fsdp", 6), ("fsdp-savers", 4), ("ddp", 6))
+         for seed in range(n)]
 
 
 @pytest.fixture(scope="session")
-def tiny_llama_12_steps_ddp(tmp_path_factory):
+def sweep_references(tmp_path_factory):
+    """The failure-free report of each kind of run the sweep kills, trained when first asked."""
     from tests.test_train_e2e import train
-    tmp = tmp_path_factory.mktemp("ddp_ref")
-    _, rep, _ = train(tmp, "ref", "tiny-llama", "trainer.max_steps=12", "checkpointless.spares=0")
-    return rep
+    cache = {}
+
+    def get(kind):
+        if kind not in cache:
+            tmp = tmp_path_factory.mktemp(f"ref-{kind}")
+            cache[kind] = train(tmp, "ref", "tiny-llama", *RUNS[kind],
+                                "checkpointless.spares=0")[1]
+        return cache[kind]
+    return get
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("kind,seed", SWEEP, ids=[f"{k}-{n}" for k, n in SWEEP])
+def test_sweep_a_kill_at_a_seeded_moment_ends_with_the_failure_free_bits(
+        tmp_path, kind, seed, sweep_references):
+    """One worker killed once, after a seeded line of metrics.jsonl (1 to 12: the last is the
+    export and the exit) and a seeded delay within the next step."""
+    import random
+    rng = random.Random(f"{kind}:{seed}")
+    moment = (rng.randint(1, 12), round(rng.uniform(0.0, 0.5), 3))
+    want = sweep_references(kind)
+    _, rep, kills, _ = train_killing(tmp_path, "sweep", "tiny-llama", [moment], *RUNS[kind],
+                                     "checkpointless.spares=1")
+    assert_replicas_agree(rep)
+    assert rep["params_sha256"] == want["params_sha256"], (moment, kills, rep["recoveries"])
