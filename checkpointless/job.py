@@ -246,11 +246,8 @@ class Job:
                 out = fn()
             except Exception as exc:
                 rec.phase = Phase.TRAINING
-                if rec.is_peer_failure(exc):
-                    rec.fail()
-                    continue
-                report_error(self.store, self.worker_id, exc)
-                raise
+                self._fail_or_raise(exc)
+                continue
             rec.phase = Phase.TRAINING
             rec.resumed()
             self._sections.append(fn)
@@ -284,10 +281,7 @@ class Job:
             with communicating("confirming every copy of the state at the loop's end"):
                 dist.all_reduce(torch.zeros(1))
         except Exception as exc:
-            if not rec.is_peer_failure(exc):
-                report_error(self.store, self.worker_id, exc)
-                raise
-            rec.fail()
+            self._fail_or_raise(exc)
             return False
         finally:
             if rec.phase is Phase.IN_STEP:
@@ -363,10 +357,7 @@ class Job:
                 moved=lambda: watch.moved(gen))
             return True
         except Exception as exc:
-            if not rec.is_peer_failure(exc):
-                report_error(self.store, self.worker_id, exc)
-                raise
-            rec.fail()
+            self._fail_or_raise(exc)
             return False
 
     def _exchange_fault(self, rank: int, step: int) -> None:
@@ -386,10 +377,7 @@ class Job:
         try:
             sums = consistency.gather(self._state.modules(), rec.world_size)
         except Exception as exc:
-            if not rec.is_peer_failure(exc):
-                report_error(self.store, self.worker_id, exc)
-                raise
-            rec.fail()
+            self._fail_or_raise(exc)
             return False
         try:
             consistency.judge(sums, rec.rank, step)
@@ -486,10 +474,7 @@ class Job:
                 if self._results_in():  # the peer died on its way out: nothing is lost
                     complete = True
                     break
-                if not rec.is_peer_failure(exc):
-                    report_error(self.store, self.worker_id, exc)
-                    raise
-                rec.fail()
+                self._fail_or_raise(exc)
                 self.between_steps(lambda: None)  # recover; the calls since the last step again
             finally:
                 if rec.phase is Phase.IN_STEP:
@@ -506,12 +491,18 @@ class Job:
             dist.destroy_process_group()
 
     def _results_in(self) -> bool:
-        """Every rank of this generation reported its result (the end is reached)."""
         try:
-            return all(self.store.check([protocol.result_key(r)])
-                       for r in range(self.world_size))
+            return membership.results_in(self.store, self.world_size)
         except Exception:  # noqa: BLE001  the store is gone: nothing to confirm with
             return False
+
+    def _fail_or_raise(self, exc: Exception) -> None:
+        """After an exception outside a step's scope: a peer's failure marks this worker failed
+        (the next turn recovers); any other error is its own, reported and raised."""
+        if not self._rec.is_peer_failure(exc):
+            report_error(self.store, self.worker_id, exc)
+            raise exc
+        self._rec.fail()
 
 
 class _StepScope:

@@ -75,3 +75,8 @@ def barrier(store, gen: int, world_size: int, poll_s: float = 0.002) -> bool:
             return False
         time.sleep(poll_s)
     return True
+
+
+def results_in(store, world_size: int) -> bool:
+    """Every rank reported its result (job.finish): the end of the run is reached."""
+    return all(store.check([protocol.result_key(r)]) for r in range(world_size))

@@ -129,7 +129,7 @@ class Supervisor:
                     self.store.check([protocol.done_key(wid)]):
                 continue
             if self.store.check([protocol.result_key(self.ranks[wid])]):
-                if all(self.store.check([protocol.result_key(r)]) for r in range(self.cfg.nproc)):
+                if membership.results_in(self.store, self.cfg.nproc):
                     self.killed_after_done.append(wid)
                     continue
                 seen = self._exit_seen.setdefault(wid, time.time())
