@@ -28,21 +28,40 @@ ORDERED = (DistributedSampler, SequentialSampler)
 END = object()  # what Cursor.batch returns past the epoch's last batch
 
 
-class LoaderPosition:
-    """The protected position of one loader: `epoch` and `epoch_start` (committed steps when the
-    epoch began). A state_dict object, so it travels with the model and optimizer."""
+class Position:
+    """Where a loop stands: `epoch` and `epoch_start` (committed steps when the epoch began). A
+    state_dict object, so it travels with the model and optimizer.
 
-    def __init__(self, loader):
-        check_loader(loader)
-        self.loader = loader
+    A move to the next epoch may wait in `pending` until that epoch's first step commits (the
+    drop-in Accelerator does: an evaluation cut short by a failure is then run again)."""
+
+    def __init__(self):
         self.epoch = 0
         self.epoch_start = 0
+        self.pending: tuple[int, int] | None = None
+
+    def current(self) -> tuple[int, int]:
+        return self.pending or (self.epoch, self.epoch_start)
+
+    def commit(self) -> None:
+        if self.pending is not None:
+            (self.epoch, self.epoch_start), self.pending = self.pending, None
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "epoch_start": self.epoch_start}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.epoch_start = int(state["epoch"]), int(state["epoch_start"])
+        self.pending = None
+
+
+class LoaderPosition(Position):
+    """The protected position of one DataLoader, checked when it is protected."""
+
+    def __init__(self, loader):
+        check_loader(loader)
+        super().__init__()
+        self.loader = loader
 
 
 def check_loader(loader) -> None:
@@ -127,10 +146,18 @@ class Cursor:
         if index == self.taken - 1 and self.last is not END:
             return self.last
         if self.it is None or not 0 <= index - self.taken <= 2:
-            self.it, self.taken = iterate_from(self.loader, index), index
+            self.close()
+            self.it, self.taken = self._open(index), index
         while self.taken < index:  # a step or two ahead: drawing is cheaper than a new iterator
             next(self.it, None)
             self.taken += 1
         self.last = next(self.it, END)
         self.taken += 1
         return self.last
+
+    def _open(self, skip: int):
+        """A fresh iterator over the epoch's batches from batch `skip` on."""
+        return iterate_from(self.loader, skip)
+
+    def close(self) -> None:
+        self.it = None

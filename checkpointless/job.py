@@ -32,12 +32,12 @@ import torch.distributed as dist
 from . import consistency, detection, membership, protocol
 from .data import END, Cursor, LoaderPosition
 from .ddp import DistributedDataParallel
-from .failures import GroupAborted, communicating, report_error, report_uncaught
-from .faults import FaultInjector, InjectedFault, parse_faults
+from .failures import GroupAborted, report_error, report_uncaught
+from .faults import FaultInjector, parse_faults
 from .grads import KeptGrads, all_reduce_extra
-from .group import side_group
 from .plain import PlainJob
-from .recovery import Phase, Recovery
+from .recovery import Recovery
+from .steploop import StepLoop
 from .seeding import seed_all, step_seed
 from .state import ProtectedState
 
@@ -60,15 +60,15 @@ class Job:
         self._rec = Recovery(store, worker_id, spec, host, port, self._state, self._kept,
                              self._injector)
         self._injector.where = lambda: (self._rec.rank, self._rec.completed)
+        # the step boundary, the public API the drop-in Accelerator drives too (steploop.py)
+        self.steploop = StepLoop(store, worker_id, spec, self._rec, self._state, self._injector)
         self._scope_used = False
-        self._step_t0 = 0.0
         self._ddp: DistributedDataParallel | None = None
         self._preempted = False
         # between_steps() calls completed since the last step, in order: after a recovery this
         # rank runs them again, as a replacement runs them for the first time (see between_steps)
         self._sections: list = []
         self._sections_gen = -1  # the generation in which they last ran
-        self._secured: tuple[int, int] | None = None  # (gen, step) whose state peers hold whole
         # called after a recovery outside a step with the committed step before it (the drop-in
         # Accelerator agrees on its loop's position there, as its replacement does on start);
         # False: a peer failed meanwhile
@@ -103,7 +103,7 @@ class Job:
     @property
     def step_started_at(self) -> float:
         """Wall time at which the current (or last) step started."""
-        return self._step_t0
+        return self.steploop.step_started_at
 
     def replica_host_bytes(self) -> int | None:
         """Host memory held for peer copies of shards (fsdp), or None without replication."""
@@ -142,7 +142,20 @@ class Job:
 
     def resume_at(self, step: int) -> None:
         """Start counting from `step` (after loading a checkpoint), before the first steps()."""
-        self._rec.completed = step
+        self._rec.resume_at(step)
+
+    def process_env(self) -> dict[str, str]:
+        """What tools built on torch.distributed read from the environment (accelerate), as
+        this job places the process: RANK and WORLD_SIZE are the job's; LOCAL_RANK counts the
+        node's active ranks (a spare that took over a node's first rank is its local main
+        process, whatever device slot it holds) and LOCAL_WORLD_SIZE is their number. The group
+        exists already: MASTER_ADDR only satisfies a multi-node check."""
+        per_node = max(1, self.spec.ranks_per_node)
+        env = {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
+               "LOCAL_RANK": str(self.rank % per_node), "LOCAL_WORLD_SIZE": str(per_node)}
+        if "MASTER_ADDR" not in os.environ:
+            env["MASTER_ADDR"] = os.environ.get(protocol.ENV_STORE_HOST, "127.0.0.1")
+        return env
 
     # ---- the loop ------------------------------------------------------------------------------
     @property
@@ -160,14 +173,14 @@ class Job:
 
     def steps(self, max_steps: int):
         """Yield step numbers until `max_steps` steps are committed, recovering on failure."""
-        self._start()
+        self.steploop.start()
         while True:
-            step = self._turn()
+            step = self.steploop.next()
             if step >= max_steps or self._stop_here(step):
-                if self._secure():
+                if self.steploop.secure():
                     return
                 continue  # a peer failed at the end: recover, and redo what the restore says
-            if not self._ready(step):
+            if not self.steploop.ready(step):
                 continue
             self._new_step()
             yield step
@@ -176,14 +189,14 @@ class Job:
     def epochs(self, num_epochs: int, max_steps: int | None = None, loader=None):
         """Yield epoch numbers of the protected loader's position (data.py), from the agreed
         one after a recovery, until `num_epochs` epochs (or `max_steps` steps) are done."""
-        self._start()
+        self.steploop.start()
         pos = self._position(loader)
         while True:
-            self._turn()
+            self.steploop.next()
             if pos.epoch >= num_epochs or (max_steps is not None and
                                            self.completed_steps >= max_steps) \
                     or self._stop_here(self.completed_steps):
-                if self._secure():
+                if self.steploop.secure():
                     return
                 continue
             epoch = pos.epoch
@@ -195,18 +208,18 @@ class Job:
         """Yield the protected `loader`'s batches of the current epoch, one per step, like
         `steps()`: a step redone after a recovery gets the same batch again, and a replacement
         starts at the batch after the last committed one (data.py)."""
-        self._start()
+        self.steploop.start()
         pos = self._position(loader)
         epoch, cursor = pos.epoch, Cursor(loader)
         while True:
-            step = self._turn()
+            step = self.steploop.next()
             if pos.epoch != epoch or (max_steps is not None and step >= max_steps) or \
                     self._stop_here(step):
                 return  # the position moved to a later epoch in a recovery, or the run is done
             batch = cursor.batch(step - pos.epoch_start)  # this epoch's batch for this step
             if batch is END:
                 return
-            if not self._ready(step):
+            if not self.steploop.ready(step):
                 continue
             self._new_step()
             yield batch
@@ -224,20 +237,20 @@ class Job:
         the same result when run again (a gather, an evaluation, an export that rewrites its
         files). Under sharded state the state at this boundary is first copied whole to peers
         (`_secure`), so a failure here restores exactly it."""
-        self._start()
+        self.steploop.start()
         rec = self._rec
         while True:
             gen, before = rec.gen, rec.completed
-            self._turn()
+            self.steploop.next()
             # outside the steps a rank beats here: one still busy after the loop (an export)
             # is not taken for one left behind while the others wait for it
             detection.beat(self.store, self.worker_id, rec.completed, rec.gen, "between")
             if rec.gen != gen and self.on_recovered is not None and \
                     not self.on_recovered(before):
                 continue
-            if not self._secure():
+            if not self.steploop.secure():
                 continue
-            rec.phase = Phase.IN_STEP  # a hung peer is caught here as in a step
+            self.steploop.body(True)  # a hung peer is caught here as in a step
             try:
                 if self._sections_gen != rec.gen:  # a recovery since they ran: again, in order
                     for done in self._sections:
@@ -245,10 +258,9 @@ class Job:
                     self._sections_gen = rec.gen
                 out = fn()
             except Exception as exc:
-                rec.phase = Phase.TRAINING
-                self._fail_or_raise(exc)
+                self.steploop.fail_or_raise(exc)
                 continue
-            rec.phase = Phase.TRAINING
+            self.steploop.body(False)
             rec.resumed()
             self._sections.append(fn)
             return out
@@ -258,36 +270,10 @@ class Job:
         self._scope_used = False
         self._sections, self._sections_gen = [], self._rec.gen
 
-    def _secure(self) -> bool:
-        """At a boundary outside the loop's steps (its end, a between_steps call): make the
-        state of this step restorable, whole, from peers' memory, once per generation.
-
-        Under sharded state the snapshots are taken at a step's start, so the state after the
-        last step exists nowhere but in the live shards: a failure after the loop would roll
-        every rank back to a step no loop is left to redo. Here each rank snapshots and sends
-        its slice, waits for its exchange, and all confirm in one collective: once that returns
-        on any rank, every copy is complete, and any later failure restores exactly this step.
-        False when a peer failed meanwhile (the next turn recovers; inside a loop, the restore
-        may send it back to redo a step)."""
-        rec = self._rec
-        replicas = self._state.replicas
-        if self._secured == (rec.gen, rec.completed) or replicas is None or replicas.factor <= 1:
-            return True
-        rec.phase = Phase.IN_STEP  # a hung peer is caught here as in a step
-        try:
-            if not self._replicate(rec.completed, force=True):
-                return False
-            replicas.wait(lambda: rec.watch.moved(rec.gen))
-            with communicating("confirming every copy of the state at the loop's end"):
-                dist.all_reduce(torch.zeros(1))
-        except Exception as exc:
-            self._fail_or_raise(exc)
-            return False
-        finally:
-            if rec.phase is Phase.IN_STEP:
-                rec.phase = Phase.TRAINING
-        self._secured = (rec.gen, rec.completed)
-        return True
+    def _after_body(self) -> None:
+        """A step body run without `with job.step():` commits when the loop moves on."""
+        if not self._scope_used:
+            self.steploop.close()
 
     def _position(self, loader) -> LoaderPosition:
         found = [o for o in self._state.objects.values() if isinstance(o, LoaderPosition) and
@@ -299,96 +285,6 @@ class Job:
                                "its position" + ("" if loader is not None or not found else
                                                  "; with several, pass epochs(loader=...)"))
         return found[0]
-
-    def _start(self) -> None:
-        """At the first loop call: agree on the state (a replacement receives it here)."""
-        rec = self._rec
-        if rec.phase is Phase.JOINED:
-            self._reported(rec.sync_first)
-            if rec.rank == 0 and rec.gen == 0:  # where this launch's step records begin
-                self.store.set(protocol.FIRST_STEP, str(rec.completed))
-
-    def _turn(self) -> int:
-        """Recover if a peer failed since the last step; the step to run next."""
-        rec = self._rec
-        if rec.watch.moved(rec.gen) and rec.phase is not Phase.FAILED:
-            rec.fail()
-        if rec.phase is Phase.FAILED:
-            self._reported(rec.recover)
-        return rec.completed
-
-    def _ready(self, step: int) -> bool:
-        """Before a step's body: heartbeat, due faults, replica exchange, consistency check.
-        False when a peer failed meanwhile (the next turn recovers)."""
-        detection.beat(self.store, self.worker_id, step, self._rec.gen, "step")
-        self._injector.before_step(self._rec.rank, step)
-        self._step_t0 = time.time()  # the replica snapshot (and any wait) is part of the step
-        return self._replicate(step) and self._consistent(step)
-
-    def _after_body(self) -> None:
-        """A step body run without `with job.step():` commits when the loop moves on."""
-        if not self._scope_used and self._rec.phase is not Phase.FAILED:
-            self._rec.commit(self._step_t0)
-
-    def _reported(self, fn):
-        """Run a recovery phase; an error of this worker's own in it reaches the supervisor."""
-        try:
-            return fn()
-        except Exception as exc:
-            report_error(self.store, self.worker_id, exc)
-            raise
-
-    def _replicate(self, step: int, force: bool = False) -> bool:
-        """Snapshot this rank's shard when due (or `force`d, with copies at all) and start
-        copying it to its peers in the background (redundancy.py); False when a peer failed
-        meanwhile."""
-        replicas, rec = self._state.replicas, self._rec
-        if replicas is None or not (replicas.due(step) or force and replicas.factor > 1):
-            return True
-        if replicas.on_exchange is None:
-            replicas.on_exchange = self._exchange_fault
-        gen, rank, world = rec.gen, rec.rank, rec.world_size
-        watch = rec.watch
-        try:
-            replicas.replicate(
-                step, self._state.state, rank, world, gen=gen,
-                connect=lambda: side_group(watch.host, watch.port, gen, rank, world,
-                                           self.spec.pg_timeout_s),
-                moved=lambda: watch.moved(gen))
-            return True
-        except Exception as exc:
-            self._fail_or_raise(exc)
-            return False
-
-    def _exchange_fault(self, rank: int, step: int) -> None:
-        """In the exchange thread: a kill or hang scheduled `@exchange` fires here, claimed over
-        a store connection of the thread's own."""
-        if self._injector.scheduled("exchange", rank, step):
-            store = membership.connect(self._rec.watch.host, self._rec.watch.port)
-            self._injector.at("exchange", rank, step, kinds=("kill", "hang"), store=store)
-
-    def _consistent(self, step: int) -> bool:
-        """Every `consistency_every` steps, check that all replicas hold the same parameters; a
-        rank off the majority reports itself and leaves (the supervisor replaces it). False when
-        a peer failed meanwhile."""
-        every, rec = self.spec.consistency_every, self._rec
-        if every <= 0 or step % every or self._state.replicas is not None:
-            return True  # sharded state has no replicas to compare
-        try:
-            sums = consistency.gather(self._state.modules(), rec.world_size)
-        except Exception as exc:
-            self._fail_or_raise(exc)
-            return False
-        try:
-            consistency.judge(sums, rec.rank, step)
-        except consistency.Diverged as exc:
-            self.store.set(protocol.diverged_key(self.worker_id), str(exc))
-            report_error(self.store, self.worker_id, exc)
-            raise
-        except consistency.NoMajority as exc:
-            report_error(self.store, self.worker_id, exc)
-            raise
-        return True
 
     def step(self):
         """The scope of one step: it commits when the body ends without error; a peer's failure
@@ -463,22 +359,21 @@ class Job:
         while True:
             self.store.set(protocol.result_key(self.rank), text)
             detection.beat(self.store, self.worker_id, rec.completed, rec.gen, "finish")
-            rec.phase = Phase.IN_STEP  # a peer hung on its way here is caught as in a step
+            self.steploop.body(True)  # a peer hung on its way here is caught as in a step
             try:
                 if not dist.is_initialized():  # the watch aborted it: a newer generation exists
                     raise GroupAborted(f"the group of generation {rec.gen} was aborted")
                 dist.barrier()  # leave together: no group torn down under a peer still in it
                 break
             except Exception as exc:  # noqa: BLE001
-                rec.phase = Phase.TRAINING
+                self.steploop.body(False)
                 if self._results_in():  # the peer died on its way out: nothing is lost
                     complete = True
                     break
-                self._fail_or_raise(exc)
+                self.steploop.fail_or_raise(exc)
                 self.between_steps(lambda: None)  # recover; the calls since the last step again
             finally:
-                if rec.phase is Phase.IN_STEP:
-                    rec.phase = Phase.TRAINING
+                self.steploop.body(False)
         if self._state.replicas is not None:  # the last copy is worth nothing now: stop it
             self._state.replicas.close(lambda: self._rec.watch.moved(self.gen), timeout_s=10.0)
         detection.beat(self.store, self.worker_id, self._rec.completed, self.gen, "done")
@@ -496,48 +391,28 @@ class Job:
         except Exception:  # noqa: BLE001  the store is gone: nothing to confirm with
             return False
 
-    def _fail_or_raise(self, exc: Exception) -> None:
-        """After an exception outside a step's scope: a peer's failure marks this worker failed
-        (the next turn recovers); any other error is its own, reported and raised."""
-        if not self._rec.is_peer_failure(exc):
-            report_error(self.store, self.worker_id, exc)
-            raise exc
-        self._rec.fail()
 
 
 class _StepScope:
-    """The `with job.step():` scope: owns the commit-or-recover decision at the end of a step."""
+    """The `with job.step():` scope over the step boundary: commit, or absorb a peer's failure
+    (the step is redone after the recovery); any other error is reported and raised."""
 
     def __init__(self, job: Job):
         self.job = job
 
     def __enter__(self):
-        job, rec = self.job, self.job._rec
-        job._scope_used = True
-        job._state.update_applied = False
-        rec.phase = Phase.IN_STEP
-        job.seed_step(rec.completed)
-        try:
-            job._injector.raise_due(rec.rank, rec.completed)
-        except InjectedFault as exc:
-            rec.phase = Phase.TRAINING
-            report_error(job.store, job.worker_id, exc)
-            raise
+        self.job._scope_used = True
+        self.job.steploop.open(self.job.completed_steps)
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        job, rec = self.job, self.job._rec
-        rec.phase = Phase.TRAINING
-        if exc is None:
-            rec.commit(job._step_t0)
+        loop = self.job.steploop
+        absorbed = exc is not None and loop.absorb(exc)
+        if exc is not None and not absorbed:
+            loop.body(False)
             return False
-        if rec.is_peer_failure(exc):
-            if job._state.update_applied:  # the update landed before the failure: it stands
-                rec.commit(job._step_t0)
-            rec.fail()
-            return True
-        report_error(job.store, job.worker_id, exc)
-        return False
+        loop.close()
+        return absorbed
 
 
 def started_as_spare() -> bool:
@@ -572,16 +447,11 @@ def join(seed: int | None = None, backend: str | None = None):
     job = Job(store, worker_id, spec, host, port)
     report_uncaught(store, worker_id)
     store.set(protocol.ready_key(worker_id), f"{time.time():.6f}")
-    rec = job._rec
-    plan = rec.wait_plan(-1, None)
+    plan = job._rec.wait_plan(-1, None)
     try:  # a refilled spare warmed up at low priority; training runs at normal priority
         if os.getpriority(os.PRIO_PROCESS, 0) > 0:
             os.setpriority(os.PRIO_PROCESS, 0, 0)
     except OSError:
         pass
-    # Workers of the first generation all start from the same seeded state; a worker that joins
-    # later is a spare and holds nothing until it receives the state.
-    rec.holds_state = plan.gen == 0
-    rec.enter(plan, sync=False)
-    rec.watch.start()
+    job._rec.join(plan)
     return job

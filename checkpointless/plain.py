@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from datetime import timedelta
 
 import torch
@@ -19,6 +18,7 @@ from .data import check_loader
 from .ddp import DistributedDataParallel
 from .grads import all_reduce_extra, all_reduce_grads
 from .seeding import seed_all, step_seed
+from .steploop import PlainStepLoop
 
 
 class PlainJob:
@@ -43,21 +43,39 @@ class PlainJob:
         self.worker_id, self.gen, self.seed = self.rank, 0, seed
         self.backend = backend
         self.device_slot = int(os.environ.get("LOCAL_RANK", "0"))
-        self._completed = 0
-        self._step_t0 = 0.0
+        self.steploop = PlainStepLoop(self.rank, seed)
         self._scoped = False
         self._ddp = None
 
+    # ---- the same surface as Job, with nothing to recover ------------------------------------
+    last_recovery = None
+
     @property
     def completed_steps(self) -> int:
-        return self._completed
+        return self.steploop.completed
 
     @property
     def step_started_at(self) -> float:
-        return self._step_t0
+        return self.steploop.step_started_at
 
     def resume_at(self, step: int) -> None:
-        self._completed = step
+        self.steploop.completed = step
+
+    def process_env(self) -> dict[str, str]:
+        """torchrun has set RANK, WORLD_SIZE and LOCAL_RANK; only a missing LOCAL_WORLD_SIZE is
+        filled in (one node)."""
+        if "LOCAL_WORLD_SIZE" in os.environ:
+            return {}
+        return {"LOCAL_WORLD_SIZE": str(self.world_size)}
+
+    def replica_host_bytes(self) -> int | None:
+        return None  # no peer copies: a failure ends the job
+
+    def replica_timing(self) -> dict | None:
+        return None
+
+    def set_fallback(self, newest_step, load_step) -> None:
+        pass  # torchrun restarts the job, which loads the newest checkpoint itself
 
     def seed_step(self, step: int, micro: int = 0) -> int:
         return seed_all(step_seed(self.seed, step, self.rank, micro))
@@ -81,34 +99,36 @@ class PlainJob:
 
     def epochs(self, num_epochs: int, max_steps: int | None = None, loader=None):
         for epoch in range(num_epochs):
-            if max_steps is not None and self._completed >= max_steps:
+            if max_steps is not None and self.completed_steps >= max_steps:
                 return
             yield epoch
 
     def batches(self, loader, max_steps: int | None = None):
+        loop = self.steploop
         for batch in loader:
-            if max_steps is not None and self._completed >= max_steps:
+            if max_steps is not None and loop.completed >= max_steps:
                 return
-            self._step_t0 = time.time()
+            loop.ready(loop.completed)
             self._scoped = False
             yield batch
             if not self._scoped:
-                self._completed += 1
+                loop.close()
 
     def steps(self, max_steps: int):
-        while self._completed < max_steps:
-            self._step_t0 = time.time()
+        loop = self.steploop
+        while loop.completed < max_steps:
+            loop.ready(loop.completed)
             self._scoped = False
-            yield self._completed
+            yield loop.completed
             if not self._scoped:
-                self._completed += 1
+                loop.close()
 
     @contextlib.contextmanager
     def step(self):
         self._scoped = True
-        self.seed_step(self._completed)
+        self.steploop.open(self.steploop.completed)
         yield self
-        self._completed += 1
+        self.steploop.close()
 
     def between_steps(self, fn):
         return fn()

@@ -51,18 +51,21 @@ class Recovery:
         self.store, self.worker_id, self.spec = store, worker_id, spec
         self.state, self.kept, self.injector = state, kept, injector
         self.group = Group(store, spec.backend, spec.pg_timeout_s, port, state.modules)
-        self.watch = Watch(host, port, lambda: self.gen, lambda: self.phase is Phase.IN_STEP,
+        self.watch = Watch(host, port, lambda: self.gen, lambda: self._phase is Phase.IN_STEP,
                            self._abort_from_watch)
-        self.phase = Phase.WAITING
+        self._phase = Phase.WAITING  # changed only by this class's transitions below
         self.plan: membership.Plan | None = None
         self.gen, self.rank, self.world_size = -1, -1, 0
         self.completed = 0  # committed steps
         self.holds_state = True
         self.catching_up = 0
-        self.failed_at = 0.0
         self.awaiting_first: int | None = None  # generation whose first commit is not yet recorded
         self.last: dict | None = None  # how the newest generation was entered
         self.t_group = 0.0
+
+    @property
+    def phase(self) -> Phase:
+        return self._phase
 
     def _abort_from_watch(self) -> None:
         # gloo's abort does not release a blocked collective; shutting the sockets does, even
@@ -76,7 +79,7 @@ class Recovery:
 
         A rank polls (quietly: a store wait that times out logs a warning) and keeps beating, so
         the supervisor does not take a long spare wait for a hang; a spare blocks in the store."""
-        self.phase = Phase.WAITING
+        self._phase = Phase.WAITING
         deadline = None if timeout_s is None else time.time() + timeout_s
         last_beat, pause = 0.0, protocol.DEFAULTS.plan_poll_s
         while True:
@@ -115,6 +118,19 @@ class Recovery:
         except Exception:
             return False
 
+    def join(self, plan: membership.Plan) -> None:
+        """A new worker's first plan: build its group (JOINED); the state waits for sync_first.
+
+        Workers of the first generation all start from the same seeded state; a worker that
+        joins later is a spare and holds nothing until it receives the state."""
+        self.holds_state = plan.gen == 0
+        self.enter(plan, sync=False)
+        self.watch.start()
+
+    def resume_at(self, step: int) -> None:
+        """Count from `step` (a checkpoint was loaded), before the first step."""
+        self.completed = step
+
     # ---- entering a generation -------------------------------------------------------------
     def enter(self, plan: membership.Plan, sync: bool = True) -> None:
         """Build the group for a plan (or a newer one) and bring every member to one state.
@@ -126,13 +142,13 @@ class Recovery:
                     self.injector.at("regroup", plan.ranks[self.worker_id], self.completed)
                 self.plan, self.gen = plan, plan.gen
                 self.rank, self.world_size = plan.ranks[self.worker_id], plan.world_size
-                self.phase = Phase.REGROUPING
+                self._phase = Phase.REGROUPING
                 if not self.group.form(plan, self.rank):
                     plan = self.wait_plan(plan.gen, None)
                     continue
                 self.t_group = time.time()
                 if not sync:
-                    self.phase = Phase.JOINED
+                    self._phase = Phase.JOINED
                     return
                 self._restore(plan, awaiting=plan.gen)
                 return
@@ -153,7 +169,7 @@ class Recovery:
             self.fail()
 
     def _restore(self, plan: membership.Plan, awaiting: int | None) -> None:
-        self.phase = Phase.RESTORING
+        self._phase = Phase.RESTORING
         me = restore.Position(self.rank, self.world_size, self.completed, self.holds_state,
                               self.kept.usable(self.completed, self.rank, self.world_size))
         out = restore.restore(self.state, me,
@@ -168,11 +184,26 @@ class Recovery:
         self.store.set(protocol.entered_key(plan.gen, self.rank), json.dumps(info))
         self.last = info
         self.awaiting_first = awaiting
-        self.phase = Phase.TRAINING
+        self._phase = Phase.TRAINING
 
     # ---- failing and recovering ------------------------------------------------------------
+    def enter_step(self) -> None:
+        """Control enters a step's body (or a boundary that communicates): from here the watch
+        thread may abort a collective stuck on a hung peer."""
+        if self._phase is Phase.TRAINING:
+            self._phase = Phase.IN_STEP
+
+    def leave_step(self) -> None:
+        if self._phase is Phase.IN_STEP:
+            self._phase = Phase.TRAINING
+
     def fail(self) -> None:
-        self.phase, self.failed_at = Phase.FAILED, time.time()
+        """A peer's failure cut the step (or boundary) short: the next turn recovers."""
+        self._phase = Phase.FAILED
+
+    @property
+    def failed(self) -> bool:
+        return self._phase is Phase.FAILED
 
     def recover(self) -> None:
         self.catching_up = 0

@@ -28,7 +28,6 @@ import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration
 
-from checkpointless.plain import PlainJob
 
 # trainer.precision -> accelerate's mixed_precision
 MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
@@ -38,7 +37,7 @@ def build_accelerator(cfg, job, device: torch.device) -> Accelerator:
     """The Accelerator of this worker; `device` is the one setup() chose (and the model was built
     on, before join): accelerate must agree, or the run stops here."""
     t = cfg.trainer
-    _environment(cfg, job, device)
+    _environment(job, device)
     accelerator = Accelerator(
         cpu=device.type == "cpu",
         mixed_precision=MIXED_PRECISION[t.precision],
@@ -103,23 +102,12 @@ def tracker_kwargs(cfg) -> dict:
     return {"wandb": {"id": run_id, "resume": "allow"}}
 
 
-def _environment(cfg, job, device: torch.device) -> None:
-    """What accelerate reads from the environment when the Accelerator is built.
-
-    Under torchrun (a PlainJob: the benchmark's off and restart modes) torchrun has set it all.
-    Under the supervisor: RANK and WORLD_SIZE are the job's; LOCAL_RANK is the worker's index
-    among the node's active workers, which accelerate's main-process printing counts from (a
-    replacement of rank 0 is its node's local main process, whatever device slot it took); and
-    the device is named outright (ACCELERATE_TORCH_DEVICE), since accelerate would otherwise pick
-    the GPU numbered by LOCAL_RANK, and a spare holds the failed worker's slot, not that one.
-    Without LOCAL_RANK a GPU worker would run as a single process. accelerate's thread count is
-    left alone because setup() exported OMP_NUM_THREADS."""
+def _environment(job, device: torch.device) -> None:
+    """What accelerate reads from the environment when the Accelerator is built: the process's
+    place as the job sees it (`job.process_env()`, the rule the drop-in Accelerator follows too:
+    under torchrun, torchrun's own), and the device named outright (ACCELERATE_TORCH_DEVICE),
+    since accelerate would otherwise pick the GPU numbered by LOCAL_RANK, and a spare holds the
+    failed worker's slot, not that one. accelerate's thread count is left alone because setup()
+    exported OMP_NUM_THREADS."""
     os.environ["ACCELERATE_TORCH_DEVICE"] = str(device)
-    if isinstance(job, PlainJob):
-        return
-    d = cfg.distributed
-    per_node = d.nproc_per_node or max(1, d.num_processes // max(1, d.num_nodes))
-    os.environ.update(RANK=str(job.rank), WORLD_SIZE=str(job.world_size),
-                      LOCAL_RANK=str(job.rank % per_node), LOCAL_WORLD_SIZE=str(per_node))
-    # the group exists already; accelerate only checks MASTER_ADDR is known on several nodes
-    os.environ.setdefault("MASTER_ADDR", d.master_addr)
+    os.environ.update(job.process_env())

@@ -38,7 +38,7 @@ class DurableCheckpoints:
 
     def save(self, step: int) -> None:
         """A collective (planning; every rank, the same step); the write goes on in a thread."""
-        self.writer.save(step, self.state(step), gen=getattr(self.job, "gen", 0))
+        self.writer.save(step, self.state(step), gen=self.job.gen)
 
     def load(self, path) -> int:
         """Load checkpoint `path` at this job's world size and strategy (a collective)."""
@@ -113,8 +113,7 @@ def durable_checkpoints(cfg, job, model, optimizer, scaler=None):
     if c.interval <= 0 and c.resume == "never":
         return None
     ckpt = DurableCheckpoints(cfg, job, model, optimizer, scaler)
-    if hasattr(job, "set_fallback"):
-        job.set_fallback(ckpt.newest_step, ckpt.load_step)
+    job.set_fallback(ckpt.newest_step, ckpt.load_step)
     if not job.is_replacement and job.rank == 0:
         # a launch: no write of this job is in flight yet (the first save comes after a step,
         # which rank 0 joins after this), so every temporary directory is a dead write's

@@ -252,7 +252,7 @@ def main(recipe_file: str) -> None:
                  " (checkpoint.interval=0: no durable checkpoint to resume from)"), flush=True)
 
     # what this rank's memory held, read before the end-of-run digest and export (report.json)
-    memory = held(model, optimizer, getattr(job, "replica_host_bytes", lambda: None)())
+    memory = held(model, optimizer, job.replica_host_bytes())
     # --- the end: validation; the digest of the full state on every rank and the sharded export,
     # one tensor gathered at a time, each file written by its own rank ---------------------------
     if validate and not job.preempted:  # collectives after the loop: a failure here is recovered too
@@ -281,8 +281,8 @@ def main(recipe_file: str) -> None:
                                   accelerator.gradient_accumulation_steps,
                               "distributed_type": str(accelerator.distributed_type),
                               "torch_threads": torch.get_num_threads()},
-              "replica_host_bytes": getattr(job, "replica_host_bytes", lambda: None)(),
-              "replica_timing": getattr(job, "replica_timing", lambda: None)(),
+              "replica_host_bytes": job.replica_host_bytes(),
+              "replica_timing": job.replica_timing(),
               "full_params": full_params,
               "final_loss": loss_value, "steps": job.completed_steps, "eval": last_eval}
     (out_dir / "results").mkdir(exist_ok=True)
