@@ -12,18 +12,21 @@ Checked here, in the launcher:
     or over the newest checkpoint of another model (its `.metadata` against the shapes of the
     recipe's model built on the meta device: no tensor read, no memory);
   * model.init=pretrained from a local folder without the weight files its loader reads;
-  * the memory plan (launcher/plan.py), when it is available.
+  * the memory plan (launcher/plan/).
+The hub helpers they share with the plan live in launcher/hub.py.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
+from .hub import hub_problem, looks_like_path, offline_unless_reachable
+from .plan import check_fits
 from .recipes import RecipeError
 
 
 def preflight(cfg) -> None:
     """Raise RecipeError listing every problem found, each with its fix; return when none."""
-    _offline_unless_reachable(cfg)
+    offline_unless_reachable(cfg)
     model, tokenizer = _model(cfg), _tokenizer(cfg)
     problems = [p for p in (_devices(cfg), model, tokenizer, _data(cfg),
                             # the model is built to compare shapes only when it can be
@@ -38,32 +41,11 @@ def preflight(cfg) -> None:
 def preflight_data(cfg) -> None:
     """The part of the pre-flight that preparing the data needs (`python -m launcher prepare`,
     on a node or login host without the recipe's GPUs): the tokenizer and the dataset."""
-    _offline_unless_reachable(cfg)
+    offline_unless_reachable(cfg)
     problems = [p for p in (_tokenizer(cfg), _data(cfg)) if p]
     if problems:
         raise RecipeError("the data of this recipe cannot be prepared here:\n  - " +
                           "\n  - ".join(problems))
-
-
-def _offline_unless_reachable(cfg) -> None:
-    """When the recipe names hub ids and the hub cannot be reached, go offline at once (for this
-    process and the workers it starts), so each check reads the local cache instead of retrying
-    the network for minutes. HF_HUB_OFFLINE is read when huggingface_hub is imported: this runs
-    before any import of it here."""
-    import os
-    import socket
-    from pathlib import Path
-    ids = [cfg.model.id, cfg.tokenizer.id if cfg.tokenizer.kind == "hub" else None,
-           cfg.data.id if cfg.data.source == "hub" else None]
-    remote = [i for i in ids if i and not _looks_like_path(i)]
-    if not remote or os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false"):
-        return
-    try:
-        socket.create_connection(("huggingface.co", 443), timeout=3).close()
-    except OSError:
-        os.environ["HF_HUB_OFFLINE"] = "1"
-        print("[launcher] the Hugging Face hub cannot be reached: working offline from the "
-              "local cache", flush=True)
 
 
 def _checkpoints(cfg, model_ok: bool = True) -> str | None:
@@ -146,44 +128,9 @@ def _devices(cfg) -> str | None:
             f"checkpointless.spares={min(1, have - 1)})")
 
 
-def _hub_problem(exc: Exception, what: str, key: str, ident: str) -> str:
-    """One sentence for why `ident` could not be resolved, told apart by the exception's type."""
-    from huggingface_hub import errors
-    gated = getattr(errors, "GatedRepoError", ())
-    missing = getattr(errors, "RepositoryNotFoundError", ())
-    offline = tuple(t for t in (getattr(errors, "LocalEntryNotFoundError", None),
-                                getattr(errors, "OfflineModeIsEnabled", None)) if t)
-    kind = "--repo-type dataset " if what == "dataset" else ""
-    chain, cur = [], exc
-    while cur is not None and len(chain) < 8:
-        chain.append(cur)
-        cur = cur.__cause__ or cur.__context__
-    if gated and any(isinstance(e, gated) for e in chain):
-        return (f"{key}={ident}: the {what} is gated on the Hugging Face hub. Accept its license "
-                f"on https://huggingface.co/{ident} and log in (`huggingface-cli login`, or "
-                "HF_TOKEN)")
-    if missing and any(isinstance(e, missing) for e in chain):
-        return (f"{key}={ident}: no such {what} on the Hugging Face hub (or it is private). "
-                "Check the id, or point it at a local folder")
-    if (offline and any(isinstance(e, offline) for e in chain)) or any(
-            isinstance(e, (ConnectionError, TimeoutError)) for e in chain):
-        return (f"{key}={ident}: the {what} is not in the local cache and the Hugging Face hub "
-                "cannot be reached (no network, or HF_HUB_OFFLINE=1). Download it where there is "
-                f"a network (`huggingface-cli download {kind}{ident}`) and copy the cache here, "
-                f"or point {key} at a local folder")
-    return f"{key}={ident}: the {what} could not be loaded: {type(exc).__name__}: {exc}"
-
-
-def _looks_like_path(ident: str) -> bool:
-    """A local folder, or meant as one: it exists on disk, or starts with '/', '.' or '~' (a hub
-    id is 'org/name', which a relative path with one slash also is: that one counts as a path
-    only when it exists)."""
-    return ident.startswith(("/", ".", "~")) or Path(ident).expanduser().exists()
-
-
 def _folder_problem(key: str, ident: str, what: str) -> str | None:
     """A sentence for a local folder that cannot hold a Hugging Face model or tokenizer."""
-    if not _looks_like_path(ident):
+    if not looks_like_path(ident):
         return None
     folder = Path(ident).expanduser()
     if not folder.exists():
@@ -246,8 +193,8 @@ def _model(cfg) -> str | None:
     from transformers import AutoConfig
     try:
         AutoConfig.from_pretrained(cfg.model.id)
-    except Exception as exc:  # noqa: BLE001  every kind is told apart in _hub_problem
-        return _hub_problem(exc, "model", "model.id", cfg.model.id)
+    except Exception as exc:  # noqa: BLE001  every kind is told apart in hub_problem
+        return hub_problem(exc, "model", "model.id", cfg.model.id)
     return _weights_problem(cfg)
 
 
@@ -256,7 +203,7 @@ def _tokenizer(cfg) -> str | None:
         return None
     ident = cfg.tokenizer.id or cfg.model.id
     key = "tokenizer.id" if cfg.tokenizer.id else "model.id"
-    if _looks_like_path(ident) and not Path(ident).expanduser().is_dir():
+    if looks_like_path(ident) and not Path(ident).expanduser().is_dir():
         # said once, by _model, when it is model.id's folder
         return None if ident == cfg.model.id else _folder_problem(key, ident, "tokenizer")
     from transformers import AutoTokenizer
@@ -265,7 +212,7 @@ def _tokenizer(cfg) -> str | None:
     except Exception as exc:  # noqa: BLE001
         if ident == cfg.model.id and _folder_problem("model.id", ident, "model"):
             return None  # the folder's problem, said once by _model
-        return _hub_problem(exc, "tokenizer", key, ident)
+        return hub_problem(exc, "tokenizer", key, ident)
     return None
 
 
@@ -282,7 +229,7 @@ def _data(cfg) -> str | None:
             try:
                 datasets.load_dataset_builder(d.id, d.subset, revision=d.revision)
             except Exception as exc:  # noqa: BLE001
-                return _hub_problem(exc, "dataset", "data.id", d.id)
+                return hub_problem(exc, "dataset", "data.id", d.id)
     except (ValueError, FileNotFoundError) as exc:
         return str(exc)
     return None
@@ -290,10 +237,6 @@ def _data(cfg) -> str | None:
 
 def _memory(cfg) -> list[str]:
     if cfg.distributed.device == "cpu":  # the CPU recipes are tiny; the plan is for devices
-        return []
-    try:
-        from .plan import check_fits
-    except ImportError:  # the plan is optional for the pre-flight
         return []
     try:
         check_fits(cfg)

@@ -8,22 +8,14 @@ A registry name maps to a transformers `model_type`; any other model_type transf
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from .tokenizer import build_tokenizer, byte_tokenizer
 
-
-@dataclass(frozen=True)
-class ModelSpec:
-    model_type: str  # transformers model_type for AutoConfig.for_model
-    vocab_key: str = "vocab_size"
-
-
+# registry name -> the transformers model_type its config class is registered under
 REGISTRY = {
-    "llama": ModelSpec("llama"),
-    "gpt2": ModelSpec("gpt2"),
-    "gpt-oss": ModelSpec("gpt_oss"),
-    "gpt_oss": ModelSpec("gpt_oss"),
+    "llama": "llama",
+    "gpt2": "gpt2",
+    "gpt-oss": "gpt_oss",
+    "gpt_oss": "gpt_oss",
 }
 
 
@@ -45,7 +37,7 @@ def model_config(name: str, id: str | None = None, config: dict | None = None,
             setattr(cfg, key, value)
         return cfg
     from transformers import CONFIG_MAPPING
-    model_type = REGISTRY[name].model_type if name in REGISTRY else name
+    model_type = REGISTRY.get(name, name)
     if model_type not in CONFIG_MAPPING:
         raise UnknownModel(
             f"model.name={name!r} is neither a registry name ({', '.join(REGISTRY)}) nor a "
@@ -81,5 +73,5 @@ def build_model(name: str, init: str = "random", id: str | None = None,
     return AutoModelForCausalLM.from_config(cfg, **({"dtype": dtype} if dtype else {}))
 
 
-__all__ = ["REGISTRY", "ModelSpec", "build_model", "model_config", "build_tokenizer",
+__all__ = ["REGISTRY", "build_model", "model_config", "build_tokenizer",
            "byte_tokenizer", "UnknownModel"]

@@ -5,8 +5,8 @@ the same width with replication on survives a kill with the failure-free bits.
 The model is built on the meta device and each rank fills only its shard (models/init.py), so a
 worker's peak resident set above its baseline (after imports) must stay below the full model's
 fp32 parameter bytes (1.6 GB): a worker that built, initialized or gathered the whole model even
-once would reach it. The peak is read at the end of training, before the end-of-run digest
-gathers the full state (launcher/loop.py; that gather is a separate change).
+once would reach it. The peak is read at the end of training, before the end-of-run digest and
+export (which gather one tensor at a time, launcher/model_setup.py).
 
 The resident set counts what glibc keeps after a free, too: without a fixed mmap threshold its
 heap keeps FSDP's freed all-gather buffers (4-16 MB tensors here; measured at 4 workers: a peak
@@ -22,7 +22,6 @@ import sys
 
 import pytest
 
-from launcher import plan
 from tests.conftest import ROOT
 from tests.test_train_e2e import assert_replicas_agree
 
@@ -53,11 +52,6 @@ def run(tmp_path, name, *overrides):
     return json.loads((out / "report.json").read_text())
 
 
-@pytest.mark.skipif(
-    plan.CURRENT_LOOP.full_state_on_device,
-    reason="the end-of-run digest (launcher/model_setup.full_state) gathers the whole model on all "
-           "8 ranks: 8 x 1.6 GB more, and this 23 GB machine's OOM killer took a worker at that "
-           "gather (measured). Runs once the gather no longer happens on every rank.")
 def test_no_worker_of_a_0_4b_llama_on_8_fsdp_workers_holds_the_full_model(tmp_path):
     rep = run(tmp_path, "big", *WIDE, "model.config.num_hidden_layers=24", *RUN,
               "trainer.max_steps=2", "checkpointless.spares=0",

@@ -1,4 +1,4 @@
-"""The memory plan (launcher/plan.py): parameter counts of the built-in configs, LoRA counts
+"""The memory plan (launcher/plan/): parameter counts of the built-in configs, LoRA counts
 against peft, what each large recipe needs per rank against the hardware its header names, the
 refusal of a recipe that does not fit, and the CLI. Meta device only: no weights, offline."""
 import os
@@ -9,19 +9,14 @@ import re
 import subprocess
 import sys
 from functools import lru_cache
-from pathlib import Path
 
 import pytest
 import torch
 
 from launcher import plan as P
 from launcher.recipes import RECIPES_DIR, RecipeError, load
+from models.known_configs import known_config
 from tests.conftest import ROOT
-
-# The fixes to launcher/loop.py that the plan says the large recipes need (see the xfails below)
-FIXED_LOOP = P.LoopFacts(autocast_cache=False, fsdp_unsharded_accumulation=False,
-                         full_state_on_device=False, lora_fsdp_one_unit=False,
-                         fsdp_mixed_precision=True)
 
 LARGE = ["llama3-8b", "llama3-70b", "llama3.2-1b", "llama3.2-1b-sft", "gpt2", "gpt2-xl",
          "gpt-oss-20b", "llama3-8b-lora", "gpt2-sft"]
@@ -41,9 +36,9 @@ def facts(name: str):
     return P.model_facts(load(name))
 
 
-def plan_on_its_hardware(name, *overrides, loop=P.CURRENT_LOOP):
+def plan_on_its_hardware(name, *overrides):
     cfg = load(name, [f"distributed.device_memory_gb={header_gb(name)}", *overrides])
-    return P.plan(cfg, facts(name), loop=loop)
+    return P.plan(cfg, facts(name))
 
 
 # ---- parameter counts ------------------------------------------------------------------------
@@ -59,20 +54,15 @@ KNOWN_COUNTS = {  # published sizes
 def test_the_built_in_configs_have_the_published_parameter_counts(model_id):
     from transformers import AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(P.known_config(model_id))
+        model = AutoModelForCausalLM.from_config(known_config(model_id))
     n = sum(p.numel() for p in model.parameters())
     assert n == pytest.approx(KNOWN_COUNTS[model_id], rel=0.01), f"{n:,}"
 
 
-def test_offline_the_plan_says_its_config_came_from_the_built_in_table():
-    assert facts("llama3-70b").config_source == "built-in table (offline)"
-    assert facts("tiny-llama").config_source.startswith("built from model.name")
-
-
 def test_parameter_dtype_follows_the_config_as_transformers_builds_the_model(tmp_path):
     """The Llama 3 and gpt-oss configs say bfloat16: transformers builds those models in bf16
-    (from_config, and from_pretrained's default dtype="auto"), so parameters, gradients and
-    AdamW moments are 2 bytes; GPT-2's configs name no dtype: fp32."""
+    (from_config, and from_pretrained's default dtype="auto"), which is what a frozen LoRA base
+    under ddp keeps (trained parameters are fp32 masters); GPT-2's configs name no dtype: fp32."""
     from transformers import AutoModelForCausalLM, LlamaConfig
     small = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                         num_attention_heads=2, vocab_size=64, dtype="bfloat16")
@@ -100,7 +90,7 @@ def test_the_lora_formula_counts_what_peft_trains(recipe, targets):
 
     from models.lora import apply_lora
     f = facts(recipe)
-    hf, _ = P._hf_config(load(recipe))
+    hf, _ = P.hf_config(load(recipe))
     with torch.device("meta"):
         model = apply_lora(AutoModelForCausalLM.from_config(hf), 4, 8.0, 0.0, targets)
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -138,55 +128,26 @@ def test_the_activation_estimate_of_a_layer_is_close_to_what_autograd_keeps():
                      matmul_params=0, hidden=128, heads=4, q_dim=128, kv_dim=64,
                      intermediate=352, vocab=64, mlp="swiglu", experts_per_token=1,
                      dropout=0.0, attn_dropout=0.0, attn_impl="sdpa", fused_qkv=False)
-    estimate = P._layer_bytes_per_token(f, 2, 2, False, 0, 0, 0.0) * b * s
+    estimate = P.layer_bytes_per_token(f, 2, 2, False, 0, 0, 0.0) * b * s
     assert estimate == pytest.approx(sum(kept.values()), rel=0.15)
 
 
 # ---- the large recipes on their hardware -----------------------------------------------------
 
-DOES_NOT_FIT = {  # by this plan, with launcher/loop.py as it is (numbers: see the report)
-}
-
-
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=DOES_NOT_FIT[n]))
-    if n in DOES_NOT_FIT else n for n in LARGE])
+@pytest.mark.parametrize("name", LARGE)
 def test_every_large_recipe_fits_the_hardware_its_header_names(name):
     result = plan_on_its_hardware(name)
     assert result.fits, result.report()
 
 
-@pytest.mark.parametrize("name", ["llama3-70b", "gpt-oss-20b"])
-def test_the_sharded_recipes_fit_once_the_loop_stops_holding_whole_model_state(name):
-    """With the remaining fix (no autocast weight cache). gpt-oss-20b keeps fp32 master state under
-    the bf16 policy: 42 GB of its 80 GB per rank is parameters, gradients and AdamW moments (1/8 of
-    21B x 16 bytes)."""
-    result = plan_on_its_hardware(name, loop=FIXED_LOOP)
-    assert result.fits and result.headroom > (0.3 if name == "llama3-70b" else 0.1), \
-        result.report()
-
-
-def test_llama3_70b_plan_shards_its_state_over_64_gpus():
-    result = plan_on_its_hardware("llama3-70b")
-    items = {i.name: i for i in result.items}
-    n = facts("llama3-70b").n_params
-    # trainer.precision=bf16 under fsdp: fp32 master state, sharded; units gathered in bf16
-    assert items["parameters"].device_max == -(-n // 64) * 4
-    assert items["optimizer state"].device_max == 2 * -(-n // 64) * 4
-    from checkpointless.redundancy import KEEP  # versions kept while one is in flight
-    assert items["peer replicas"].host == KEEP * (-(-n // 64) * 4 * 3)  # 1 peer x KEEP versions
-    assert items["two blocks unsharded"].device_max == 2 * facts("llama3-70b").block_params * 2
-    # gradients are reduce-scattered every micro-batch: no whole-model unsharded gradients
-    assert "unsharded gradient accumulation" not in items
-    assert "bf16 weight copies" not in items  # autocast sees bf16 weights: nothing to copy
-    assert "full state gathered" not in items  # the digest and export stream the state
-    f = facts("llama3-70b")
-    assert items["export, one tensor gathered"].device["end of run"] == f.head_matmul * 4
-    assert items["export, one tensor gathered"].host == -(-n * 4 // 64)
-    old = plan_on_its_hardware("llama3-70b", loop=P.LoopFacts(lora_fsdp_one_unit=False))
-    old_items = {i.name: i for i in old.items}
-    assert old_items["unsharded gradient accumulation"].device_max == n * 2
-    assert old_items["full state gathered"].device["end of run"] == n * 2
+def test_autocast_copies_weights_under_ddp_and_not_under_fsdps_bf16_policy():
+    """ddp autocasts fp32 masters (a bf16 copy of each weight); FSDP2's bf16 policy hands
+    autocast weights that are bf16 already."""
+    sharded = {i.name for i in plan_on_its_hardware("llama3-70b").items}
+    assert "bf16 weight copies" not in sharded and "two blocks unsharded" in sharded
+    whole = {i.name for i in plan_on_its_hardware("llama3.2-1b", "distributed.strategy=ddp",
+                                                  "distributed.device_memory_gb=80").items}
+    assert {"bf16 weight copies", "gradient all-reduce copy"} <= whole
 
 
 # ---- refusal and the override that fits -------------------------------------------------------
@@ -197,10 +158,16 @@ def test_check_fits_refuses_llama3_70b_under_ddp_and_names_what_fits():
         P.check_fits(cfg)
     assert "fits with: distributed.strategy=fsdp" in str(err.value)
     assert "Add: distributed.strategy=fsdp" in str(err.value)
-    with pytest.raises(RecipeError) as err:  # the loop before the fixes: even fsdp did not fit
-        P.check_fits(cfg, loop=P.LoopFacts(lora_fsdp_one_unit=False))
+
+
+def test_when_no_override_fits_the_refusal_names_the_closest():
+    # 70B of fp32 state over two GPUs: 565 GB each whatever the batch
+    cfg = load("llama3-70b", ["distributed.num_processes=2", "checkpointless.spares=0"])
+    with pytest.raises(RecipeError) as err:
+        P.check_fits(cfg)
     text = str(err.value)
     assert "does not fit" in text and "no override tried fits" in text
+    assert "the closest, " in text and "Add: " not in text
 
 
 def test_the_override_named_is_computed_and_fits():
@@ -223,35 +190,6 @@ def test_a_tiny_cpu_recipe_is_planned_against_host_memory_per_process():
 def test_a_negative_device_memory_is_refused():
     with pytest.raises(RecipeError, match="device_memory_gb"):
         P.plan(load("llama3-8b", ["distributed.device_memory_gb=-1"]), facts("llama3-8b"))
-
-
-# ---- the loop the plan describes --------------------------------------------------------------
-
-def test_the_loop_facts_are_what_launcher_loop_does():
-    """When launcher/loop.py changes one of these, CURRENT_LOOP must change with it."""
-    import inspect
-
-    from launcher import loop, model_setup
-    from launcher import accelerator
-    src = Path(loop.__file__).read_text()
-    # the loop's autocast is accelerate's (launcher/accelerator.py builds it)
-    autocast = [ln for m in (loop, accelerator) for ln in Path(m.__file__).read_text().splitlines()
-                if ".autocast(" in ln and not ln.strip().startswith(("#", '"""'))]
-    assert autocast and P.CURRENT_LOOP.autocast_cache == \
-        all("cache_enabled=False" not in ln for ln in autocast)
-    assert P.CURRENT_LOOP.fsdp_unsharded_accumulation == ("set_requires_gradient_sync(" in src)
-    assert P.CURRENT_LOOP.full_state_on_device == \
-        ("cpu_offload=False" in inspect.getsource(model_setup.full_state))
-    assert P.CURRENT_LOOP.lora_fsdp_one_unit == ("base_of" not in inspect.getsource(model_setup.shard))
-    assert P.CURRENT_LOOP.fsdp_mixed_precision == (
-        "MixedPrecisionPolicy(param_dtype=torch.bfloat16" in inspect.getsource(model_setup.shard)
-        and "torch.float32" in inspect.getsource(model_setup.master_dtype))
-    # fp32 masters: a bf16-config model trained whole keeps fp32 parameters under ddp too; a
-    # frozen LoRA base under ddp keeps the config's dtype
-    import torch
-    masters = model_setup.master_dtype(load("llama3.2-1b", ["distributed.strategy=ddp"]))
-    assert P.CURRENT_LOOP.fp32_masters == (masters == torch.float32)
-    assert model_setup.master_dtype(load("llama3-8b-lora")) is None
 
 
 # ---- the command line -------------------------------------------------------------------------

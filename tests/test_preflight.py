@@ -8,7 +8,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 
-from launcher.preflight import _hub_problem, preflight
+from launcher.hub import hub_problem
+from launcher.preflight import preflight
 from launcher.recipes import RecipeError, load
 from tests.conftest import ROOT
 
@@ -50,10 +51,10 @@ def test_each_hub_failure_gets_its_own_sentence():
     offline = errors.LocalEntryNotFoundError("not cached")
     wrapped = OSError("could not load")
     wrapped.__cause__ = gated  # transformers re-raises hub errors as OSError
-    assert "license" in _hub_problem(wrapped, "model", "model.id", "meta-llama/X")
-    assert "huggingface-cli login" in _hub_problem(gated, "model", "model.id", "meta-llama/X")
-    assert "no such model" in _hub_problem(missing, "model", "model.id", "nobody/x")
-    assert "cannot be reached" in _hub_problem(offline, "model", "model.id", "a/b")
+    assert "license" in hub_problem(wrapped, "model", "model.id", "meta-llama/X")
+    assert "huggingface-cli login" in hub_problem(gated, "model", "model.id", "meta-llama/X")
+    assert "no such model" in hub_problem(missing, "model", "model.id", "nobody/x")
+    assert "cannot be reached" in hub_problem(offline, "model", "model.id", "a/b")
 
 
 def test_train_refuses_with_one_message_and_no_traceback():

@@ -1,0 +1,132 @@
+"""The plan with its fix: the overrides that make a recipe fit, the launcher's refusal of one that
+does not (`check_fits`), and `python -m launcher plan`."""
+from __future__ import annotations
+
+import copy
+
+from omegaconf import OmegaConf
+
+from ..hub import offline_unless_reachable
+from ..recipes import RecipeError, load
+from .budget import detect_device
+from .items import CURRENT_LOOP, LoopFacts, build_plan
+from .model import ModelFacts, model_facts
+from .report import Plan, fmt_gb
+
+
+def plan(cfg, facts: ModelFacts | None = None, loop: LoopFacts = CURRENT_LOOP,
+         search: bool = True, device_type: str | None = None) -> Plan:
+    """The memory plan of a resolved recipe, per rank; with `search`, the overrides that fit
+    when it does not (`plan.fix`)."""
+    facts = facts or model_facts(cfg)
+    device_type = device_type or detect_device(cfg)
+    result = build_plan(cfg, facts, loop, device_type)
+    if search and not result.fits:
+        result.fix, result.closest = find_fix(cfg, facts, loop, device_type)
+        result.fix_tried = True
+    return result
+
+
+def _with(cfg, changes: dict):
+    out = copy.deepcopy(cfg)
+    for key, value in changes.items():
+        OmegaConf.update(out, key, value, merge=False)
+    return out
+
+
+def candidates(cfg) -> list[dict]:
+    """Overrides to try, in order, each adding to the one before: distributed.strategy=fsdp
+    (from ddp), model.gradient_checkpointing=true, then trainer.micro_batch_size halved down to
+    1 (with trainer.grad_accum_steps doubled: the same tokens per step); last, with gradient
+    accumulation, trainer.grad_accum_steps=1 (fewer tokens per step, but no gradients of earlier
+    micro-batches alive through the next forward)."""
+    out, cur = [], {}
+    if cfg.distributed.strategy == "ddp":
+        cur = {**cur, "distributed.strategy": "fsdp"}
+        out.append(cur)
+    if not cfg.model.gradient_checkpointing:
+        cur = {**cur, "model.gradient_checkpointing": True}
+        out.append(cur)
+    mbs, accum = cfg.trainer.micro_batch_size, cfg.trainer.grad_accum_steps
+    base = dict(cur)
+    while mbs > 1:
+        mbs, accum = max(1, mbs // 2), accum * 2
+        cur = {**base, "trainer.micro_batch_size": mbs, "trainer.grad_accum_steps": accum}
+        out.append(cur)
+    if cfg.trainer.grad_accum_steps > 1 or accum > 1:
+        mbs = cfg.trainer.micro_batch_size
+        while True:
+            out.append({**base, "trainer.micro_batch_size": mbs, "trainer.grad_accum_steps": 1})
+            if mbs == 1:
+                break
+            mbs = max(1, mbs // 2)
+    unique = []
+    for changes in out:  # the same settings reached twice are tried once
+        if changes not in unique:
+            unique.append(changes)
+    return unique
+
+
+def _format(cfg, changes: dict) -> list[str]:
+    """key=value for each change that differs from the recipe."""
+    return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in changes.items()
+            if OmegaConf.select(cfg, k) != v]
+
+
+def find_fix(cfg, facts, loop=CURRENT_LOOP, device_type=None):
+    """(the first candidate override, see `candidates`, under which the plan fits, or None;
+    (overrides, Plan) of the candidate needing the least when none fits)."""
+    device_type = device_type or detect_device(cfg)
+    closest = None
+    for changes in candidates(cfg):
+        tried = build_plan(_with(cfg, changes), facts, loop, device_type)
+        if tried.fits:
+            return _format(cfg, changes), None
+        if closest is None or tried.need < closest[1].need:
+            closest = (_format(cfg, changes), tried)
+    return None, closest
+
+
+def _host_refusal(result: Plan) -> RecipeError:
+    return RecipeError(
+        f"memory plan: the host memory of a node does not fit: its {result.ranks_per_node} "
+        f"ranks hold {fmt_gb(result.host_per_node)} of peer replicas and snapshots "
+        f"({fmt_gb(result.host)} each) beside their processes, and the node has "
+        f"{fmt_gb(result.host_budget)} ({result.host_source}). Fix: "
+        "checkpointless.replication.factor=1 (no peer copies: a lost rank's state then "
+        "comes from the durable checkpoint), or more nodes for the same job, or set "
+        "distributed.host_memory_gb if the nodes the job runs on have more")
+
+
+def check_fits(cfg, loop: LoopFacts = CURRENT_LOOP) -> Plan:
+    """The plan, for the launcher before it starts workers: cheap (meta device, no weights, no
+    data); raises RecipeError with the numbers and the overrides that fit when it does not fit.
+    On distributed.device=cpu the budget is this machine's memory per process."""
+    result = plan(cfg, loop=loop)
+    if result.fits and not result.host_fits:
+        raise _host_refusal(result)
+    if result.fits:
+        return result
+    peak = result.peak_phase
+    lines = [f"memory plan: {result.verdict()}.",
+             f"Per rank at the peak ({peak}): " + ", ".join(
+                 f"{i.name} {fmt_gb(i.device[peak])}" for i in result.items
+                 if i.device.get(peak)) + ".",
+             f"Budget: {fmt_gb(result.budget)} ({result.budget_source}). "
+             "See `python -m launcher plan RECIPE [key=value ...]` for the whole table"]
+    if result.fix:
+        lines.insert(1, "Add: " + " ".join(result.fix))
+    raise RecipeError("\n    ".join(lines))
+
+
+def main(args: list[str]) -> int:
+    """`python -m launcher plan RECIPE [key=value ...]`: print the plan; exit 1 if it does not
+    fit (2 for a recipe error)."""
+    if not args:
+        raise RecipeError("plan needs a recipe: python -m launcher plan RECIPE [key=value ...]")
+    cfg = load(args[0], args[1:])
+    offline_unless_reachable(cfg)  # an unreachable hub: the built-in table at once, no retries
+    result = plan(cfg)
+    result.overrides = list(args[1:])
+    print(result.report())
+    return 0 if result.fits else 1
