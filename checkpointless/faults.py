@@ -56,25 +56,53 @@ class InjectedFault(RuntimeError):
     """The exception a `raise` fault throws inside the step."""
 
 
+class FaultError(ValueError):
+    """A fault that cannot be scheduled. Its text is the library's (`python -m checkpointless
+    --fault`); `field`, `value` and `fix` let a caller word its own, naming its own key (the
+    recipe loader says `faults[2].kind='explode': choose one of ...`)."""
+
+    def __init__(self, message: str, field: str, value, fix: str):
+        super().__init__(message)
+        self.field, self.value, self.fix = field, value, fix
+
+
 @dataclass(frozen=True)
 class Fault:
-    """One scheduled failure: what (kind), where (rank), when (step, phase)."""
-    kind: str
-    rank: int
-    step: int
-    phase: str = "step"
-    seed: int = 0  # the random phase's seed
+    """One scheduled failure: what (kind), where (rank), when (step, phase). Also the shape of a
+    recipe's `faults:` entries (launcher/schema.py), hence the defaults."""
+    kind: str = "kill"  # kill (SIGKILL), hang (SIGSTOP), raise (in the step), corrupt (a bit)
+    rank: int = 0  # rank that fails
+    step: int = 0  # step in which it fails
+    phase: str = "step"  # when in it (PHASES; the module's docstring says what each means)
+    seed: int = 0  # phase=random: the seed of the moment (kill:2:5@random:7)
 
     def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ValueError(f"faults: kind={self.kind!r} is not one of {', '.join(KINDS)}")
-        if self.phase not in PHASES:
-            raise ValueError(f"faults: phase={self.phase!r} is not one of {', '.join(PHASES)}")
-        if self.kind not in kinds_at(self.phase):
-            raise ValueError(f"faults: kind={self.kind!r} cannot strike @{self.phase}; there, "
-                             f"use one of {', '.join(kinds_at(self.phase))}")
-        if self.rank < 0 or self.step < 0:
-            raise ValueError(f"faults: rank={self.rank} and step={self.step} must be >= 0")
+        problem = _problem(self)
+        if problem is not None:
+            raise problem
+
+
+def _problem(f: Fault) -> FaultError | None:
+    """The first thing wrong with a fault's values, whatever the world it runs in."""
+    if f.kind not in KINDS:
+        return FaultError(f"faults: kind={f.kind!r} is not one of {', '.join(KINDS)}",
+                          "kind", f.kind, f"choose one of {', '.join(KINDS)}")
+    if f.phase not in PHASES:
+        return FaultError(f"faults: phase={f.phase!r} is not one of {', '.join(PHASES)}",
+                          "phase", f.phase, f"choose one of {', '.join(PHASES)}")
+    if f.kind not in kinds_at(f.phase):
+        there = ", ".join(kinds_at(f.phase))
+        return FaultError(f"faults: kind={f.kind!r} cannot strike @{f.phase}; there, use one of "
+                          f"{there}", "kind", f.kind,
+                          f"cannot strike @{f.phase}; use one of {there}")
+    if f.seed != 0 and f.phase != "random":
+        return FaultError(f"faults: seed={f.seed} is for phase=random only (@random:SEED)", "seed",
+                          f.seed, "only phase=random takes a seed (kill:2:5@random:7); delete it")
+    if f.rank < 0 or f.step < 0:
+        field = "rank" if f.rank < 0 else "step"
+        return FaultError(f"faults: rank={f.rank} and step={f.step} must be >= 0", field,
+                          getattr(f, field), "must be >= 0")
+    return None
 
 
 def split_fault(text: str) -> dict:

@@ -6,13 +6,13 @@ A recipe names a base with `extends:` (merged first, so shared defaults live in 
 beside the recipe, else a shipped one in recipes/. Overrides are OmegaConf dotlist entries; `~key`
 deletes the key so it falls back to the base or the schema. A recipe must choose its model
 (model.name, model.id or model.config, itself or through `extends`); an empty file is refused.
-Every problem raises RecipeError with the key, the value and the fix, before any worker starts.
+Every problem raises RecipeError with the key, the value and the fix, before any worker starts:
+the shape of the YAML here, its values in launcher/validate.py.
 """
 from __future__ import annotations
 
 import difflib
 import io
-import math
 import os
 import types
 import typing
@@ -23,15 +23,16 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from checkpointless.faults import KINDS, PHASES, kinds_at, split_fault
+from checkpointless.faults import split_fault
 
-from .schema import CHOICES, Recipe
+from .schema import Recipe, RecipeError
+from .validate import validate
+
+# RecipeError and validate live below this module (no cycle) and are imported from here too
+__all__ = ["RECIPES_DIR", "RecipeError", "load", "recipe_names", "recipe_path", "to_yaml",
+           "validate"]
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
-
-
-class RecipeError(ValueError):
-    pass
 
 
 def recipe_names() -> list[str]:
@@ -312,6 +313,8 @@ def load(name_or_path: str, overrides: list[str] = ()) -> DictConfig:
         merged = OmegaConf.merge(OmegaConf.structured(Recipe), cfg)
     except OmegaConfBaseException as exc:
         raise _explain(exc, overrides) from None
+    for fault in merged.faults:  # read-only, as Fault is frozen; an interpolation in it resolves
+        OmegaConf.set_readonly(fault, False)
     try:
         OmegaConf.resolve(merged)
     except OmegaConfBaseException as exc:
@@ -352,28 +355,6 @@ def _require_model(cfg: DictConfig, path: Path) -> None:
         "recipe.")
 
 
-def _check_dir(key: str, value: str, example: str) -> None:
-    """`value` is a folder that exists or can be created, and written; nothing is created here."""
-    fix = f"choose a folder you can write, e.g. {key}={example}"
-    if not str(value).strip():
-        raise RecipeError(f"{key}={value!r}: must name a folder; {fix}")
-    target = Path(value).absolute()
-    for existing in (target, *target.parents):
-        if os.path.lexists(existing):
-            break
-    if not existing.exists():
-        raise RecipeError(f"{key}={value!r}: {existing} is a broken symbolic link; remove it or "
-                          f"{fix}")
-    if not existing.is_dir():
-        what = "names an existing file, not a folder" if existing == target else \
-            f"cannot be created: {existing} is a file, not a folder"
-        raise RecipeError(f"{key}={value!r} {what}; move the file away or {fix}")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        what = "is a folder you cannot write to" if existing == target else \
-            f"cannot be created: {existing} is not writable (permission denied)"
-        raise RecipeError(f"{key}={value!r} {what}; {fix}")
-
-
 def _explain(exc: OmegaConfBaseException, overrides) -> RecipeError:
     key = getattr(exc, "full_key", None) or getattr(exc, "key", None) or "?"
     origin = next((o for o in overrides if o.split("=", 1)[0].lstrip("~") == key), None)
@@ -386,162 +367,6 @@ def _explain(exc: OmegaConfBaseException, overrides) -> RecipeError:
     msg = str(exc).splitlines()[0]
     return RecipeError(f"recipe key '{key}' got {value!r}{where}: {msg}. Fix the value to the "
                        "type the schema expects (see launcher/schema.py).")
-
-
-def _get(cfg, dotted):
-    node = cfg
-    for p in dotted.split("."):
-        node = node[p]
-    return node
-
-
-TRACKERS = ("tensorboard", "wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "swanlab",
-            "trackio")  # accelerate.tracking.LOGGER_TYPE_TO_CLASS, without importing accelerate
-
-
-def validate(cfg: DictConfig) -> None:
-    """Checks that types alone cannot express."""
-    for key, allowed in CHOICES.items():
-        v = _get(cfg, key)
-        if v not in allowed:
-            raise RecipeError(f"{key}={v!r} is not allowed; choose one of {', '.join(allowed)} "
-                              f"(e.g. {key}={allowed[0]})")
-
-    def need(ok, key, value, fix):
-        if not ok:
-            raise RecipeError(f"{key}={value!r}: {fix}")
-
-    for key in _schema_keys():
-        v = _get(cfg, key)
-        if isinstance(v, float) and not math.isfinite(v):
-            raise RecipeError(f"{key}={v!r}: must be a finite number")
-
-    t, d, c, o = cfg.trainer, cfg.distributed, cfg.checkpointless, cfg.optim
-    need(t.max_steps >= 1, "trainer.max_steps", t.max_steps, "must be at least 1")
-    need(t.micro_batch_size >= 1, "trainer.micro_batch_size", t.micro_batch_size, "must be >= 1")
-    need(t.grad_accum_steps >= 1, "trainer.grad_accum_steps", t.grad_accum_steps, "must be >= 1")
-    need(t.log_every >= 1, "trainer.log_every", t.log_every, "must be >= 1")
-    if t.precision == "fp16":  # accelerate would silently train fp32 on CPU
-        on_cpu = "distributed.device=cpu" if d.device == "cpu" else \
-            "distributed.backend=gloo" if d.backend == "gloo" else None
-        need(on_cpu is None, "trainer.precision", t.precision,
-             f"fp16 needs a GPU (float16 autocast with a GradScaler) and this recipe runs on CPU "
-             f"({on_cpu}); use trainer.precision=bf16 on CPU (or fp32)")
-        need(d.strategy == "ddp", "trainer.precision", t.precision,
-             "fp16 is supported under distributed.strategy=ddp only; under fsdp use "
-             "trainer.precision=bf16")
-    need(d.num_processes >= 1, "distributed.num_processes", d.num_processes, "must be >= 1")
-    need(0 <= d.master_port < 65536, "distributed.master_port", d.master_port, "0..65535")
-    need(d.bucket_cap_mb > 0, "distributed.bucket_cap_mb", d.bucket_cap_mb, "must be > 0 MB")
-    need(d.threads_per_worker >= 0, "distributed.threads_per_worker", d.threads_per_worker,
-         "must be >= 0 (0 picks cores / processes)")
-    need(c.spares >= 0, "checkpointless.spares", c.spares, "must be >= 0")
-    need(c.heartbeat_timeout_s > 0, "checkpointless.heartbeat_timeout_s", c.heartbeat_timeout_s,
-         "must be > 0 seconds")
-    need(o.lr > 0, "optim.lr", o.lr, "must be > 0, e.g. optim.lr=3e-4")
-    need(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
-    need(o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "must be >= 0")
-    need(0 <= o.beta1 < 1, "optim.beta1", o.beta1, "must be in [0, 1), e.g. 0.9")
-    need(0 <= o.beta2 < 1, "optim.beta2", o.beta2, "must be in [0, 1), e.g. 0.95")
-    need(o.eps > 0, "optim.eps", o.eps, "must be > 0, e.g. 1e-8")
-    need(o.grad_clip >= 0, "optim.grad_clip", o.grad_clip, "must be >= 0 (0 disables clipping)")
-    need(c.pg_timeout_s > 0, "checkpointless.pg_timeout_s", c.pg_timeout_s, "must be > 0 seconds")
-    need(c.spare_wait_s > 0, "checkpointless.spare_wait_s", c.spare_wait_s, "must be > 0 seconds")
-    need(c.confirm_s >= 0, "checkpointless.confirm_s", c.confirm_s, "must be >= 0 seconds")
-    need(c.consistency_every >= 0, "checkpointless.consistency_every", c.consistency_every,
-         "must be >= 0 steps (0 checks only at the end)")
-    need(c.max_replacement_failures >= 1, "checkpointless.max_replacement_failures",
-         c.max_replacement_failures, "must be >= 1")
-    need(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
-    need(cfg.data.seq_len >= 8, "data.seq_len", cfg.data.seq_len, "must be >= 8")
-    need(cfg.data.num_proc >= 0, "data.num_proc", cfg.data.num_proc,
-         "must be >= 0 processes (0: all of this node's cores, e.g. data.num_proc=0)")
-    if cfg.model.init == "pretrained":
-        need(cfg.model.id, "model.id", cfg.model.id,
-             "model.init=pretrained needs a hub id or local folder, e.g. model.id=gpt2")
-    if cfg.tokenizer.kind == "hub":
-        need(cfg.tokenizer.id or cfg.model.id, "tokenizer.id", cfg.tokenizer.id,
-             "tokenizer.kind=hub needs tokenizer.id (or model.id)")
-    if cfg.data.source == "hub":
-        need(cfg.data.id, "data.id", cfg.data.id, "data.source=hub needs a dataset id")
-    if cfg.data.source == "files":
-        need(len(cfg.data.files) > 0, "data.files", list(cfg.data.files),
-             "data.source=files needs at least one file")
-    nodes = d.num_nodes
-    need(nodes >= 1, "distributed.num_nodes", nodes, "must be >= 1")
-    need(c.spare_nodes >= 0, "checkpointless.spare_nodes", c.spare_nodes, "must be >= 0")
-    need(c.node_timeout_s > 0, "checkpointless.node_timeout_s", c.node_timeout_s,
-         "must be > 0 seconds")
-    per = d.nproc_per_node or (d.num_processes // nodes)
-    need(per * nodes == d.num_processes, "distributed.num_processes", d.num_processes,
-         f"must equal distributed.num_nodes x distributed.nproc_per_node = {nodes} x {per} = "
-         f"{nodes * per}; set one consistent pair (or leave num_processes to follow)")
-    need(0 <= d.node_rank < nodes + c.spare_nodes, "distributed.node_rank", d.node_rank,
-         f"must be in 0..{nodes + c.spare_nodes - 1} (0..{nodes - 1} active, then spare nodes)")
-    if nodes > 1 or c.spare_nodes > 0 or d.standalone_coordinator:
-        need(d.master_port > 0, "distributed.master_port", d.master_port,
-             "several nodes need a fixed port for the coordinator, e.g. distributed.master_port="
-             "29400, the same on every node")
-        need(c.node_timeout_s < c.confirm_s, "checkpointless.node_timeout_s", c.node_timeout_s,
-             f"must be below checkpointless.confirm_s={c.confirm_s:g}: survivors whose "
-             "collectives failed with a lost node wait that long to hear of the loss")
-    for i, name in enumerate(cfg.logging.trackers):
-        need(name in TRACKERS, f"logging.trackers[{i}]", name,
-             f"choose among accelerate's trackers: {', '.join(TRACKERS)}")
-    ev, pf = cfg.eval, cfg.peft
-    need(ev.every >= 0, "eval.every", ev.every, "must be >= 0 steps (0: no validation)")
-    need(ev.max_batches >= 1, "eval.max_batches", ev.max_batches, "must be >= 1")
-    if ev.every > 0 and not ev.files:
-        need(cfg.data.source != "files", "eval.files", list(ev.files),
-             "validation of a data.source=files recipe needs its own files, e.g. "
-             "eval.files=[val.jsonl] (or eval.every=0)")
-        need(cfg.data.source != "hub" or ev.split, "eval.split", ev.split,
-             f"validation of hub data needs a split of {cfg.data.id} other than the training "
-             "one, e.g. eval.split=validation, or eval.files=[...] (or eval.every=0)")
-    need(not (ev.split and cfg.data.source == "hub" and ev.split == cfg.data.split),
-         "eval.split", ev.split, f"is the training split (data.split={cfg.data.split}): "
-         "validating on training rows says nothing; name another split")
-    if pf.method == "lora":
-        need(pf.r >= 1, "peft.r", pf.r, "must be >= 1 (a rank of 8 or 16 is typical)")
-        need(pf.alpha > 0, "peft.alpha", pf.alpha, "must be > 0 (often 2 x peft.r)")
-        need(0 <= pf.dropout < 1, "peft.dropout", pf.dropout, "must be in [0, 1)")
-        need(len(pf.target_modules) > 0, "peft.target_modules", list(pf.target_modules),
-             "name the modules to adapt, e.g. peft.target_modules=[q_proj,v_proj], or "
-             "[all-linear]")
-    need(not pf.merge or pf.method == "lora", "peft.merge", pf.merge,
-         "only applies to peft.method=lora (a full fine-tune already exports the whole model)")
-    for i, f in enumerate(cfg.faults):
-        need(f.kind in KINDS, f"faults[{i}].kind", f.kind,
-             f"choose one of {', '.join(KINDS)}")
-        need(0 <= f.rank < d.num_processes, f"faults[{i}].rank", f.rank,
-             f"must be a rank in 0..{d.num_processes - 1}")
-        need(0 <= f.step < t.max_steps, f"faults[{i}].step", f.step,
-             f"must be a step in 0..{t.max_steps - 1}")
-        need(f.phase in PHASES, f"faults[{i}].phase", f.phase,
-             f"choose one of {', '.join(PHASES)}")
-        need(f.phase not in PHASES or f.kind not in KINDS or f.kind in kinds_at(f.phase),
-             f"faults[{i}].kind", f.kind, f"cannot strike @{f.phase}; use one of "
-             f"{', '.join(kinds_at(f.phase))}")
-        need(f.seed == 0 or f.phase == "random", f"faults[{i}].seed", f.seed,
-             "only phase=random takes a seed (kill:2:5@random:7); delete it")
-    rep = c.replication
-    need(rep.factor >= 1, "checkpointless.replication.factor", rep.factor,
-         "must be >= 1 (1: no peer copies; 2: one copy in a peer's memory)")
-    need(rep.factor <= max(1, d.num_processes), "checkpointless.replication.factor", rep.factor,
-         f"cannot exceed distributed.num_processes={d.num_processes} (each copy is held by "
-         f"another worker). Fix: set checkpointless.replication.factor={max(1, d.num_processes)}"
-         f"{' (no peer copies)' if d.num_processes <= 1 else ''} or use more processes "
-         f"(distributed.num_processes={rep.factor})")
-    need(rep.interval >= 1, "checkpointless.replication.interval", rep.interval, "must be >= 1")
-    need(cfg.checkpoint.interval >= 0, "checkpoint.interval", cfg.checkpoint.interval,
-         "must be >= 0 (0 disables durable checkpoints)")
-    need(cfg.checkpoint.keep >= 1, "checkpoint.keep", cfg.checkpoint.keep, "must be >= 1")
-    # faults with checkpointless.enabled=false are allowed: they rehearse what a failure costs
-    # without recovery (the run stops; durable checkpoints are what is left)
-    _check_dir("run.output_dir", cfg.run.output_dir, f"runs/{cfg.run.name}")
-    _check_dir("data.cache_dir", cfg.data.cache_dir, ".cache/data")
-    if cfg.checkpoint.interval > 0:
-        _check_dir("checkpoint.dir", cfg.checkpoint.dir, f"runs/{cfg.run.name}/checkpoints")
 
 
 def to_yaml(cfg: DictConfig) -> str:

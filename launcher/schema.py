@@ -1,14 +1,45 @@
-"""The recipe schema: every key a recipe may set, its type, its default and what it means.
+"""The recipe schema: every key a recipe may set, its type, its default, what it means and,
+for the keys that have one, the values it may take.
 
 A recipe is YAML merged onto these dataclasses; a key that is not here is refused with a
-suggestion, a value of the wrong type names the key and the type expected.
+suggestion, a value of the wrong type names the key and the type expected. `one_of` and `ranged`
+put a key's allowed values in its field's metadata, where launcher/validate.py reads them: the
+rule sits on the line that declares the key.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Dict, List, Optional
 
+from checkpointless.faults import Fault
 from checkpointless.protocol import DEFAULTS as CL
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot run; the text names the key, the value and the fix."""
+
+
+def one_of(*allowed: str):
+    """A string key that takes one of `allowed`; the first is its default."""
+    return field(default=allowed[0], metadata={"choices": allowed})
+
+
+def _rule(rule: str):
+    """'>= 1', '> 0', '[0, 1)' or '[0, 1]' as a test of a number."""
+    if rule.startswith("["):
+        low, high = (float(x) for x in rule[1:-1].split(","))
+        closed = rule.endswith("]")
+        return lambda v: low <= v and (v <= high if closed else v < high)
+    op, text = rule.split()
+    bound = float(text)
+    return {">=": lambda v: v >= bound, ">": lambda v: v > bound}[op]
+
+
+def ranged(default, rule: str, say: str = "", *, fix: str = "", when: str = ""):
+    """A number key refused outside `rule` (see _rule) with 'must be RULE' and `say` (units, what
+    0 means, an example), or with `fix` in their place; `when='key=value'`: checked only then."""
+    fix = fix or f"must be {'in ' if rule.startswith('[') else ''}{rule}{say}"
+    return field(default=default, metadata={"ok": _rule(rule), "fix": fix, "when": when})
 
 
 @dataclass
@@ -22,7 +53,7 @@ class RunConfig:
 class ModelConfig:
     name: str = "llama"  # registry name (llama, gpt2, gpt-oss) or any transformers model_type
     id: Optional[str] = None  # Hugging Face hub id or local folder for the config / weights
-    init: str = "random"  # random: built from the config; pretrained: weights loaded from `id`
+    init: str = one_of("random", "pretrained")  # random: built from the config; pretrained: weights loaded from `id`
     config: Dict[str, Any] = field(default_factory=dict)  # overrides of the transformers config
     gradient_checkpointing: bool = False  # recompute each decoder block's activations in backward to save memory (per block; under fsdp inside the block's unit)
     size: str = ""  # parameter count for people (shown by `launcher ls`), e.g. 8B
@@ -30,70 +61,70 @@ class ModelConfig:
 
 @dataclass
 class TokenizerConfig:
-    kind: str = "byte"  # byte: built-in byte-level tokenizer (no download); hub: load `id`
+    kind: str = one_of("byte", "hub")  # byte: built-in byte-level tokenizer (no download); hub: load `id`
     id: Optional[str] = None  # hub id or local folder when kind=hub (defaults to model.id)
-    chat_template: str = "own"  # data.format=chat: own (the tokenizer's template) or simple (the project's role-tagged one, for tokenizers without a template)
+    chat_template: str = one_of("own", "simple")  # data.format=chat: own (the tokenizer's template) or simple (the project's role-tagged one, for tokenizers without a template)
 
 
 @dataclass
 class DataConfig:
-    source: str = "synthetic"  # synthetic (generated offline), hub (datasets hub id) or files
+    source: str = one_of("synthetic", "hub", "files")  # synthetic (generated offline), hub (datasets hub id) or files
     id: Optional[str] = None  # hub dataset id when source=hub
     subset: Optional[str] = None  # hub dataset configuration name, if it has several
     revision: Optional[str] = None  # hub dataset commit, tag or branch (source=hub); part of the token cache's key. Unpinned, the cache keeps the rows of its first download
     split: str = "train"  # dataset split to train on
     files: List[str] = field(default_factory=list)  # json/jsonl/txt/parquet files for source=files
     text_field: str = "text"  # column holding the text (format=text)
-    format: str = "text"  # text (raw text, packed), chat (a list of {role, content} messages per example) or instruction (prompt and response fields)
+    format: str = one_of("text", "chat", "instruction")  # text (raw text, packed), chat (a list of {role, content} messages per example) or instruction (prompt and response fields)
     messages_field: str = "messages"  # column holding the messages (format=chat)
     prompt_field: str = "prompt"  # column holding the prompt (format=instruction)
     response_field: str = "response"  # column holding the response (format=instruction)
     train_on_prompt: bool = False  # chat/instruction: also train on prompt and user tokens (default: only the responses count in the loss)
     packing: bool = True  # chat/instruction: pack examples into seq_len rows (positions restart and attention stays inside each example), or false: one example per row, padded
-    seq_len: int = 256  # tokens per packed training sequence
+    seq_len: int = ranged(256, ">= 8")  # tokens per packed training sequence
     max_docs: Optional[int] = None  # use only the first N documents (quick trials)
     synthetic_docs: int = 4000  # documents generated when source=synthetic
     cache_dir: str = ".cache/data"  # tokenized, packed Arrow cache (memory-mapped on load); on a filesystem all nodes share, one node builds it and the others wait and map it
-    num_proc: int = 0  # processes that download, convert and tokenize the data, once per node in the launcher before workers start (0: all of this node's cores); the rows do not depend on it
+    num_proc: int = ranged(0, ">= 0", " processes (0: all of this node's cores, e.g. data.num_proc=0)")  # processes that download, convert and tokenize the data, once per node in the launcher before workers start (0: all of this node's cores); the rows do not depend on it
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-4  # peak learning rate of AdamW
-    weight_decay: float = 0.1  # decoupled weight decay on matrices (not on norms and biases)
-    beta1: float = 0.9  # AdamW first-moment decay
-    beta2: float = 0.95  # AdamW second-moment decay
-    eps: float = 1e-8  # AdamW epsilon
-    warmup_steps: int = 100  # linear warm-up from 0 to lr
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at max_steps
-    grad_clip: float = 1.0  # clip the global gradient norm to this (0 disables)
+    lr: float = ranged(3e-4, "> 0", ", e.g. optim.lr=3e-4")  # peak learning rate of AdamW
+    weight_decay: float = ranged(0.1, ">= 0")  # decoupled weight decay on matrices (not on norms and biases)
+    beta1: float = ranged(0.9, "[0, 1)", ", e.g. 0.9")  # AdamW first-moment decay
+    beta2: float = ranged(0.95, "[0, 1)", ", e.g. 0.95")  # AdamW second-moment decay
+    eps: float = ranged(1e-8, "> 0", ", e.g. 1e-8")  # AdamW epsilon
+    warmup_steps: int = ranged(100, ">= 0")  # linear warm-up from 0 to lr
+    min_lr_ratio: float = ranged(0.1, "[0, 1]")  # cosine decays to lr * min_lr_ratio at max_steps
+    grad_clip: float = ranged(1.0, ">= 0", " (0 disables clipping)")  # clip the global gradient norm to this (0 disables)
 
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 1000  # optimizer steps to train
-    micro_batch_size: int = 4  # sequences per forward pass on each worker
-    grad_accum_steps: int = 1  # micro-batches per optimizer step on each worker
-    precision: str = "fp32"  # fp32; bf16 (under fsdp FSDP2's MixedPrecisionPolicy: bf16 compute, fp32 reduce, fp32 master parameters and AdamW; under ddp autocast over the config's dtype); or fp16 (GPU and ddp only: autocast with a GradScaler, which a replacement receives with the model)
-    log_every: int = 10  # steps between metric lines
+    max_steps: int = ranged(1000, ">= 1", fix="must be at least 1")  # optimizer steps to train
+    micro_batch_size: int = ranged(4, ">= 1")  # sequences per forward pass on each worker
+    grad_accum_steps: int = ranged(1, ">= 1")  # micro-batches per optimizer step on each worker
+    precision: str = one_of("fp32", "bf16", "fp16")  # fp32; bf16 (under fsdp FSDP2's MixedPrecisionPolicy: bf16 compute, fp32 reduce, fp32 master parameters and AdamW; under ddp autocast over the config's dtype); or fp16 (GPU and ddp only: autocast with a GradScaler, which a replacement receives with the model)
+    log_every: int = ranged(10, ">= 1")  # steps between metric lines
     progress_bar: bool = True  # show a progress bar with loss and tokens/s on rank 0
     save_model: bool = True  # write the final model with save_pretrained
 
 
 @dataclass
 class DistributedConfig:
-    num_processes: int = 2  # active workers (world size); one per GPU on GPUs
-    strategy: str = "ddp"  # ddp: full replica per worker; fsdp: parameters and optimizer sharded
-    backend: str = "auto"  # auto (nccl with GPUs, else gloo), gloo or nccl
-    device: str = "auto"  # what the recipe is sized for: cuda (refused on a machine without enough GPUs), cpu, or auto (cuda when present)
+    num_processes: int = ranged(2, ">= 1")  # active workers (world size); one per GPU on GPUs
+    strategy: str = one_of("ddp", "fsdp")  # ddp: full replica per worker; fsdp: parameters and optimizer sharded
+    backend: str = one_of("auto", "gloo", "nccl")  # auto (nccl with GPUs, else gloo), gloo or nccl
+    device: str = one_of("auto", "cuda", "cpu")  # what the recipe is sized for: cuda (refused on a machine without enough GPUs), cpu, or auto (cuda when present)
     device_memory_gb: float = 0.0  # memory of one device, GB (0: the real device's when there is one, else 80)
     host_memory_gb: float = 0.0  # host memory of one node, GB, against which the plan checks the peer replicas and snapshots of its ranks (0: this machine's when it has GPUs, else not compared)
     master_addr: str = "127.0.0.1"  # address the coordination store listens on
-    master_port: int = 0  # port of the coordination store (0: any free port)
-    threads_per_worker: int = 0  # torch CPU threads per worker (0: cores / processes)
-    bucket_cap_mb: float = 25.0  # ddp: gradient bucket size; a bucket's all-reduce starts as soon as it is full
-    grad_sync: str = "buckets"  # ddp: buckets (all-reduces overlapped with backward) or flat (one after backward)
-    num_nodes: int = 1  # active nodes; run the same command on each, with its own node_rank
+    master_port: int = ranged(0, "[0, 65535]", fix="0..65535")  # port of the coordination store (0: any free port)
+    threads_per_worker: int = ranged(0, ">= 0", " (0 picks cores / processes)")  # torch CPU threads per worker (0: cores / processes)
+    bucket_cap_mb: float = ranged(25.0, "> 0", " MB")  # ddp: gradient bucket size; a bucket's all-reduce starts as soon as it is full
+    grad_sync: str = one_of("buckets", "flat")  # ddp: buckets (all-reduces overlapped with backward) or flat (one after backward)
+    num_nodes: int = ranged(1, ">= 1")  # active nodes; run the same command on each, with its own node_rank
     nproc_per_node: int = 0  # workers per node (0: num_processes / num_nodes); num_processes must equal num_nodes x nproc_per_node
     node_rank: int = 0  # this node: 0 hosts the coordinator, 1..num_nodes-1 active, num_nodes.. spare nodes
     standalone_coordinator: bool = False  # true: `python -m launcher coordinator` runs the coordinator (on a login node); node 0 is served by an agent like the others
@@ -102,43 +133,43 @@ class DistributedConfig:
 
 @dataclass
 class ReplicationConfig:
-    factor: int = CL.replication_factor  # copies of each rank's slice under fsdp (own + peers)
-    interval: int = CL.replication_interval  # steps between peer copies (fewer: less to redo)
-    placement: str = "auto"  # auto (ring on one node, nodes on several), ring: next ranks, nodes: the same local rank on the next nodes
+    factor: int = ranged(CL.replication_factor, ">= 1", " (1: no peer copies; 2: one copy in a peer's memory)")  # copies of each rank's slice under fsdp (own + peers)
+    interval: int = ranged(CL.replication_interval, ">= 1")  # steps between peer copies (fewer: less to redo)
+    placement: str = one_of("auto", "ring", "nodes")  # auto (ring on one node, nodes on several), ring: next ranks, nodes: the same local rank on the next nodes
 
 
 @dataclass
 class CheckpointlessConfig:
     enabled: bool = True  # recover in-process from worker failures (off: a failure stops the run)
-    spares: int = CL.spares  # warm spare workers waiting to take over a failed rank
+    spares: int = ranged(CL.spares, ">= 0")  # warm spare workers waiting to take over a failed rank
     refill: bool = CL.refill  # start a new spare in the background after one is used
-    heartbeat_timeout_s: float = CL.heartbeat_timeout_s  # loop silence before a lagging worker is hung
-    pg_timeout_s: float = CL.pg_timeout_s  # last-resort timeout of collectives (hangs caught sooner)
-    spare_wait_s: float = CL.spare_wait_s  # how long to wait for a spare to warm up before giving up
-    confirm_s: float = CL.confirm_s  # how long a failed collective waits for a peer's loss to be confirmed
-    consistency_every: int = CL.consistency_every  # steps between checks that replicas hold the same parameters (0: end only)
-    max_replacement_failures: int = CL.max_replacement_failures  # replacements dying before a first step, in a row, before the run stops
-    spare_nodes: int = 0  # extra nodes whose launchers start nproc_per_node warm spares each: a lost node's ranks move to one of them together
-    node_timeout_s: float = CL.node_timeout_s  # silence of a node's launcher after which the node is lost, failed whole and fenced
+    heartbeat_timeout_s: float = ranged(CL.heartbeat_timeout_s, "> 0", " seconds")  # loop silence before a lagging worker is hung
+    pg_timeout_s: float = ranged(CL.pg_timeout_s, "> 0", " seconds")  # last-resort timeout of collectives (hangs caught sooner)
+    spare_wait_s: float = ranged(CL.spare_wait_s, "> 0", " seconds")  # how long to wait for a spare to warm up before giving up
+    confirm_s: float = ranged(CL.confirm_s, ">= 0", " seconds")  # how long a failed collective waits for a peer's loss to be confirmed
+    consistency_every: int = ranged(CL.consistency_every, ">= 0", " steps (0 checks only at the end)")  # steps between checks that replicas hold the same parameters (0: end only)
+    max_replacement_failures: int = ranged(CL.max_replacement_failures, ">= 1")  # replacements dying before a first step, in a row, before the run stops
+    spare_nodes: int = ranged(0, ">= 0")  # extra nodes whose launchers start nproc_per_node warm spares each: a lost node's ranks move to one of them together
+    node_timeout_s: float = ranged(CL.node_timeout_s, "> 0", " seconds")  # silence of a node's launcher after which the node is lost, failed whole and fenced
     replication: ReplicationConfig = field(default_factory=ReplicationConfig)
 
 
 @dataclass
 class PeftConfig:
-    method: str = "none"  # none (train every parameter) or lora (train low-rank adapters through peft; the base stays frozen)
-    r: int = 8  # LoRA rank
-    alpha: float = 16.0  # LoRA scaling numerator (the update is scaled by alpha / r)
-    dropout: float = 0.0  # dropout on the adapters' input
+    method: str = one_of("none", "lora")  # none (train every parameter) or lora (train low-rank adapters through peft; the base stays frozen)
+    r: int = ranged(8, ">= 1", " (a rank of 8 or 16 is typical)", when="peft.method=lora")  # LoRA rank
+    alpha: float = ranged(16.0, "> 0", " (often 2 x peft.r)", when="peft.method=lora")  # LoRA scaling numerator (the update is scaled by alpha / r)
+    dropout: float = ranged(0.0, "[0, 1)", when="peft.method=lora")  # dropout on the adapters' input
     target_modules: List[str] = field(default_factory=lambda: ["all-linear"])  # module names to adapt (all-linear: every linear layer but the output head)
     merge: bool = False  # also export the model with the adapters merged into the base weights
 
 
 @dataclass
 class EvalConfig:
-    every: int = 0  # steps between validation passes (0: none); the last step is always evaluated when > 0
+    every: int = ranged(0, ">= 0", " steps (0: no validation)")  # steps between validation passes (0: none); the last step is always evaluated when > 0
     split: Optional[str] = None  # split of the training dataset to validate on (source=hub)
     files: List[str] = field(default_factory=list)  # json/jsonl/parquet/txt files to validate on (source=files or synthetic)
-    max_batches: int = 8  # micro-batches per rank... at most this many batches of micro_batch_size rows in all, split over ranks
+    max_batches: int = ranged(8, ">= 1")  # micro-batches per rank... at most this many batches of micro_batch_size rows in all, split over ranks
     seed: int = 1  # seeds generated validation text (source=synthetic without files)
 
 
@@ -150,20 +181,10 @@ class LoggingConfig:
 
 @dataclass
 class CheckpointConfig:
-    interval: int = 0  # steps between durable checkpoints (0: none; peers hold the live state)
-    keep: int = 2  # newest checkpoints kept on disk
+    interval: int = ranged(0, ">= 0", " (0 disables durable checkpoints)")  # steps between durable checkpoints (0: none; peers hold the live state)
+    keep: int = ranged(2, ">= 1")  # newest checkpoints kept on disk
     dir: str = "${run.output_dir}/checkpoints"  # where checkpoints are written
-    resume: str = "never"  # auto: continue from the newest checkpoint in dir, if any; never
-
-
-@dataclass
-class FaultConfig:
-    kind: str = "kill"  # kill (SIGKILL), hang (SIGSTOP), raise (exception in the step), corrupt (flip a bit)
-    rank: int = 0  # rank that fails
-    step: int = 0  # step in which it fails
-    phase: str = "step"  # when in it: step (its start), backward, optimizer, random, exchange,
-    # regroup, receive (checkpointless/faults.py)
-    seed: int = 0  # phase=random: the seed of the moment (kill:2:5@random:7)
+    resume: str = one_of("never", "auto")  # auto: continue from the newest checkpoint in dir, if any; never
 
 
 @dataclass
@@ -182,22 +203,15 @@ class Recipe:
     peft: PeftConfig = field(default_factory=PeftConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-    faults: List[FaultConfig] = field(default_factory=list)  # failures to inject (rehearsal)
+    faults: List[Fault] = field(default_factory=list)  # failures to inject (rehearsal): checkpointless/faults.py
 
 
-# Values a string field may take; checked before any worker starts.
-CHOICES = {
-    "model.init": ("random", "pretrained"),
-    "tokenizer.kind": ("byte", "hub"),
-    "tokenizer.chat_template": ("own", "simple"),
-    "data.source": ("synthetic", "hub", "files"),
-    "data.format": ("text", "chat", "instruction"),
-    "peft.method": ("none", "lora"),
-    "distributed.grad_sync": ("buckets", "flat"),
-    "trainer.precision": ("fp32", "bf16", "fp16"),
-    "distributed.strategy": ("ddp", "fsdp"),
-    "distributed.backend": ("auto", "gloo", "nccl"),
-    "distributed.device": ("auto", "cuda", "cpu"),
-    "checkpoint.resume": ("never", "auto"),
-    "checkpointless.replication.placement": ("auto", "ring", "nodes"),
-}
+def leaves(cls=Recipe, prefix: str = ""):
+    """(dotted key, field) of every key below the sections of `cls`, in declaration order."""
+    for f in fields(cls):
+        full = f"{prefix}{f.name}"
+        default = f.default_factory() if callable(f.default_factory) else f.default
+        if is_dataclass(default):
+            yield from leaves(type(default), full + ".")
+        else:
+            yield full, f

@@ -7,22 +7,13 @@ from pathlib import Path
 import pytest
 
 from launcher.recipes import RecipeError, load, recipe_names
+from launcher.schema import leaves
 from tests.conftest import ROOT
-
-SHIPPED = ["llama3-8b", "llama3-70b", "llama3.2-1b", "gpt2", "gpt2-xl", "gpt-oss-20b",
-           "tiny-llama", "tiny-gpt2", "tiny-demo", "tiny-sft", "tiny-lora", "llama3-8b-lora",
-           "llama3.2-1b-sft", "gpt2-sft"]
-
-
-def test_every_required_recipe_is_shipped():
-    assert set(SHIPPED) <= set(recipe_names())
 
 
 @pytest.mark.parametrize("name", recipe_names())
 def test_every_shipped_recipe_validates(name):
-    cfg = load(name)
-    assert cfg.description and cfg.run.output_dir and cfg.trainer.max_steps >= 1
-    assert cfg.distributed.strategy in ("ddp", "fsdp")
+    assert load(name).description  # `launcher ls` shows it
 
 
 @pytest.mark.parametrize("name", recipe_names())
@@ -30,18 +21,6 @@ def test_every_recipe_opens_with_a_header_saying_how_to_launch(name):
     head = (ROOT / "recipes" / f"{name}.yaml").read_text().splitlines()[:8]
     text = "\n".join(head)
     assert head[0].startswith("#") and "Launch:" in text and "Override:" in text
-
-
-def test_large_recipes_name_real_hub_ids_bf16_and_shard_when_needed():
-    for name in ["llama3-8b", "llama3-70b", "gpt-oss-20b", "gpt2-xl"]:
-        cfg = load(name)
-        assert "/" in cfg.model.id and cfg.trainer.precision == "bf16"
-        assert cfg.distributed.strategy == "fsdp" and cfg.data.source == "hub"
-
-
-def test_base_defaults_are_merged_not_copied():
-    assert "heartbeat_timeout_s" not in (ROOT / "recipes" / "llama3-8b.yaml").read_text()
-    assert load("llama3-8b").checkpointless.enabled is True
 
 
 def test_overrides_set_typed_values():
@@ -58,8 +37,29 @@ def test_tilde_deletes_a_key_back_to_its_default():
 
 
 def test_fault_shorthand():
-    f = load("tiny-llama", ["faults=[kill:2:5,hang:1:7]"]).faults
-    assert [(x.kind, x.rank, x.step) for x in f] == [("kill", 2, 5), ("hang", 1, 7)]
+    f = load("tiny-llama", ["faults=[kill:2:5,hang:1:7@random:3]"]).faults
+    assert [(x.kind, x.rank, x.step, x.phase, x.seed) for x in f] == [
+        ("kill", 2, 5, "step", 0), ("hang", 1, 7, "random", 3)]
+
+
+def test_a_fault_may_take_its_values_from_other_keys():
+    f = load("tiny-llama", ["faults=[{rank: 1, step: '${trainer.log_every}'}]"]).faults[0]
+    assert (f.kind, f.rank, f.step) == ("kill", 1, load("tiny-llama").trainer.log_every)
+
+
+def test_every_key_with_choices_refuses_another_value_naming_them():
+    for key, f in leaves():
+        allowed = f.metadata.get("choices")
+        if allowed:
+            _refused("tiny-llama", [f"{key}=bogus"],
+                     must_say=[f"{key}='bogus'", ", ".join(allowed), f"e.g. {key}={allowed[0]}"])
+
+
+def test_lora_bounds_apply_only_under_lora():
+    assert load("tiny-llama", ["peft.r=0", "peft.dropout=1"]).peft.r == 0  # unused: not checked
+    _refused("tiny-llama", ["peft.method=lora", "peft.r=0"], must_say=["peft.r=0", ">= 1"])
+    _refused("tiny-llama", ["peft.method=lora", "peft.dropout=1"],
+             must_say=["peft.dropout=1", "[0, 1)"])
 
 
 def test_interpolation_resolves_output_dir():
@@ -76,6 +76,11 @@ def test_interpolation_resolves_output_dir():
     (["faults=[explode:1:5]"], ["faults[0].kind", "explode"]),
     (["faults=[kill:1:5000]"], ["faults[0].step", "5000"]),
     (["faults=[kill:1]"], ["kill:1", "kind:rank:step"]),
+    (["faults=[kill:0:1,kill:1:3@forward]"], ["faults[1].phase", "'forward'", "choose one of"]),
+    (["faults=[raise:1:3@random]"], ["faults[0].kind", "'raise'", "@random", "kill, hang"]),
+    (["faults=[{kind: kill, rank: 1, step: 2, seed: 3}]"],
+     ["faults[0].seed", "3", "only phase=random", "delete it"]),
+    (["faults=[kill:1:3@backward:4]"], ["kill:1:3@backward:4", "only @random takes a seed"]),
     (["model.init=pretrained"], ["model.id", "pretrained"]),
     (["trainer.max_steps"], ["key=value"]),
     (["~trainer.nope"], ["trainer.nope"]),
@@ -334,6 +339,6 @@ def test_cli_train_refuses_a_misspelled_key_before_any_worker_starts(tmp_path):
 
 def test_cli_ls_and_validate():
     r = _cli("ls")
-    assert r.returncode == 0 and all(n in r.stdout for n in SHIPPED)
+    assert r.returncode == 0 and all(n in r.stdout for n in recipe_names())
     r = _cli("validate")
     assert r.returncode == 0 and r.stdout.count("ok ") == len(recipe_names())

@@ -1,0 +1,198 @@
+"""Checks of a loaded recipe that its types alone cannot express, run before any worker starts.
+
+First the rules each key carries in launcher/schema.py (`one_of`, `ranged`, and that a number is
+finite), then the rules that tie keys together, one function each. Every refusal is a
+RecipeError saying `key=value: fix`.
+"""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from checkpointless.faults import FaultError, parse_fault
+
+from .schema import RecipeError, leaves
+
+TRACKERS = ("tensorboard", "wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "swanlab",
+            "trackio")  # accelerate.tracking.LOGGER_TYPE_TO_CLASS, without importing accelerate
+
+
+def need(ok, key: str, value, fix: str) -> None:
+    if not ok:
+        raise RecipeError(f"{key}={value!r}: {fix}")
+
+
+def get(cfg, dotted: str):
+    node = cfg
+    for p in dotted.split("."):
+        node = node[p]
+    return node
+
+
+def validate(cfg: DictConfig) -> None:
+    """Refuse, naming the key, the value and the fix, what would fail once workers run."""
+    check_fields(cfg)
+    for rule in CROSS_FIELD:
+        rule(cfg)
+
+
+def check_fields(cfg: DictConfig) -> None:
+    """Each key against its own field's rules in the schema, in the schema's order."""
+    for key, f in leaves():
+        v = get(cfg, key)
+        if isinstance(v, float) and not math.isfinite(v):
+            raise RecipeError(f"{key}={v!r}: must be a finite number")
+        allowed = f.metadata.get("choices")
+        if allowed and v not in allowed:
+            raise RecipeError(f"{key}={v!r} is not allowed; choose one of {', '.join(allowed)} "
+                              f"(e.g. {key}={allowed[0]})")
+        ok, when = f.metadata.get("ok"), f.metadata.get("when", "")
+        on_key, _, on_value = when.partition("=")
+        if ok and (not when or get(cfg, on_key) == on_value):
+            need(ok(v), key, v, f.metadata["fix"])
+
+
+def check_precision(cfg: DictConfig) -> None:
+    """fp16 runs on GPUs under ddp only: accelerate would silently train fp32 on a CPU."""
+    t, d = cfg.trainer, cfg.distributed
+    if t.precision != "fp16":
+        return
+    on_cpu = "distributed.device=cpu" if d.device == "cpu" else \
+        "distributed.backend=gloo" if d.backend == "gloo" else None
+    need(on_cpu is None, "trainer.precision", t.precision,
+         f"fp16 needs a GPU (float16 autocast with a GradScaler) and this recipe runs on CPU "
+         f"({on_cpu}); use trainer.precision=bf16 on CPU (or fp32)")
+    need(d.strategy == "ddp", "trainer.precision", t.precision,
+         "fp16 is supported under distributed.strategy=ddp only; under fsdp use "
+         "trainer.precision=bf16")
+
+
+def check_sources(cfg: DictConfig) -> None:
+    """Weights, tokenizer and data that come from somewhere must say where."""
+    m, tok, data = cfg.model, cfg.tokenizer, cfg.data
+    if m.init == "pretrained":
+        need(m.id, "model.id", m.id,
+             "model.init=pretrained needs a hub id or local folder, e.g. model.id=gpt2")
+    if tok.kind == "hub":
+        need(tok.id or m.id, "tokenizer.id", tok.id,
+             "tokenizer.kind=hub needs tokenizer.id (or model.id)")
+    if data.source == "hub":
+        need(data.id, "data.id", data.id, "data.source=hub needs a dataset id")
+    if data.source == "files":
+        need(len(data.files) > 0, "data.files", list(data.files),
+             "data.source=files needs at least one file")
+
+
+def check_nodes(cfg: DictConfig) -> None:
+    """The world splits evenly over the nodes, this node is one of them, and several nodes
+    meet at a fixed port and hear of a lost node before a failed collective gives up."""
+    d, c = cfg.distributed, cfg.checkpointless
+    nodes = d.num_nodes
+    per = d.nproc_per_node or (d.num_processes // nodes)
+    need(per * nodes == d.num_processes, "distributed.num_processes", d.num_processes,
+         f"must equal distributed.num_nodes x distributed.nproc_per_node = {nodes} x {per} = "
+         f"{nodes * per}; set one consistent pair (or leave num_processes to follow)")
+    need(0 <= d.node_rank < nodes + c.spare_nodes, "distributed.node_rank", d.node_rank,
+         f"must be in 0..{nodes + c.spare_nodes - 1} (0..{nodes - 1} active, then spare nodes)")
+    if nodes > 1 or c.spare_nodes > 0 or d.standalone_coordinator:
+        need(d.master_port > 0, "distributed.master_port", d.master_port,
+             "several nodes need a fixed port for the coordinator, e.g. distributed.master_port="
+             "29400, the same on every node")
+        need(c.node_timeout_s < c.confirm_s, "checkpointless.node_timeout_s", c.node_timeout_s,
+             f"must be below checkpointless.confirm_s={c.confirm_s:g}: survivors whose "
+             "collectives failed with a lost node wait that long to hear of the loss")
+
+
+def check_trackers(cfg: DictConfig) -> None:
+    for i, name in enumerate(cfg.logging.trackers):
+        need(name in TRACKERS, f"logging.trackers[{i}]", name,
+             f"choose among accelerate's trackers: {', '.join(TRACKERS)}")
+
+
+def check_eval(cfg: DictConfig) -> None:
+    """Validation needs rows of its own, never the training ones."""
+    ev, data = cfg.eval, cfg.data
+    if ev.every > 0 and not ev.files:
+        need(data.source != "files", "eval.files", list(ev.files),
+             "validation of a data.source=files recipe needs its own files, e.g. "
+             "eval.files=[val.jsonl] (or eval.every=0)")
+        need(data.source != "hub" or ev.split, "eval.split", ev.split,
+             f"validation of hub data needs a split of {data.id} other than the training "
+             "one, e.g. eval.split=validation, or eval.files=[...] (or eval.every=0)")
+    need(not (ev.split and data.source == "hub" and ev.split == data.split),
+         "eval.split", ev.split, f"is the training split (data.split={data.split}): "
+         "validating on training rows says nothing; name another split")
+
+
+def check_peft(cfg: DictConfig) -> None:
+    pf = cfg.peft
+    if pf.method == "lora":
+        need(len(pf.target_modules) > 0, "peft.target_modules", list(pf.target_modules),
+             "name the modules to adapt, e.g. peft.target_modules=[q_proj,v_proj], or "
+             "[all-linear]")
+    need(not pf.merge or pf.method == "lora", "peft.merge", pf.merge,
+         "only applies to peft.method=lora (a full fine-tune already exports the whole model)")
+
+
+def check_faults(cfg: DictConfig) -> None:
+    """Each fault strikes a rank and a step this run has; what a fault may be is
+    checkpointless.faults' to say, worded here with the recipe's key. Faults with
+    checkpointless.enabled=false are allowed: they rehearse what a failure costs without
+    recovery (the run stops; durable checkpoints are what is left)."""
+    world, steps = cfg.distributed.num_processes, cfg.trainer.max_steps
+    for i, f in enumerate(cfg.faults):
+        need(0 <= f.rank < world, f"faults[{i}].rank", f.rank,
+             f"must be a rank in 0..{world - 1}")
+        need(0 <= f.step < steps, f"faults[{i}].step", f.step,
+             f"must be a step in 0..{steps - 1}")
+        try:
+            parse_fault(f)
+        except FaultError as exc:
+            raise RecipeError(f"faults[{i}].{exc.field}={exc.value!r}: {exc.fix}") from None
+
+
+def check_replication(cfg: DictConfig) -> None:
+    """Each copy of a rank's state is held by another worker."""
+    rep, n = cfg.checkpointless.replication, cfg.distributed.num_processes
+    need(rep.factor <= max(1, n), "checkpointless.replication.factor", rep.factor,
+         f"cannot exceed distributed.num_processes={n} (each copy is held by "
+         f"another worker). Fix: set checkpointless.replication.factor={max(1, n)}"
+         f"{' (no peer copies)' if n <= 1 else ''} or use more processes "
+         f"(distributed.num_processes={rep.factor})")
+
+
+def check_folders(cfg: DictConfig) -> None:
+    check_dir("run.output_dir", cfg.run.output_dir, f"runs/{cfg.run.name}")
+    check_dir("data.cache_dir", cfg.data.cache_dir, ".cache/data")
+    if cfg.checkpoint.interval > 0:
+        check_dir("checkpoint.dir", cfg.checkpoint.dir, f"runs/{cfg.run.name}/checkpoints")
+
+
+def check_dir(key: str, value: str, example: str) -> None:
+    """`value` is a folder that exists or can be created, and written; nothing is created here."""
+    fix = f"choose a folder you can write, e.g. {key}={example}"
+    if not str(value).strip():
+        raise RecipeError(f"{key}={value!r}: must name a folder; {fix}")
+    target = Path(value).absolute()
+    for existing in (target, *target.parents):
+        if os.path.lexists(existing):
+            break
+    if not existing.exists():
+        raise RecipeError(f"{key}={value!r}: {existing} is a broken symbolic link; remove it or "
+                          f"{fix}")
+    if not existing.is_dir():
+        what = "names an existing file, not a folder" if existing == target else \
+            f"cannot be created: {existing} is a file, not a folder"
+        raise RecipeError(f"{key}={value!r} {what}; move the file away or {fix}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "is a folder you cannot write to" if existing == target else \
+            f"cannot be created: {existing} is not writable (permission denied)"
+        raise RecipeError(f"{key}={value!r} {what}; {fix}")
+
+
+# in this order: the folders last, as they look at the disk
+CROSS_FIELD = (check_precision, check_sources, check_nodes, check_trackers, check_eval,
+               check_peft, check_faults, check_replication, check_folders)
