@@ -19,7 +19,8 @@ from .digest import model_sha256, state_sha256
 from .faults import Fault, InjectedFault, parse_faults
 from .ddp import DistributedDataParallel
 from .failures import Evicted, PeerFailure
-from .job import Job, join, started_as_spare
+from .job import Job
+from .joining import join, started_as_spare
 from .seeding import step_seed
 from .supervisor import JobFailed, Supervisor, SupervisorConfig
 

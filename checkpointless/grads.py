@@ -109,3 +109,12 @@ def all_reduce_extra(extra: torch.Tensor | None):
     with communicating("all-reduce of the step's extra values"):
         dist.all_reduce(summed)
     return summed
+
+
+def summed_extra(ddp, extra: torch.Tensor | None):
+    """The step's `extra` summed over the ranks: the sum a checkpointless.DistributedDataParallel
+    made with its gradient reduction (`reduce_with`), taken once, or else a sum made now."""
+    if ddp is not None and ddp.extra_sum is not None:
+        summed, ddp.extra_sum = ddp.extra_sum, None
+        return summed
+    return all_reduce_extra(extra)

@@ -1,4 +1,4 @@
-"""The worker side: join the job, train step by step, survive a peer's failure in-process.
+"""The worker's handle on the job: the loop API a script uses, over the recovery parts.
 
     job = checkpointless.join()                  # a spare waits here until it is given a rank
     job.protect(model=model, optimizer=opt)      # what a spare must receive to take over a rank
@@ -9,22 +9,13 @@
             opt.step()
     job.finish({"loss": ...})
 
-A step commits when its body ends without error. If a collective fails because a peer died, the
-body's exception is swallowed, the worker waits for the supervisor's next membership plan, builds the
-new process group, and the members agree on the newest committed step: any member that holds it is a
-source, every other member (the spare, a survivor that had not applied the update) receives the full
-state from a source. No disk, no restart, no model rebuild.
-
-This file is the facade; the parts live beside it: recovery.py (the state machine), group.py
-(process groups), restore.py (who sends what to whom), state.py (what is protected), watch.py,
-grads.py (the fixed-order all-reduce and kept gradients), failures.py (what counts as a peer's
-failure), protocol.py (every store key and default), plain.py (the torchrun fallback).
+The loops are written on the step boundary (steploop.py), which asks the state machine
+(recovery.py) for its transitions; docs/recovery.md follows a failure through the files.
 """
 from __future__ import annotations
 
 import json
 import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -32,12 +23,12 @@ import torch.distributed as dist
 from . import consistency, detection, membership, protocol
 from .data import END, Cursor, LoaderPosition
 from .ddp import DistributedDataParallel
-from .failures import GroupAborted, report_error, report_uncaught
+from .failures import report_error
 from .faults import FaultInjector, parse_faults
-from .grads import KeptGrads, all_reduce_extra
-from .plain import PlainJob
+from .grads import KeptGrads, summed_extra
+from .outside import OutsideSteps
 from .recovery import Recovery
-from .steploop import StepLoop
+from .steploop import StepLoop, StepScope
 from .seeding import seed_all, step_seed
 from .state import ProtectedState
 
@@ -65,14 +56,18 @@ class Job:
         self._scope_used = False
         self._ddp: DistributedDataParallel | None = None
         self._preempted = False
-        # between_steps() calls completed since the last step, in order: after a recovery this
-        # rank runs them again, as a replacement runs them for the first time (see between_steps)
-        self._sections: list = []
-        self._sections_gen = -1  # the generation in which they last ran
-        # called after a recovery outside a step with the committed step before it (the drop-in
-        # Accelerator agrees on its loop's position there, as its replacement does on start);
-        # False: a peer failed meanwhile
-        self.on_recovered = None
+        self._outside = OutsideSteps(self.steploop, self._rec, store, worker_id)
+
+    @property
+    def on_recovered(self):
+        """Called after a recovery outside a step with the committed step before it (the drop-in
+        Accelerator agrees on its loop's position there, as its replacement does on start);
+        it returns False when a peer failed meanwhile."""
+        return self._outside.on_recovered
+
+    @on_recovered.setter
+    def on_recovered(self, fn) -> None:
+        self._outside.on_recovered = fn
 
     # ---- where this worker stands -------------------------------------------------------------
     @property
@@ -133,6 +128,17 @@ class Job:
                 self._ddp = obj
                 obj.on_local_grads = lambda grads, extra: self._kept.remember(
                     self._rec.completed, self.rank, self.world_size, grads, extra)
+
+    def take_rank(self) -> None:
+        """Block until a plan gives this worker a rank (a spare waits here, warm), then build
+        its group; the state is agreed at the first loop call."""
+        plan = self._rec.wait_plan(-1, None)
+        try:  # a refilled spare warmed up at low priority; training runs at normal priority
+            if os.getpriority(os.PRIO_PROCESS, 0) > 0:
+                os.setpriority(os.PRIO_PROCESS, 0, 0)
+        except OSError:
+            pass
+        self._rec.join(plan)
 
     def set_fallback(self, newest_step, load_step) -> None:
         """Durable checkpoints, used when no peer holds a lost slice: `newest_step()` gives the
@@ -237,38 +243,12 @@ class Job:
         the same result when run again (a gather, an evaluation, an export that rewrites its
         files). Under sharded state the state at this boundary is first copied whole to peers
         (`_secure`), so a failure here restores exactly it."""
-        self.steploop.start()
-        rec = self._rec
-        while True:
-            gen, before = rec.gen, rec.completed
-            self.steploop.next()
-            # outside the steps a rank beats here: one still busy after the loop (an export)
-            # is not taken for one left behind while the others wait for it
-            detection.beat(self.store, self.worker_id, rec.completed, rec.gen, "between")
-            if rec.gen != gen and self.on_recovered is not None and \
-                    not self.on_recovered(before):
-                continue
-            if not self.steploop.secure():
-                continue
-            self.steploop.body(True)  # a hung peer is caught here as in a step
-            try:
-                if self._sections_gen != rec.gen:  # a recovery since they ran: again, in order
-                    for done in self._sections:
-                        done()
-                    self._sections_gen = rec.gen
-                out = fn()
-            except Exception as exc:
-                self.steploop.fail_or_raise(exc)
-                continue
-            self.steploop.body(False)
-            rec.resumed()
-            self._sections.append(fn)
-            return out
+        return self._outside.run(fn)
 
     def _new_step(self) -> None:
         """A step's body starts: what ran between the steps before it is never run again."""
         self._scope_used = False
-        self._sections, self._sections_gen = [], self._rec.gen
+        self._outside.new_step()
 
     def _after_body(self) -> None:
         """A step body run without `with job.step():` commits when the loop moves on."""
@@ -289,7 +269,7 @@ class Job:
     def step(self):
         """The scope of one step: it commits when the body ends without error; a peer's failure
         inside it is recovered (the step is redone); any other error is reported and raised."""
-        return _StepScope(self)
+        return StepScope(self)
 
     def seed_step(self, step: int, micro: int = 0) -> int:
         return seed_all(step_seed(self.seed, step, self.rank, micro))
@@ -332,10 +312,7 @@ class Job:
         if self.grads_kept and all(p.grad is None for p in params):
             ddp.reduce_now(self._kept.restore())
             return ddp.extra_sum
-        if ddp.extra_sum is not None:
-            summed, ddp.extra_sum = ddp.extra_sum, None
-            return summed
-        return all_reduce_extra(extra)
+        return summed_extra(ddp, extra)
 
     def finish(self, result: dict | None = None) -> None:
         """Check the replicas agree, report this rank's result and leave the job cleanly.
@@ -354,26 +331,7 @@ class Job:
                     f"{sums}); the run is not a success")
                 report_error(self.store, self.worker_id, exc)
                 raise exc
-        text, rec = json.dumps(result or {}), self._rec
-        complete = False
-        while True:
-            self.store.set(protocol.result_key(self.rank), text)
-            detection.beat(self.store, self.worker_id, rec.completed, rec.gen, "finish")
-            self.steploop.body(True)  # a peer hung on its way here is caught as in a step
-            try:
-                if not dist.is_initialized():  # the watch aborted it: a newer generation exists
-                    raise GroupAborted(f"the group of generation {rec.gen} was aborted")
-                dist.barrier()  # leave together: no group torn down under a peer still in it
-                break
-            except Exception as exc:  # noqa: BLE001
-                self.steploop.body(False)
-                if self._results_in():  # the peer died on its way out: nothing is lost
-                    complete = True
-                    break
-                self.steploop.fail_or_raise(exc)
-                self.between_steps(lambda: None)  # recover; the calls since the last step again
-            finally:
-                self.steploop.body(False)
+        complete = self._outside.leave(json.dumps(result or {}))
         if self._state.replicas is not None:  # the last copy is worth nothing now: stop it
             self._state.replicas.close(lambda: self._rec.watch.moved(self.gen), timeout_s=10.0)
         detection.beat(self.store, self.worker_id, self._rec.completed, self.gen, "done")
@@ -384,74 +342,3 @@ class Job:
             self._rec.group.teardown()  # its sockets are shut; a peer may still hold its end
         elif dist.is_initialized():
             dist.destroy_process_group()
-
-    def _results_in(self) -> bool:
-        try:
-            return membership.results_in(self.store, self.world_size)
-        except Exception:  # noqa: BLE001  the store is gone: nothing to confirm with
-            return False
-
-
-
-class _StepScope:
-    """The `with job.step():` scope over the step boundary: commit, or absorb a peer's failure
-    (the step is redone after the recovery); any other error is reported and raised."""
-
-    def __init__(self, job: Job):
-        self.job = job
-
-    def __enter__(self):
-        self.job._scope_used = True
-        self.job.steploop.open(self.job.completed_steps)
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        loop = self.job.steploop
-        absorbed = exc is not None and loop.absorb(exc)
-        if exc is not None and not absorbed:
-            loop.body(False)
-            return False
-        loop.close()
-        return absorbed
-
-
-def started_as_spare() -> bool:
-    """True in a process the supervisor started as a hot spare, before `join()` returns.
-
-    A spare has time while it waits: a loop can use it to run one forward and backward off the
-    books (kernels chosen, memory pools grown), so the first step it trains after taking over a
-    rank, which every other rank waits for, runs at full speed."""
-    return protocol.started_as_spare()
-
-
-def join(seed: int | None = None, backend: str | None = None):
-    """Join the job; blocks until this worker holds a rank (a spare waits here, warm).
-
-    Under the supervisor (`python -m checkpointless` or `python -m launcher train`) this returns a
-    fault-tolerant Job; under torchrun, a PlainJob with the same API and no recovery.
-    """
-    if not protocol.supervised():
-        if "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ:
-            if backend is None:
-                backend = "nccl" if torch.cuda.is_available() else "gloo"
-            return PlainJob(backend, 0 if seed is None else seed)
-        raise RuntimeError("checkpointless.join(): not started by the supervisor. Launch with "
-                           "`python -m checkpointless --nproc N --spares S script.py`.")
-    host = os.environ[protocol.ENV_STORE_HOST]
-    port = int(os.environ[protocol.ENV_STORE_PORT])
-    worker_id = int(os.environ[protocol.ENV_WORKER_ID])
-    store = membership.connect(host, port)
-    spec = protocol.Spec.from_json(store.get(protocol.SPEC))
-    if seed is not None:
-        spec.seed = seed
-    job = Job(store, worker_id, spec, host, port)
-    report_uncaught(store, worker_id)
-    store.set(protocol.ready_key(worker_id), f"{time.time():.6f}")
-    plan = job._rec.wait_plan(-1, None)
-    try:  # a refilled spare warmed up at low priority; training runs at normal priority
-        if os.getpriority(os.PRIO_PROCESS, 0) > 0:
-            os.setpriority(os.PRIO_PROCESS, 0, 0)
-    except OSError:
-        pass
-    job._rec.join(plan)
-    return job

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 
 from .data import check_loader
 from .ddp import DistributedDataParallel
-from .grads import all_reduce_extra, all_reduce_grads
+from .grads import all_reduce_grads, summed_extra
 from .seeding import seed_all, step_seed
 from .steploop import PlainStepLoop
 
@@ -82,10 +82,7 @@ class PlainJob:
 
     def all_reduce_grads(self, params, extra: torch.Tensor | None = None):
         if self._ddp:  # the wrapper averaged the gradients (and extra) during backward
-            if self._ddp.extra_sum is not None:
-                summed, self._ddp.extra_sum = self._ddp.extra_sum, None
-                return summed
-            return all_reduce_extra(extra)
+            return summed_extra(self._ddp, extra)
         return all_reduce_grads(params, self.world_size, extra)
 
     def protect(self, send_frozen: bool = True, **objects) -> None:

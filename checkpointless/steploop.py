@@ -253,6 +253,28 @@ class StepLoop:
         return True
 
 
+class StepScope:
+    """The `with job.step():` scope over the step boundary: commit, or absorb a peer's failure
+    (the step is redone after the recovery); any other error is reported and raised."""
+
+    def __init__(self, job):
+        self.job = job
+
+    def __enter__(self):
+        self.job._scope_used = True
+        self.job.steploop.open(self.job.completed_steps)
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        loop = self.job.steploop
+        absorbed = exc is not None and loop.absorb(exc)
+        if exc is not None and not absorbed:
+            loop.body(False)
+            return False
+        loop.close()
+        return absorbed
+
+
 class PlainStepLoop:
     """The same boundary under torchrun: nothing is recovered, a failure ends the job."""
 

@@ -1,0 +1,49 @@
+"""How a worker process becomes part of a job: `join()` under the supervisor, or a PlainJob with
+the same surface under torchrun."""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from . import membership, protocol
+from .failures import report_uncaught
+from .job import Job
+from .plain import PlainJob
+
+
+def started_as_spare() -> bool:
+    """True in a process the supervisor started as a hot spare, before `join()` returns.
+
+    A spare has time while it waits: a loop can use it to run one forward and backward off the
+    books (kernels chosen, memory pools grown), so the first step it trains after taking over a
+    rank, which every other rank waits for, runs at full speed."""
+    return protocol.started_as_spare()
+
+
+def join(seed: int | None = None, backend: str | None = None):
+    """Join the job; blocks until this worker holds a rank (a spare waits here, warm).
+
+    Under the supervisor (`python -m checkpointless` or `python -m launcher train`) this returns a
+    fault-tolerant Job; under torchrun, a PlainJob with the same API and no recovery.
+    """
+    if not protocol.supervised():
+        if "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ:
+            if backend is None:
+                backend = "nccl" if torch.cuda.is_available() else "gloo"
+            return PlainJob(backend, 0 if seed is None else seed)
+        raise RuntimeError("checkpointless.join(): not started by the supervisor. Launch with "
+                           "`python -m checkpointless --nproc N --spares S script.py`.")
+    host = os.environ[protocol.ENV_STORE_HOST]
+    port = int(os.environ[protocol.ENV_STORE_PORT])
+    worker_id = int(os.environ[protocol.ENV_WORKER_ID])
+    store = membership.connect(host, port)
+    spec = protocol.Spec.from_json(store.get(protocol.SPEC))
+    if seed is not None:
+        spec.seed = seed
+    job = Job(store, worker_id, spec, host, port)
+    report_uncaught(store, worker_id)
+    store.set(protocol.ready_key(worker_id), f"{time.time():.6f}")
+    job.take_rank()
+    return job
