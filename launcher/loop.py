@@ -21,6 +21,7 @@ import os
 import sys
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,8 +35,12 @@ from .data import to_device
 from .evaluate import evaluate
 from .export import digest_and_export, export_lora
 from .memory import held
+from .metrics import Metrics
 from .model_setup import build, build_eval, cpu_threads, full_state, setup, shard, warm_up
 from .schema import Recipe
+
+__all__ = ["main", "lr_at", "build_optimizer", "Metrics"]
+
 
 def lr_at(step: int, cfg) -> float:
     """Linear warm-up then cosine decay to lr * min_lr_ratio: a pure function of the step."""
@@ -56,93 +61,54 @@ def build_optimizer(model, cfg):
                              lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
 
 
-class Metrics:
-    """metrics.jsonl lines and the progress bar, written by rank 0 only. Given the loop's
-    Accelerator, lines are printed and figures logged to the trackers through it; without one
-    (the torch-only baseline, launcher/bench/plain_loop.py) lines are printed, nothing tracked."""
-
-    def __init__(self, cfg, out_dir: Path, start_step: int, accelerator=None):
-        self.cfg = cfg
-        self.print = accelerator.print if accelerator is not None else print
-        self.file = open(out_dir / "metrics.jsonl", "a")
-        self.bar = None
-        if cfg.trainer.progress_bar:
-            from tqdm import tqdm
-            self.bar = tqdm(total=cfg.trainer.max_steps, initial=start_step, unit="step",
-                            dynamic_ncols=True, mininterval=1.0, file=sys.stdout)
-        self.tokens_per_step = (cfg.trainer.micro_batch_size * cfg.trainer.grad_accum_steps *
-                                cfg.data.seq_len * cfg.distributed.num_processes)
-        self.window_t, self.window_steps = time.time(), 0
-        self.trackers = None
-        if cfg.logging.trackers and accelerator is not None:
-            from .trackers import Trackers
-            self.trackers = Trackers(cfg, accelerator)
-
-    def step(self, step: int, loss: float, lr: float, grad_norm: float, t0: float, t1: float):
-        self.window_steps += 1
-        rec = {"step": step, "loss": round(loss, 6), "lr": lr, "grad_norm": round(grad_norm, 6),
-               "t_start": round(t0, 6), "t_end": round(t1, 6)}
-        if step % self.cfg.trainer.log_every == 0 or step == self.cfg.trainer.max_steps - 1:
-            elapsed = time.time() - self.window_t
-            rec["tokens_per_s"] = round(self.window_steps * self.tokens_per_step / elapsed, 1)
-            self.window_t, self.window_steps = time.time(), 0
-            if self.bar is None:
-                self.print(f"step {step} loss {loss:.4f} lr {lr:.2e} "
-                           f"tok/s {rec['tokens_per_s']:.0f}", flush=True)
-        self.file.write(json.dumps(rec) + "\n")
-        self.file.flush()
-        if self.trackers:
-            self.trackers.log({k: rec[k] for k in ("loss", "lr", "grad_norm", "tokens_per_s")
-                               if k in rec}, step)
-        if self.bar is not None:
-            self.bar.update(1)
-            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{self.tokens_per_step / (t1 - t0):.0f}",
-                                 refresh=False)
-
-    def record(self, rec: dict) -> None:
-        """A line that is not a step's (a validation result)."""
-        self.file.write(json.dumps(rec) + "\n")
-        self.file.flush()
-        if self.trackers:
-            self.trackers.log({k: v for k, v in rec.items() if k != "eval_after_steps"},
-                              rec["eval_after_steps"])
-        line = (f"validation after {rec['eval_after_steps']} steps: loss {rec['eval_loss']:.4f}, "
-                f"perplexity {rec['eval_ppl']:.2f} ({rec['eval_tokens']} tokens)")
-        if self.bar is None:
-            self.print(line, flush=True)
-        else:
-            self.bar.write(line)
-
-    def close(self):
-        if self.trackers:
-            self.trackers.finish()
-        if self.bar is not None:
-            self.bar.close()
-        self.file.close()
+@dataclass
+class Run:
+    """Everything the loop holds once this worker has a rank."""
+    cfg: object
+    out_dir: Path
+    job: object
+    accelerator: object
+    model: torch.nn.Module
+    wrapped: torch.nn.Module  # what the forward runs through (checkpointless DDP under ddp)
+    optimizer: torch.optim.Optimizer
+    opt: object  # accelerate's wrapper around it (GradScaler under fp16)
+    ckpt: object
+    metrics: Metrics | None
+    tokenizer: object
+    sampler: object
+    validate: object  # None, or a function returning the validation figures
+    catch_up_threads: int
+    overlapped: bool
+    loss_value: float = float("nan")
+    tokens: int = 0
+    last_eval: dict | None = None
 
 
-def main(recipe_file: str) -> None:
-    cfg = OmegaConf.merge(OmegaConf.structured(Recipe), OmegaConf.load(recipe_file))
-    out_dir = Path(recipe_file).parent
-    d, t = cfg.distributed, cfg.trainer
+def warm(cfg):
+    """Everything a worker needs before it holds a rank: a spare is warm when it takes one."""
     _, device = setup(cfg)
-
-    # --- warm-up: everything a worker needs before it holds a rank ---------------------------
     tokenizer, model, sampler = build(cfg, device)
     evalset = build_eval(cfg, tokenizer)
     # accelerate imported while warm; so are the trackers a replacement rank 0 opens at once
-    from .accelerator import Autocast, build_accelerator, start_line
+    import importlib
+    importlib.import_module(".accelerator", __package__)
     if cfg.logging.trackers:
-        import importlib
         importlib.import_module("accelerate.tracking")
         if "tensorboard" in cfg.logging.trackers:
             importlib.import_module("torch.utils.tensorboard")
-
     catch_up_threads = torch.get_num_threads()
-    if checkpointless.started_as_spare() and d.strategy == "ddp":
+    if checkpointless.started_as_spare() and cfg.distributed.strategy == "ddp":
         catch_up_threads = warm_up(model, sampler, cfg, device)
+    return tokenizer, model, sampler, evalset, device, catch_up_threads
 
-    # --- join: a spare blocks here until it is handed a failed rank -------------------------
+
+def join(cfg, out_dir: Path) -> Run:
+    """Join (a spare blocks here until it is handed a failed rank), then build what needs the
+    rank: the Accelerator, the sharding or gradient wrapper, the optimizer, the protected state,
+    the checkpoints and the metrics."""
+    from .accelerator import Autocast, build_accelerator, start_line
+    d, t = cfg.distributed, cfg.trainer
+    tokenizer, model, sampler, evalset, device, catch_up_threads = warm(cfg)
     job = checkpointless.join(seed=cfg.run.seed)
     if dist.get_world_size() != d.num_processes:
         raise RuntimeError(f"torch.distributed reports world size {dist.get_world_size()} but "
@@ -160,7 +126,6 @@ def main(recipe_file: str) -> None:
     # the model is not given to accelerate: under ddp it would wrap it in torch's DDP; the
     # optimizer is (accelerate's wrapper steps it through the GradScaler under fp16)
     opt = accelerator.prepare_optimizer(optimizer := build_optimizer(model, cfg))
-    overlapped = d.strategy == "ddp" and d.grad_sync == "buckets"
     # under LoRA a replacement rebuilds the frozen base as every worker did: only the adapters
     # and their optimizer state are sent. Under fp16 the GradScaler's scale travels too: a
     # replacement must scale its loss as the survivors do
@@ -173,106 +138,146 @@ def main(recipe_file: str) -> None:
     metrics = (Metrics(cfg, out_dir, job.completed_steps, accelerator)
                if accelerator.is_main_process else None)
     device = accelerator.device
-    clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-    tokens = 0
-    loss_value = float("nan")
     validate = (lambda: evaluate(model, *evalset, job.rank, job.world_size, t.micro_batch_size,
                                  device, Autocast(accelerator))) if evalset else None
-    last_eval = None
+    return Run(cfg, out_dir, job, accelerator, model, wrapped, optimizer, opt, ckpt, metrics,
+               tokenizer, sampler, validate, catch_up_threads,
+               overlapped=d.strategy == "ddp" and d.grad_sync == "buckets")
 
+
+def forward_backward(run: Run, step: int) -> torch.Tensor:
+    """The step's micro-batches, forward and backward; their summed loss (on this rank)."""
+    cfg, job, accelerator, wrapped = run.cfg, run.job, run.accelerator, run.wrapped
+    t = cfg.trainer
+    loss_sum = torch.zeros(1, device=accelerator.device)
+    # a survivor redoing a step cut short by a peer's failure still holds its gradients;
+    # the replacement they all wait on may use their idle cores (same bits, verified)
+    with cpu_threads(run.catch_up_threads // job.catching_up if job.catching_up else None):
+        for micro in range(0 if job.grads_kept else t.grad_accum_steps):
+            job.seed_step(step, micro)
+            batch = to_device(run.sampler.batch(step, job.rank, job.world_size, micro),
+                              accelerator.device)
+            last = micro == t.grad_accum_steps - 1
+            # fsdp reduce-scatters every micro-batch into the sharded gradients (FSDP2
+            # modules have no no_sync): turning sync off until the last would keep
+            # whole-model unsharded gradients.
+            # earlier micro-batches accumulate locally, the last backward reduces them
+            # all (accelerate's no_sync: our buckets' own switch under ddp). The last one
+            # is known by its index: accelerate's accumulate() would count micro-batches
+            # in the Accelerator, and a redone step or a replacement's first step would
+            # find that count mid-step
+            with nullcontext() if last else accelerator.no_sync(wrapped):
+                with accelerator.autocast():
+                    loss = wrapped(**batch).loss
+                loss_sum += loss.detach().float()
+                if run.overlapped and last:  # summed with the last gradient bucket
+                    wrapped.reduce_with(loss_sum)
+                # loss / grad_accum_steps, through the GradScaler under fp16
+                accelerator.backward(loss)
+    return loss_sum
+
+
+def train_step(run: Run, step: int):
+    """One step's body: validation when due, the learning rate, forward and backward, the
+    gradients averaged and clipped, the update, a checkpoint when due."""
+    cfg, job, accelerator, model = run.cfg, run.job, run.accelerator, run.model
+    # validation after `step` steps, inside the step: a failure in it is recovered and
+    # the step redone, and a replacement starting at this step validates too
+    pending = (run.validate() if run.validate and step and step % cfg.eval.every == 0
+               else None)
+    lr = lr_at(step, cfg)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    loss_sum = forward_backward(run, step)
+    if cfg.distributed.strategy == "ddp":
+        loss_total = job.all_reduce_grads(model.parameters(), extra=loss_sum)
+    else:  # FSDP already averaged the gradients; the loss needs its own collective
+        loss_total = loss_sum.clone()
+        dist.all_reduce(loss_total)
+    # unscaled first under fp16; torch's clip_grad_norm_ otherwise (the same bits)
+    clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
+    grad_norm = accelerator.clip_grad_norm_(model.parameters(), clip)
+    if hasattr(grad_norm, "full_tensor"):
+        grad_norm = grad_norm.full_tensor()
+    run.opt.step()  # under fp16 the GradScaler skips an update with inf/nan gradients
+    run.opt.zero_grad(set_to_none=True)
+    if run.ckpt and (step + 1) % cfg.checkpoint.interval == 0:
+        # inside the step: planned with the peers on this generation's group (a peer's
+        # failure here is recovered like any in the step); each rank's files are then
+        # written by a thread while training goes on
+        run.ckpt.save(step + 1)
+    return loss_total, grad_norm, lr, pending
+
+
+def train(run: Run) -> None:
+    """The loop: each step committed, or redone after a recovery; figures for committed ones."""
+    job, t, metrics = run.job, run.cfg.trainer, run.metrics
     for step in job.steps(t.max_steps):
         with job.step():
-            # validation after `step` steps, inside the step: a failure in it is recovered and
-            # the step redone, and a replacement starting at this step validates too
-            pending = validate() if validate and step and step % cfg.eval.every == 0 else None
-            lr = lr_at(step, cfg)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            loss_sum = torch.zeros(1, device=device)
-            # a survivor redoing a step cut short by a peer's failure still holds its gradients;
-            # the replacement they all wait on may use their idle cores (same bits, verified)
-            with cpu_threads(catch_up_threads // job.catching_up if job.catching_up else None):
-                for micro in range(0 if job.grads_kept else t.grad_accum_steps):
-                    job.seed_step(step, micro)
-                    batch = to_device(sampler.batch(step, job.rank, job.world_size, micro),
-                                      device)
-                    last = micro == t.grad_accum_steps - 1
-                    # fsdp reduce-scatters every micro-batch into the sharded gradients (FSDP2
-                    # modules have no no_sync): turning sync off until the last would keep
-                    # whole-model unsharded gradients.
-                    # earlier micro-batches accumulate locally, the last backward reduces them
-                    # all (accelerate's no_sync: our buckets' own switch under ddp). The last one
-                    # is known by its index: accelerate's accumulate() would count micro-batches
-                    # in the Accelerator, and a redone step or a replacement's first step would
-                    # find that count mid-step
-                    with nullcontext() if last else accelerator.no_sync(wrapped):
-                        with accelerator.autocast():
-                            loss = wrapped(**batch).loss
-                        loss_sum += loss.detach().float()
-                        if overlapped and last:  # summed with the last gradient bucket
-                            wrapped.reduce_with(loss_sum)
-                        # loss / grad_accum_steps, through the GradScaler under fp16
-                        accelerator.backward(loss)
-            if d.strategy == "ddp":
-                loss_total = job.all_reduce_grads(model.parameters(), extra=loss_sum)
-            else:  # FSDP already averaged the gradients; the loss needs its own collective
-                loss_total = loss_sum.clone()
-                dist.all_reduce(loss_total)
-            # unscaled first under fp16; torch's clip_grad_norm_ otherwise (the same bits)
-            grad_norm = accelerator.clip_grad_norm_(model.parameters(), clip)
-            if hasattr(grad_norm, "full_tensor"):
-                grad_norm = grad_norm.full_tensor()
-            opt.step()  # under fp16 the GradScaler skips an update with inf/nan gradients
-            opt.zero_grad(set_to_none=True)
-            if ckpt and (step + 1) % cfg.checkpoint.interval == 0:
-                # inside the step: planned with the peers on this generation's group (a peer's
-                # failure here is recovered like any in the step); each rank's files are then
-                # written by a thread while training goes on
-                ckpt.save(step + 1)
+            loss_total, grad_norm, lr, pending = train_step(run, step)
         if job.completed_steps == step + 1:  # committed (not rolled into a recovery)
-            loss_value = loss_total.item() / (job.world_size * t.grad_accum_steps)
-            tokens = job.completed_steps * (t.micro_batch_size * t.grad_accum_steps *
-                                            cfg.data.seq_len * job.world_size)
+            run.loss_value = loss_total.item() / (job.world_size * t.grad_accum_steps)
+            run.tokens = job.completed_steps * (t.micro_batch_size * t.grad_accum_steps *
+                                                run.cfg.data.seq_len * job.world_size)
             if metrics:
-                metrics.step(step, loss_value, lr, float(grad_norm), job.step_started_at, time.time())
+                metrics.step(step, run.loss_value, lr, float(grad_norm), job.step_started_at,
+                             time.time())
                 if metrics.trackers:
                     metrics.trackers.recovery(job, step)
             if pending:
-                last_eval = dict(pending, eval_after_steps=step)
+                run.last_eval = dict(pending, eval_after_steps=step)
                 if metrics:
-                    metrics.record(last_eval)
+                    metrics.record(run.last_eval)
 
-    if job.preempted:  # stopped early (SIGTERM, SIGINT): every rank at the same boundary
-        if ckpt and job.completed_steps % cfg.checkpoint.interval:  # not just written
-            job.between_steps(lambda: ckpt.save(job.completed_steps))
-        if accelerator.is_main_process:
-            accelerator.print(
-                f"[launcher] preempted: stopped after step {job.completed_steps - 1}" +
-                (", checkpoint written; resume with checkpoint.resume=auto" if ckpt else
-                 " (checkpoint.interval=0: no durable checkpoint to resume from)"), flush=True)
 
+def stop_early(run: Run) -> None:
+    """Stopped early (SIGTERM, SIGINT): every rank at the same boundary; a checkpoint to resume."""
+    job, ckpt, cfg = run.job, run.ckpt, run.cfg
+    if ckpt and job.completed_steps % cfg.checkpoint.interval:  # not just written
+        job.between_steps(lambda: ckpt.save(job.completed_steps))
+    if run.accelerator.is_main_process:
+        run.accelerator.print(
+            f"[launcher] preempted: stopped after step {job.completed_steps - 1}" +
+            (", checkpoint written; resume with checkpoint.resume=auto" if ckpt else
+             " (checkpoint.interval=0: no durable checkpoint to resume from)"), flush=True)
+
+
+def finish_run(run: Run) -> None:
+    """The end: validation; the digest of the full state on every rank and the sharded export,
+    one tensor gathered at a time, each file written by its own rank; the results."""
+    cfg, job, model, metrics, out_dir = run.cfg, run.job, run.model, run.metrics, run.out_dir
+    d, t = cfg.distributed, cfg.trainer
     # what this rank's memory held, read before the end-of-run digest and export (report.json)
-    memory = held(model, optimizer, job.replica_host_bytes())
-    # --- the end: validation; the digest of the full state on every rank and the sharded export,
-    # one tensor gathered at a time, each file written by its own rank ---------------------------
-    if validate and not job.preempted:  # collectives after the loop: a failure here is recovered too
-        last_eval = dict(job.between_steps(validate), eval_after_steps=job.completed_steps)
+    memory = held(model, run.optimizer, job.replica_host_bytes())
+    if run.validate and not job.preempted:  # collectives after the loop: recovered too
+        run.last_eval = dict(job.between_steps(run.validate), eval_after_steps=job.completed_steps)
         if metrics:
-            metrics.record(last_eval)
+            metrics.record(run.last_eval)
     lora = cfg.peft.method == "lora"
     # an unfinished (preempted) model is not exported: the checkpoint holds it
     export_to = out_dir / "model" if t.save_model and not job.preempted and not lora else None
     digest, full_params = job.between_steps(lambda: digest_and_export(
-        model, d.strategy, tokenizer, export_to, job.rank, job.world_size))
+        model, d.strategy, run.tokenizer, export_to, job.rank, job.world_size))
     if lora and t.save_model and not job.preempted:  # adapters are small; the base goes to
         state = job.between_steps(lambda: full_state(model, d.strategy))  # rank 0's host
         if job.rank == 0:
-            export_lora(cfg, model, state, tokenizer, out_dir)
-    if ckpt:
-        ckpt.close()  # the last write overlapped the export; it is on disk before we finish
+            export_lora(cfg, model, state, run.tokenizer, out_dir)
+    if run.ckpt:
+        run.ckpt.close()  # the last write overlapped the export; it is on disk before we finish
     if metrics:
         metrics.close()
     local = sum(getattr(p, "_local_tensor", p).numel() for p in model.parameters())
+    write_results(run, digest, local, full_params)
+    job.finish({"params_sha256": digest, "local_params": local,
+                "full_params": full_params, "final_loss": run.loss_value,
+                "tokens": run.tokens, "eval": run.last_eval,
+                "steps": job.completed_steps, "worker_id": job.worker_id, "pid": os.getpid(),
+                "memory": memory})
+
+
+def write_results(run: Run, digest: str, local: int, full_params: int) -> None:
+    """results/rank{R}.json: this rank's digest, figures and how accelerate ran it."""
+    job, accelerator = run.job, run.accelerator
     result = {"params_sha256": digest, "local_params": local, "rank": job.rank,
               "accelerator": {"device": str(accelerator.device),
                               "mixed_precision": accelerator.mixed_precision,
@@ -284,14 +289,18 @@ def main(recipe_file: str) -> None:
               "replica_host_bytes": job.replica_host_bytes(),
               "replica_timing": job.replica_timing(),
               "full_params": full_params,
-              "final_loss": loss_value, "steps": job.completed_steps, "eval": last_eval}
-    (out_dir / "results").mkdir(exist_ok=True)
-    (out_dir / "results" / f"rank{job.rank}.json").write_text(json.dumps(result))
-    job.finish({"params_sha256": digest, "local_params": local,
-                "full_params": full_params, "final_loss": loss_value,
-                "tokens": tokens, "eval": last_eval,
-                "steps": job.completed_steps, "worker_id": job.worker_id, "pid": os.getpid(),
-                "memory": memory})
+              "final_loss": run.loss_value, "steps": job.completed_steps, "eval": run.last_eval}
+    (run.out_dir / "results").mkdir(exist_ok=True)
+    (run.out_dir / "results" / f"rank{job.rank}.json").write_text(json.dumps(result))
+
+
+def main(recipe_file: str) -> None:
+    cfg = OmegaConf.merge(OmegaConf.structured(Recipe), OmegaConf.load(recipe_file))
+    run = join(cfg, Path(recipe_file).parent)
+    train(run)
+    if run.job.preempted:
+        stop_early(run)
+    finish_run(run)
 
 
 if __name__ == "__main__":
