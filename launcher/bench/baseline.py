@@ -102,7 +102,6 @@ def measure_save_cost(rc_cfg, repeats: int = 5) -> float:
 
     import torch
 
-    from checkpointless.checkpoint import CheckpointWriter
     model, tok = recipe_model(rc_cfg)
     opt = torch.optim.AdamW(model.parameters())
     ids = torch.randint(0, len(tok), (1, 16))
@@ -110,11 +109,17 @@ def measure_save_cost(rc_cfg, repeats: int = 5) -> float:
     opt.step()  # so the optimizer state has its moments, as in a real checkpoint
     costs = []
     with tempfile.TemporaryDirectory() as d:
-        w = CheckpointWriter(d, keep=1)
         for i in range(repeats):
             t = time.time()
-            w.save(i, {"model": model.state_dict(), "optimizer": opt.state_dict()},
-                   blocking=True)
+            # what a restart-based job's synchronous save does: the whole state, one file,
+            # written to disk before training goes on
+            path = os.path.join(d, f"step-{i:08d}.pt")
+            with open(path, "wb") as f:
+                torch.save({"step": i, "model": model.state_dict(),
+                            "optimizer": opt.state_dict()}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.unlink(path)
             costs.append(time.time() - t)
     return statistics.median(costs)
 
