@@ -24,8 +24,10 @@ def main(argv=None) -> int:
                    help="hot spares started beside them")
     p.add_argument("--no-refill", action="store_true", help="do not replace a used spare")
     p.add_argument("--heartbeat-timeout", type=float, default=DEFAULTS.heartbeat_timeout_s,
+                   dest="heartbeat_timeout_s", metavar="HEARTBEAT_TIMEOUT",
                    help="seconds of training-loop silence before a lagging worker is hung")
     p.add_argument("--spare-wait", type=float, default=DEFAULTS.spare_wait_s,
+                   dest="spare_wait_s", metavar="SPARE_WAIT",
                    help="seconds a lost rank may wait for a spare to warm up before the run stops")
     p.add_argument("--max-replacement-failures", type=int,
                    default=DEFAULTS.max_replacement_failures,
@@ -34,7 +36,7 @@ def main(argv=None) -> int:
     p.add_argument("--consistency-every", type=int, default=DEFAULTS.consistency_every,
                    help="steps between checks that all replicas hold the same parameters "
                         "(0: only at the end)")
-    p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    p.add_argument("--backend", default=DEFAULTS.backend, choices=["gloo", "nccl"])
     p.add_argument("--host", default="127.0.0.1", help="address of the coordination store")
     p.add_argument("--port", type=int, default=0, help="port of the store (0: any free one)")
     p.add_argument("--seed", type=int, default=0, help="base of the per-step seeds")
@@ -52,12 +54,8 @@ def main(argv=None) -> int:
         p.error(str(exc))
     if a.nproc < 1 or a.spares < 0:
         p.error(f"--nproc={a.nproc} must be >= 1 and --spares={a.spares} >= 0")
-    cfg = SupervisorConfig(nproc=a.nproc, spares=a.spares, refill=not a.no_refill,
-                           heartbeat_timeout_s=a.heartbeat_timeout, backend=a.backend,
-                           host=a.host, port=a.port, seed=a.seed, faults=faults,
-                           spare_wait_s=a.spare_wait,
-                           max_replacement_failures=a.max_replacement_failures,
-                           consistency_every=a.consistency_every)
+    # every option under its field's name (nproc, spares, heartbeat_timeout_s, backend, ...)
+    cfg = SupervisorConfig.of(vars(a), refill=not a.no_refill, faults=faults)
     try:
         report = Supervisor([sys.executable, a.script, *a.args], cfg).run()
     except JobFailed as exc:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 
-from . import protocol
+from . import policy, protocol
 
 
 def beat(store, worker_id: int, step: int, gen: int, phase: str) -> None:
@@ -22,8 +22,7 @@ def beat(store, worker_id: int, step: int, gen: int, phase: str) -> None:
 
 
 def read_beat(store, worker_id: int):
-    key = protocol.heartbeat_key(worker_id)
-    return json.loads(store.get(key)) if store.check([key]) else None
+    return protocol.read_json(store, protocol.heartbeat_key(worker_id))
 
 
 def process_stopped(pid: int) -> bool:
@@ -36,23 +35,19 @@ def process_stopped(pid: int) -> bool:
         return False
 
 
+def read_beats(store, worker_ids) -> dict:
+    """worker id -> its last heartbeat (None: none yet), in two store operations when every one
+    has beaten (the check of them all, one multi_get), else two per worker."""
+    keys = [protocol.heartbeat_key(w) for w in worker_ids]
+    if keys and hasattr(store, "multi_get") and store.check(keys):
+        return {w: json.loads(v) for w, v in zip(worker_ids, store.multi_get(keys))}
+    return {w: read_beat(store, w) for w in worker_ids}
+
+
 def find_hung(beats: dict[int, dict], pids: dict[int, int], timeout_s: float,
               now: float | None = None) -> list[int]:
-    """Workers silent longer than `timeout_s` that are stopped, or behind while the whole job
-    has stalled.
-
-    `beats` maps worker id to its last heartbeat ({t, step, ...}); workers with no beat yet are
-    still warming up and are not judged. A worker beats at the start of each step, so in lockstep
-    one rank may be a beat ahead of another for a whole step: "behind" means something only once
-    every worker has been silent past the timeout (a stalled job), never while a step merely
-    takes longer than the timeout (a large model, a loaded machine).
-    """
+    """policy.find_hung, with a worker stopped when /proc says its pid (-1: not on this
+    machine) is."""
     now = time.time() if now is None else now
-    live = {w: b for w, b in beats.items() if b is not None and b.get("phase") != "done"}
-    if not live:
-        return []
-    silent = {w for w, b in live.items() if now - b["t"] > timeout_s}
-    stalled = silent == set(live)
-    lead = max(b["step"] for b in live.values())
-    return [w for w in sorted(silent)
-            if process_stopped(pids.get(w, -1)) or (stalled and live[w]["step"] < lead)]
+    return policy.find_hung(beats, timeout_s, now,
+                            stopped=lambda w: process_stopped(pids.get(w, -1)))

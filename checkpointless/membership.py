@@ -62,7 +62,8 @@ def counter(store, key: str) -> int:
     return store.add(key, 0)
 
 
-def barrier(store, gen: int, world_size: int, poll_s: float = 0.002) -> bool:
+def barrier(store, gen: int, world_size: int,
+            poll_s: float = protocol.DEFAULTS.plan_poll_s) -> bool:
     """All members of `gen` arrive; False if a newer generation replaces it while waiting.
 
     Done on the store, before the process group exists, so a member that died after the plan was

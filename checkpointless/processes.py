@@ -1,4 +1,8 @@
-"""The worker processes of one node: started, watched without polling, killed."""
+"""The worker processes of one node: started, watched without polling, killed.
+
+The supervisor's WorkerPool (node 0) and a node's agent (agent.py) start, watch and end their
+processes with the same functions, below.
+"""
 from __future__ import annotations
 
 import os
@@ -20,6 +24,41 @@ def die_with_parent() -> None:
         pass
 
 
+def start_process(cmd: list[str], env: dict, nice: int = 0) -> subprocess.Popen:
+    """A worker process in its own process group (its children, such as DataLoader workers, die
+    with it), which dies with its parent, even a SIGKILLed one."""
+    def setup():
+        os.setpgid(0, 0)
+        die_with_parent()
+        if nice:
+            os.nice(nice)
+
+    return subprocess.Popen(cmd, env=env, preexec_fn=setup)
+
+
+def open_pidfd(pid: int) -> int | None:
+    """A descriptor readable once the process exits; None on an older kernel or Python (the
+    waits then poll)."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
+def kill_tree(proc: subprocess.Popen, sig=signal.SIGKILL) -> None:
+    """Signal the process and whatever it started: a child left behind (a DataLoader worker)
+    would keep a dead worker's connections open and its peers blocked on them."""
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+    if proc.poll() is None:
+        try:
+            proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+
 @dataclass
 class Worker:
     """One started process: its id, its device slot, the rank it holds (or spare/lost)."""
@@ -32,7 +71,7 @@ class Worker:
     pidfd: int | None = None  # readable once the process has exited (Linux 5.3+)
     refilled: bool = False  # a refill has been started for it (when it was lost)
     gone_seen: bool = False  # its exit as a spare has been handled
-    node: int = 0  # the node it runs on (nodes.py; always 0 on one machine)
+    node: int = 0  # the node it runs on (cluster.py; always 0 on one machine)
     node_lost: bool = False  # it went down with its whole node
     lost_at: float = 0.0  # then, when its node was last heard from
 
@@ -40,17 +79,74 @@ class Worker:
         return self.proc.poll() is None
 
 
+def wait_for_exit(workers: list[Worker], timeout_s: float) -> None:
+    """Sleep until one of `workers` exits or `timeout_s` passes.
+
+    Waiting on pidfds costs no CPU and sees an exit the moment it happens; polling every 20 ms
+    cost about 1% of a core, which on a small machine is taken from training."""
+    fds = [w.pidfd for w in workers if w.alive()]
+    if None in fds:
+        time.sleep(min(timeout_s, 0.02))
+        return
+    if not fds:
+        time.sleep(timeout_s)
+        return
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    poller.poll(timeout_s * 1000)
+
+
+def close_reaped(workers) -> None:
+    """Close the descriptors of reaped processes: they are of no more use."""
+    for w in workers:
+        if w.pidfd is not None and w.proc.returncode is not None:
+            os.close(w.pidfd)
+            w.pidfd = None
+
+
+def stop_all(workers, grace_s: float = 10.0) -> None:
+    """End every process still running with its children (SIGTERM, then SIGKILL after
+    `grace_s`), and wait for them."""
+    for w in workers:
+        if w.alive():
+            kill_tree(w.proc, signal.SIGTERM)
+    deadline = time.time() + grace_s
+    for w in workers:
+        try:
+            w.proc.wait(timeout=max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            kill_tree(w.proc)
+            w.proc.wait()
+
+
 class WorkerPool:
     """Owns the processes this supervisor started (active workers and spares) and their ids."""
 
     def __init__(self, cmd: list[str], env: dict, host: str, spares_from_slot: int,
-                 refill_nice: int):
+                 refill_nice: int, spares_per_node: int = 0, refill: bool = True):
         self.cmd, self.env, self.host = cmd, env, host
         self.spares_from_slot = spares_from_slot  # slots at or past this start as spares
+        self.spares_per_node = spares_per_node  # spares started beside the first ranks
         self.refill_nice = refill_nice
+        self.refills = refill  # a lost worker's slot gets a new spare (refill())
         self.port = 0
+        self.store = None  # the supervisor's, set in start()
         self.workers: dict[int, Worker] = {}
         self._next_wid = 0
+        self._refills: list[tuple[float, Worker]] = []  # (when, lost worker) of delayed refills
+
+    def start(self, store) -> list[Worker]:
+        """The first generation: ranks 0..R-1 in slots of the same number (R: spares_from_slot),
+        spares after them. Returns the active workers, their ranks set."""
+        self.store, self.port = store, store.port
+        out = []
+        for slot in range(self.spares_from_slot + self.spares_per_node):
+            w = self.spawn(slot)
+            if slot < self.spares_from_slot:
+                w.rank = slot
+                out.append(w)
+        return out
 
     def spawn(self, slot: int, background: bool = False, spare: bool | None = None) -> Worker:
         """Start a worker. A background refill warms up at `refill_nice` and takes normal
@@ -61,84 +157,77 @@ class WorkerPool:
         if spare is None:
             spare = background or slot >= self.spares_from_slot
         env = dict(self.env, **protocol.worker_env(self.host, self.port, wid, slot, spare))
-        nice = self.refill_nice if background else 0
-
-        def setup():  # its own process group: its children (DataLoader workers) die with it
-            os.setpgid(0, 0)
-            die_with_parent()  # and it dies with the launcher, even a SIGKILLed one
-            if nice:
-                os.nice(nice)
-
-        proc = subprocess.Popen(self.cmd, env=env, preexec_fn=setup)
-        w = Worker(wid=wid, proc=proc, slot=slot, started=time.time())
-        try:
-            w.pidfd = os.pidfd_open(proc.pid)
-        except (AttributeError, OSError):  # older kernel or Python: the loop polls instead
-            w.pidfd = None
+        proc = start_process(self.cmd, env, self.refill_nice if background else 0)
+        w = Worker(wid=wid, proc=proc, slot=slot, started=time.time(), pidfd=open_pidfd(proc.pid))
         self.workers[wid] = w
         return w
 
     def sleep(self, active: list[int], timeout_s: float) -> None:
-        """Sleep until one of the `active` workers exits or `timeout_s` passes.
+        """Sleep until one of the `active` workers exits or `timeout_s` passes."""
+        close_reaped(self.workers.values())
+        wait_for_exit([self.workers[wid] for wid in active], timeout_s)
 
-        Waiting on pidfds costs no CPU and sees an exit the moment it happens; polling every
-        20 ms cost about 1% of a core, which on a small machine is taken from training."""
-        for w in self.workers.values():  # reaped: its descriptor is of no more use
-            if w.pidfd is not None and w.proc.returncode is not None:
-                os.close(w.pidfd)
-                w.pidfd = None
-        fds = [self.workers[wid].pidfd for wid in active if self.workers[wid].alive()]
-        if None in fds:
-            time.sleep(min(timeout_s, 0.02))
-            return
-        if not fds:
-            time.sleep(timeout_s)
-            return
-        poller = select.poll()
-        for fd in fds:
-            poller.register(fd, select.POLLIN)
-        poller.poll(timeout_s * 1000)
+    def refresh(self) -> None:
+        """Learn of exits the processes' own status does not show (other nodes': cluster.py)."""
+
+    def fence_silent_nodes(self) -> list[int]:
+        """Nodes declared lost (and fenced) since the last call: none on one machine."""
+        return []
+
+    def local_pid(self, w: Worker) -> int:
+        """The worker's pid if it runs on this machine (where /proc shows it), else -1."""
+        return w.proc.pid
 
     @staticmethod
     def kill(w: Worker) -> None:
-        """Kill the worker and whatever it started: a child left behind (a DataLoader worker)
-        would keep the dead worker's connections open and its peers blocked on them."""
-        try:
-            os.killpg(w.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        if w.alive():
-            try:
-                w.proc.send_signal(signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        """Kill the worker and whatever it started, and reap it."""
+        kill_tree(w.proc)
         w.proc.wait()
 
     def respawn(self, w: Worker) -> Worker | None:
         """A refill for a lost worker: a new spare in its device slot."""
         return self.spawn(w.slot, background=True)
 
-    def choose_spares(self, store, failed: list[tuple[int, int]]) -> list[Worker] | None:
-        """Ready spares for the failed (node, slot) pairs, in order; None when too few."""
-        ready = self.spares(store, ready=True)
-        return ready[:len(failed)] if len(ready) >= len(failed) else None
+    def refill(self, w: Worker, later: bool) -> None:
+        """A new spare for lost worker `w` (once, if refills are on): now, or after
+        refill_delay_s when the spares suffice for now (its imports would otherwise compete with
+        the recovery for CPU)."""
+        if w.refilled or not self.refills:
+            return
+        w.refilled = True
+        if later:
+            self._refills.append((time.time() + protocol.DEFAULTS.refill_delay_s, w))
+        else:
+            self.respawn(w)
+
+    def refill_due(self) -> None:
+        """Start the delayed refills whose time has come."""
+        for r in [r for r in self._refills if r[0] <= time.time()]:
+            self._refills.remove(r)
+            self.respawn(r[1])
+
+    def dead_spares(self) -> list[Worker]:
+        """Spares that exited while waiting for a rank, each returned once."""
+        out = [w for w in self.workers.values()
+               if w.rank == -1 and not w.alive() and not w.gone_seen]
+        for w in out:
+            w.gone_seen = True
+        return out
 
     def spares(self, store, ready: bool) -> list[Worker]:
         """Live spares; with ready=True only those that finished warming up."""
         return [w for w in self.workers.values() if w.rank == -1 and w.alive()
                 and (not ready or store.check([protocol.ready_key(w.wid)]))]
 
+    def lost_node_ids(self) -> set[int]:
+        """Nodes declared lost so far (their spares are gone, their ranks move together)."""
+        return set()
+
+    def spare_node_ids(self) -> set[int]:
+        """Nodes of spares only, which take a lost node's ranks together."""
+        return set()
+
     def stop_all(self) -> None:
         """End every process still running (spares, and workers of a run that stopped early)
         with its children, and wait for them."""
-        for w in self.workers.values():
-            if w.alive():
-                try:
-                    os.killpg(w.proc.pid, signal.SIGTERM)
-                except (ProcessLookupError, PermissionError):
-                    w.proc.terminate()
-        for w in self.workers.values():
-            try:
-                w.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.kill(w)
+        stop_all(list(self.workers.values()))

@@ -20,12 +20,27 @@ either side reads or writes is named here, so a reader can see the whole convers
     preempt          (a step)              --->  stop before this step (SIGTERM somewhere)
                                            <---  result/<rank>, done/<wid>, done
     shutdown                               --->  the job is over
+
+Many machines: every node but the coordinator's runs an agent (agent.py) that the coordinator
+(cluster.py) talks to through keys of its own, one set per node k. Its load grows with nodes, not
+ranks: the agent pushes its children's exits into one record, behind one counter.
+
+    coordinator                                  agent (node k)
+    -----------                                  --------------
+                                           <---  node/k/hello     {host, procs, pid}
+    node/k/cmds (counter), node/k/cmd/<i>  --->  spawn {wid, slot, spare} | kill {wid}
+                                           <---  node/k/pid/<wid>
+                                           <---  node/k/exited    {wid: exit code}, then
+                                                 node/k/exits     (counter: exits so far)
+                                           <---  node/k/beat      (counter, every node_beat_s)
+    node/k/fenced (declared lost)          --->  kill every local worker, exit
+    shutdown                               --->  stop every local worker, exit 0
 """
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 # ---- environment variables the supervisor sets for each process it starts -------------------
 ENV_STORE_HOST = "CL_STORE_HOST"  # address of the coordination store
@@ -105,6 +120,62 @@ def diverged_key(wid: int) -> str:
     return f"diverged/{wid}"
 
 
+def replicas_prefix(gen: int) -> str:
+    """The store prefix of generation `gen`'s peer-replica group (redundancy under fsdp)."""
+    return f"replicas/{gen}"
+
+
+def plain_prefix(restart) -> str:
+    """The store prefix of one torchrun restart of a job run without the supervisor (plain.py);
+    `restart` is torchrun's restart count."""
+    return f"plainjob/restart{restart}"
+
+
+def bench_start_key(gen: int) -> str:
+    """Counter of the regroup benchmark (launcher/bench/regroup.py): members ready for `gen`."""
+    return f"start/{gen}"
+
+
+# ---- node keys (agent.py <-> cluster.py) ------------------------------------------------------
+def node_hello_key(node: int) -> str:
+    return f"node/{node}/hello"
+
+
+def node_beat_key(node: int) -> str:
+    return f"node/{node}/beat"
+
+
+def node_cmds_key(node: int) -> str:
+    return f"node/{node}/cmds"
+
+
+def node_cmd_key(node: int, i: int) -> str:
+    return f"node/{node}/cmd/{i}"
+
+
+def node_pid_key(node: int, wid: int) -> str:
+    return f"node/{node}/pid/{wid}"
+
+
+def node_exits_key(node: int) -> str:
+    """Counter: exits the node's agent has written into its node_exited_key record."""
+    return f"node/{node}/exits"
+
+
+def node_exited_key(node: int) -> str:
+    """JSON {wid: exit code} of every worker of the node that exited, written before the counter."""
+    return f"node/{node}/exited"
+
+
+def node_fenced_key(node: int) -> str:
+    return f"node/{node}/fenced"
+
+
+def read_json(store, key: str):
+    """The JSON record under `key`, or None while there is none."""
+    return json.loads(store.get(key)) if store.check([key]) else None
+
+
 # ---- defaults (the recipe schema and the CLI take theirs from here) --------------------------
 @dataclass(frozen=True)
 class Defaults:
@@ -124,8 +195,17 @@ class Defaults:
     consistency_every: int = 50
     replication_factor: int = 2  # copies of each rank's shard under fsdp (own + peers)
     replication_interval: int = 1  # steps between peer copies
-    replication_placement: str = "ring"  # ring: next ranks; nodes: a node apart
+    replication_offset: int = 1  # ranks between a shard and its first copy (ring: the next)
+    backend: str = "gloo"  # the process groups' backend when none is asked for
     heartbeat_every_s: float = 0.5  # how often a worker waiting in recovery still beats
+    # the supervisor's loop: its longest sleep (process exits wake it at once, pidfd), so the
+    # period of its store checks (reported errors, done, preemption, nodes' beats)
+    poll_s: float = 0.1
+    beats_every_s: float = 0.5  # how often the supervisor reads the workers' heartbeats
+    remote_poll_s: float = 0.05  # its longest sleep with workers on other nodes (their exits)
+    spare_poll_s: float = 0.05  # how often a lost rank waiting for a spare looks again
+    node_beat_s: float = 0.5  # how often a node's agent beats
+    agent_poll_s: float = 0.1  # how often an agent looks for commands (children wake it)
     plan_poll_s: float = 0.002  # how often a rank in recovery looks for the next plan
     gather_window_s: float = 0.02  # failures seen this close together join one generation
     refill_delay_s: float = 3.0  # a refill waits this long when spares suffice for now
@@ -140,6 +220,12 @@ class Defaults:
 DEFAULTS = Defaults()
 
 
+def default_replication() -> dict:
+    """Spec.replication when nothing is asked: {factor, interval, offset}."""
+    return {"factor": DEFAULTS.replication_factor, "interval": DEFAULTS.replication_interval,
+            "offset": DEFAULTS.replication_offset}
+
+
 def recovery_timeout_s(heartbeat_timeout_s: float) -> float:
     """How long a rank waits for the next plan after a failure before it gives up."""
     return 4 * heartbeat_timeout_s + 60
@@ -148,16 +234,14 @@ def recovery_timeout_s(heartbeat_timeout_s: float) -> float:
 @dataclass
 class Spec:
     """The job's settings every worker reads from the store in join()."""
-    backend: str = "gloo"
+    backend: str = DEFAULTS.backend
     seed: int = 0
     heartbeat_timeout_s: float = DEFAULTS.heartbeat_timeout_s
     pg_timeout_s: float = DEFAULTS.pg_timeout_s
     confirm_s: float = DEFAULTS.confirm_s
     consistency_every: int = DEFAULTS.consistency_every
     faults: list = field(default_factory=list)
-    replication: dict = field(default_factory=lambda: {
-        "factor": DEFAULTS.replication_factor, "interval": DEFAULTS.replication_interval,
-        "offset": 1})
+    replication: dict = field(default_factory=default_replication)
     workers_per_node: int = 1  # processes sharing this node's memory (active + spares)
     ranks_per_node: int = 1  # active ranks per node: ranks k*n .. k*n+n-1 train on one node
 
@@ -167,6 +251,60 @@ class Spec:
     @classmethod
     def from_json(cls, text) -> "Spec":
         return cls(**json.loads(text))
+
+
+@dataclass
+class SupervisorConfig:
+    """What the supervisor is asked to run: world size, spares, timeouts, faults, replication.
+
+    The one configuration object: built from a recipe's checkpointless section or the CLI's
+    arguments by name (`of`), and the only source of the Spec every worker reads (`spec`), whose
+    fields carry the same names."""
+    nproc: int
+    spares: int = DEFAULTS.spares
+    refill: bool = DEFAULTS.refill
+    heartbeat_timeout_s: float = DEFAULTS.heartbeat_timeout_s
+    backend: str = DEFAULTS.backend
+    host: str = "127.0.0.1"
+    port: int = 0
+    seed: int = 0
+    faults: list = field(default_factory=list)
+    pg_timeout_s: float = DEFAULTS.pg_timeout_s
+    spare_wait_s: float = DEFAULTS.spare_wait_s
+    confirm_s: float = DEFAULTS.confirm_s
+    max_replacement_failures: int = DEFAULTS.max_replacement_failures
+    consistency_every: int = DEFAULTS.consistency_every
+    poll_s: float = DEFAULTS.poll_s  # longest sleep of the monitoring loop (exits wake it at once)
+    # niceness of a refill while it warms up. Lockstep workers lose the same CPU time to a
+    # warm-up whatever its priority; a low one only stretches it (nice 10 behind 4 busy workers
+    # on 2 cores: minutes), leaving the job without a spare for longer. So none by default.
+    refill_nice: int = 0
+    enabled: bool = True
+    # many machines (cluster.py): active nodes of nproc / nodes workers (+ `spares` each), spare
+    # nodes of as many spares, a node lost after node_timeout_s of silence
+    nodes: int = 1
+    spare_nodes: int = 0
+    standalone: bool = False  # no workers here: every node, 0 included, has its own agent
+    node_timeout_s: float = DEFAULTS.node_timeout_s
+    replication: dict = field(default_factory=default_replication)
+
+    @classmethod
+    def of(cls, settings, **given) -> "SupervisorConfig":
+        """Every field found under its own name in `settings` (a mapping: a recipe's
+        checkpointless section, the CLI's arguments), then `given`."""
+        found = {f.name: settings[f.name] for f in fields(cls) if f.name in settings}
+        return cls(**{**found, **given})
+
+    @property
+    def per_node(self) -> int:
+        return self.nproc // self.nodes
+
+    def spec(self) -> Spec:
+        """What every worker reads: the fields shared with Spec, and the shape of a node."""
+        shared = {f.name: getattr(self, f.name) for f in fields(Spec)
+                  if hasattr(self, f.name)}
+        return Spec(**shared, workers_per_node=self.per_node + self.spares,
+                             ranks_per_node=self.per_node)
 
 
 def worker_env(host: str, port: int, wid: int, slot: int, spare: bool) -> dict[str, str]:
@@ -192,4 +330,4 @@ def replica_offset(placement: str, procs_per_node: int) -> int:
     its copies at once."""
     if placement == "nodes":
         return procs_per_node
-    return 1
+    return DEFAULTS.replication_offset

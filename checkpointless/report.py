@@ -1,15 +1,24 @@
-"""What a run tells its user: one entry per recovery, its phases, and the run's report.
+"""What a run tells its user: one entry per recovery, its phases, goodput, and the run's report.
 
 Every figure comes from records the workers left in the store (protocol.py): when each generation
 was entered, when its first step committed, which step ran when.
+
+Goodput: the share of wall time spent on training steps that count.
+
+    goodput = sum over committed steps of (step end - step start)
+              / (end of the last step - start of the first step)
+
+A step counts once, in its final committed attempt: the attempt cut short by a failure, the time
+spent detecting it, regrouping, moving state and any step redone after a rollback all fall in the
+denominator only. Start-up (imports, model build) is left out on purpose: it is the same for every
+method and says nothing about fault tolerance. goodput_from_steps is the one place it is computed:
+the supervisor's report and the benchmark both call it.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 from . import protocol
-from .goodput import goodput_from_steps
 
 
 @dataclass
@@ -17,7 +26,7 @@ class Failure:
     """One lost worker, as the supervisor saw it."""
     wid: int
     rank: int
-    cause: str  # exit, error, hang
+    cause: str  # exit, error, hang, diverged, node_lost (policy.cause)
     t_fail: float
     t_detect: float
     step: int
@@ -29,8 +38,22 @@ class Failure:
     new_node: int = 0  # the node of the spare that took its rank
 
 
-def _json(store, key: str):
-    return json.loads(store.get(key)) if store.check([key]) else None
+def goodput_from_steps(steps: dict[int, tuple[float, float]], *,
+                       first_start: float | None = None) -> float | None:
+    """`steps`: step -> (start, end) of its final attempt.
+
+    `first_start`: when the earliest attempt of any step began, if earlier than every final
+    attempt. That happens when the first steps themselves were redone (a restart that found no
+    checkpoint): the time since then was spent, so the span must start there, not at the redo.
+    """
+    if not steps:
+        return None
+    useful = sum(t1 - t0 for t0, t1 in steps.values())
+    start = min(t0 for t0, _ in steps.values())
+    if first_start is not None:
+        start = min(start, first_start)
+    end = max(t1 for _, t1 in steps.values())
+    return round(useful / (end - start), 4) if end > start else 1.0
 
 
 def recovery_entry(store, f: Failure, nproc: int, last_gen: int) -> dict | None:
@@ -40,7 +63,8 @@ def recovery_entry(store, f: Failure, nproc: int, last_gen: int) -> dict | None:
     recs = []
     for g in range(f.gen, last_gen + 1):
         recs = [dict(r, rank=rank) for rank in range(nproc)
-                for r in [_json(store, protocol.entered_key(g, rank))] if r is not None]
+                for r in [protocol.read_json(store, protocol.entered_key(g, rank))]
+                if r is not None]
         if len(recs) == nproc:
             break
     firsts = [float(store.get(k)) for g in range(f.gen, last_gen + 1) for r in range(nproc)
@@ -105,14 +129,29 @@ def step_records(store) -> dict[int, tuple[float, float]]:
     return steps
 
 
+def new_recoveries(store, failures: list[Failure], said: set[int], nproc: int,
+                   last_gen: int) -> list[str]:
+    """The lines of recoveries completed since the last call (`said`: the failures' indexes
+    whose recovery was said, updated)."""
+    out = []
+    for i, f in enumerate(failures):
+        if i in said or f.gen < 0:
+            continue
+        e = recovery_entry(store, f, nproc, last_gen)
+        if e is not None:
+            said.add(i)
+            out.append(recovery_line(e))
+    return out
+
+
 def run_report(store, nproc: int, spares: int, wall_s: float, failures: list[Failure],
-               last_gen: int, workers) -> dict:
+               last_gen: int, workers, pids_at_start: dict, killed_after_done: list) -> dict:
     steps = step_records(store)
-    results = {r: v for r in range(nproc) for v in [_json(store, protocol.result_key(r))]
-               if v is not None}
+    results = {r: v for r in range(nproc)
+               for v in [protocol.read_json(store, protocol.result_key(r))] if v is not None}
     recoveries = [e for f in failures if f.gen >= 0
                   for e in [recovery_entry(store, f, nproc, last_gen)] if e is not None]
-    return {
+    report = {
         "world_size": nproc,
         "spares": spares,
         "steps_completed": len(steps),
@@ -125,4 +164,8 @@ def run_report(store, nproc: int, spares: int, wall_s: float, failures: list[Fai
         "pids_at_end": {w.rank: w.proc.pid for w in workers if w.rank >= 0},
         "worker_ids_at_end": {w.rank: w.wid for w in workers if w.rank >= 0},
         "step_times": steps,
+        "pids_at_start": pids_at_start,
     }
+    if killed_after_done:
+        report["killed_after_done"] = killed_after_done
+    return report

@@ -38,14 +38,10 @@ def supervisor_config(cfg) -> SupervisorConfig:
             f"{d.num_nodes} nodes cannot survive the loss of a node: a slice needs at least one "
             f"copy on another node (factor >= 2) and its copies on distinct nodes (factor <= "
             f"{d.num_nodes}). Use checkpointless.replication.factor=2")
-    return SupervisorConfig(
-        nproc=d.num_processes, spares=c.spares if c.enabled else 0, refill=c.refill,
-        heartbeat_timeout_s=c.heartbeat_timeout_s, backend=backend, host=d.master_addr,
-        port=d.master_port, seed=cfg.run.seed, pg_timeout_s=c.pg_timeout_s,
-        spare_wait_s=c.spare_wait_s, confirm_s=c.confirm_s, enabled=c.enabled,
-        max_replacement_failures=c.max_replacement_failures,
-        consistency_every=c.consistency_every,
-        nodes=d.num_nodes, spare_nodes=c.spare_nodes, node_timeout_s=c.node_timeout_s,
+    # every knob of the recipe's checkpointless section under its own name; the rest here
+    return SupervisorConfig.of(
+        c, nproc=d.num_processes, spares=c.spares if c.enabled else 0, backend=backend,
+        host=d.master_addr, port=d.master_port, seed=cfg.run.seed, nodes=d.num_nodes,
         standalone=d.standalone_coordinator,
         replication={"factor": c.replication.factor, "interval": c.replication.interval,
                      "offset": replica_offset(placement, per_node)},
@@ -156,7 +152,7 @@ def _stop_on_signals(sup) -> None:
 
 def _node_agent(cfg, recipe_file: Path) -> dict | None:
     """Serve the coordinator as node `node_rank`; a report of this node's exit."""
-    from checkpointless.nodes import run_agent
+    from checkpointless.agent import run_agent
     d, c = cfg.distributed, cfg.checkpointless
     per_node = d.num_processes // d.num_nodes
     spare_node = d.node_rank >= d.num_nodes

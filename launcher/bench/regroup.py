@@ -30,8 +30,8 @@ def _member(rank: int, world: int, port: int, generations: int, out) -> None:
     store = membership.connect("127.0.0.1", port)
     times = []
     for gen in range(generations):
-        store.add(f"start/{gen}", 1)  # everyone is ready: time only the regroup itself
-        while membership.counter(store, f"start/{gen}") < world:
+        store.add(protocol.bench_start_key(gen), 1)  # all ready: time only the regroup itself
+        while membership.counter(store, protocol.bench_start_key(gen)) < world:
             time.sleep(0.001)
         t0 = time.perf_counter()
         key = protocol.barrier_key(gen)

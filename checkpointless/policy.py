@@ -1,0 +1,184 @@
+"""The supervisor's decisions, as pure functions over plain data.
+
+The supervisor (supervisor.py) gathers facts from the store and its processes; what to make of
+them is decided here: when the run stops (each rule returns the message it stops with, or None),
+what a failure's cause is, which worker is hung, and which spares take the lost ranks.
+"""
+from __future__ import annotations
+
+
+# ---- stop rules: each returns why the run stops, or None -------------------------------------
+def startup_failure(wid: int, rank: int, code, ready: bool) -> str | None:
+    """A worker lost before it finished starting up is a bug, not a fault."""
+    if ready:
+        return None
+    return (f"worker {wid} (rank {rank}) exited with code {code} before it finished starting "
+            "up; its output above says why. A start-up failure is a bug, not a fault to recover "
+            "from")
+
+
+def clean_exit(wid: int, rank: int, code, hung: bool, node_lost: bool) -> str | None:
+    """A worker that exited 0 without job.finish() left its loop: no spare can help."""
+    if hung or node_lost or code != 0:
+        return None
+    return (f"worker {wid} (rank {rank}) exited with code 0 without calling job.finish() "
+            "(accelerator.end_training()): a clean exit before the job finished is a script that "
+            "left its loop, not a fault a spare could recover from. Call job.finish() "
+            "(accelerator.end_training()) at the end of the script, on every rank")
+
+
+def disabled(enabled: bool, rank: int, wid: int, cause: str, code) -> str | None:
+    """With checkpointless off, the first failure ends the run."""
+    if enabled:
+        return None
+    return (f"rank {rank} (worker {wid}) failed ({cause}, exit code {code}) and checkpointless "
+            "is off: the run stops here")
+
+
+def none_left(active: int, errors: list[str]) -> str | None:
+    """Every active worker failed at once: no peer holds the state."""
+    if active:
+        return None
+    first = errors[0].rstrip().splitlines()[-1] if errors else "see the output above"
+    return ("every active worker failed at once: no healthy peer holds the training state, so "
+            f"there is nothing to recover from. The first error: {first}")
+
+
+def crashes_after(before: int, stepped: bool) -> int:
+    """A rank's replacements lost in a row before completing a first step."""
+    return 0 if stepped else before + 1
+
+
+def crash_loop(rank: int, crashes: int, limit: int, error: str | None, code) -> str | None:
+    """A replacement that dies before its first step, again and again, is a bug (a collective
+    in its start-up the others do not join, a bad device): stop with its own error."""
+    if crashes < limit:
+        return None
+    why = error.rstrip() if error else f"exit code {code}; its output above says why"
+    return (f"the replacement for rank {rank} failed before completing its first step "
+            f"{crashes} times in a row (checkpointless.max_replacement_failures={limit}): this "
+            f"is a bug, not bad luck. The last one's error:\n{why}")
+
+
+def escalation(failures: list, f) -> str | None:
+    """An error that strikes again at the same step is a bug, not a fault. `failures`: every
+    failure so far (objects with cause, step, rank, error), `f` among them."""
+    same = [g for g in failures if g is not f and g.cause == "error" == f.cause
+            and g.step == f.step]
+    if not same:
+        return None
+    last = (f.error or "").rstrip().splitlines()[-1:] or ["(no message)"]
+    return (f"step {f.step} raised an error again after a recovery (ranks {same[0].rank} and "
+            f"{f.rank}): this is a bug in the step, not a transient fault. The error: {last[0]}")
+
+
+def no_spare_left(lost: int, live_spares: int, spares: int, refill: bool) -> str | None:
+    """Ranks are lost and not even a warming spare is left."""
+    if live_spares:
+        return None
+    return (f"{lost} rank(s) lost and no spare left (checkpointless.spares={spares}, "
+            f"refill={refill}); the run stops here. Raise checkpointless.spares or enable "
+            "checkpointless.refill")
+
+
+def spare_wait_over(waited_s: float, spare_wait_s: float) -> str | None:
+    """No spare became ready in time."""
+    if waited_s <= spare_wait_s:
+        return None
+    return (f"no spare became ready within checkpointless.spare_wait_s={spare_wait_s:g} s; the "
+            "run stops here. Raise it if spares start slowly on this machine")
+
+
+def bad_exits(codes: dict[int, int | None]) -> str | None:
+    """Workers that reported done but exited with an error of their own: the script failed."""
+    bad = sorted(wid for wid, c in codes.items() if c is not None and c > 0)
+    if not bad:
+        return None
+    return f"workers {bad} reported done but exited non-zero (exit codes {[codes[w] for w in bad]})"
+
+
+# ---- facts made of records -------------------------------------------------------------------
+def killed_after_done(codes: dict[int, int | None]) -> list[int]:
+    """Done workers killed by a signal once their result was in (a node going down as the job
+    ends): nothing is lost."""
+    return sorted(wid for wid, c in codes.items() if c is not None and c < 0)
+
+
+def cause(node_lost: bool, hung: bool, diverged: bool, error) -> str:
+    return "node_lost" if node_lost else "hang" if hung else "diverged" if diverged \
+        else "error" if error else "exit"
+
+
+def job_step(beats) -> int:
+    """The step the job is at: the furthest of the workers' heartbeats (None: no beat yet)."""
+    return max((b["step"] for b in beats if b), default=0)
+
+
+def find_hung(beats: dict[int, dict], timeout_s: float, now: float,
+              stopped=lambda wid: False) -> list[int]:
+    """Workers silent longer than `timeout_s` that are stopped (`stopped(wid)`), or behind
+    while the whole job has stalled.
+
+    `beats` maps worker id to its last heartbeat ({t, step, ...}); workers with no beat yet are
+    still warming up and are not judged. A worker beats at the start of each step, so in lockstep
+    one rank may be a beat ahead of another for a whole step: "behind" means something only once
+    every worker has been silent past the timeout (a stalled job), never while a step merely
+    takes longer than the timeout (a large model, a loaded machine).
+    """
+    live = {w: b for w, b in beats.items() if b is not None and b.get("phase") != "done"}
+    if not live:
+        return []
+    silent = {w for w, b in live.items() if now - b["t"] > timeout_s}
+    stalled = silent == set(live)
+    lead = max(b["step"] for b in live.values())
+    return [w for w in sorted(silent) if stopped(w) or (stalled and live[w]["step"] < lead)]
+
+
+# ---- cadence ---------------------------------------------------------------------------------
+class Every:
+    """A timer of the supervisor's loop: due(now) is true at most once per period."""
+
+    def __init__(self, period_s: float):
+        self.period_s, self.at = period_s, 0.0
+
+    def due(self, now: float) -> bool:
+        if now < self.at:
+            return False
+        self.at = now + self.period_s
+        return True
+
+
+# ---- spares ----------------------------------------------------------------------------------
+def choose_spares(ready: list, failed: list[tuple[int, int]], lost_nodes: set[int],
+                  spare_nodes: set[int]) -> list | None:
+    """Ready spares (objects with wid, node, slot, in order of preference) for the failed
+    (node, slot) pairs, in the same order; None when too few are ready.
+
+    A lost node's ranks go together to one spare node whose ready spares cover their local
+    slots (devices), each to the same slot; a process lost on a healthy node goes to a spare on
+    that node when there is one, else to any."""
+    chosen: list = [None] * len(failed)
+    used: set[int] = set()
+    by_node: dict[int, list[int]] = {}
+    for i, (node, _) in enumerate(failed):
+        by_node.setdefault(node, []).append(i)
+    for node, idx in by_node.items():
+        if node not in lost_nodes:
+            continue
+        for k in sorted(spare_nodes):
+            here = {w.slot: w for w in ready if w.node == k and w.wid not in used}
+            if all(failed[i][1] in here for i in idx):
+                for i in idx:
+                    chosen[i] = here[failed[i][1]]
+                    used.add(chosen[i].wid)
+                break
+    for i, (node, _) in enumerate(failed):
+        if chosen[i] is not None:
+            continue
+        free = [w for w in ready if w.wid not in used]
+        pick = ([w for w in free if w.node == node] or free or [None])[0]
+        if pick is None:
+            return None
+        chosen[i] = pick
+        used.add(pick.wid)
+    return chosen
