@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from .data import check_loader
+from . import protocol
 from .ddp import DistributedDataParallel
 from .grads import all_reduce_grads, summed_extra
 from .seeding import seed_all, step_seed
@@ -36,7 +37,7 @@ class PlainJob:
         # (pytorch#135712). A prefix per restart round keeps each round's keys apart.
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                               is_master=False, timeout=timedelta(seconds=300))
-        prefix = f"plainjob/restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        prefix = protocol.plain_prefix(os.environ.get('TORCHELASTIC_RESTART_COUNT', '0'))
         dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank,
                                 world_size=world)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
