@@ -5,13 +5,7 @@ import hashlib
 
 import torch
 
-
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor: a DTensor (FSDP2 shard) is gathered, a plain tensor returned as is.
-
-    Gathering is a collective, so every rank must call this for the same tensors in the same order.
-    """
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+from .tensors import full_tensor
 
 
 class StateDigest:

@@ -32,6 +32,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .tensors import is_dtensor, local_part
+
 _DONE = re.compile(r"^step-(\d{8})$")
 _PARTIAL = re.compile(r"^\.step-(\d{8})\.g(\d+)\.tmp$")
 _OLD_FORMAT = re.compile(r"^step-(\d{8})\.pt$")  # the single-file format before this one
@@ -80,8 +82,7 @@ def host_copy(value):
     local shard of a DTensor: the only part of it this rank writes); of anything else, a deep
     copy."""
     if isinstance(value, torch.Tensor):
-        local = value.to_local() if hasattr(value, "to_local") else value
-        return local.detach().to("cpu", copy=True)
+        return local_part(value).detach().to("cpu", copy=True)
     return copy.deepcopy(value)
 
 
@@ -102,7 +103,7 @@ class _SnapshotPlanner:
 
             def swap_in_copies(self) -> None:
                 live = self.state_dict
-                self.sharded = {k for k, v in live.items() if hasattr(v, "to_local")}
+                self.sharded = {k for k, v in live.items() if is_dtensor(v)}
                 self.state_dict = {k: host_copy(v) for k, v in live.items()}
 
             def lookup_object(self, index):

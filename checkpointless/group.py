@@ -1,20 +1,23 @@
-"""The process group of one generation: built on the store, torn down, and handed to FSDP.
+"""The process group of one generation: built on the store, torn down, aborted, and handed to FSDP.
 
 Each generation gets a fresh group on its own store prefix. Before it is built, the members meet
 at a barrier on the store, so a member that died after the plan was published cannot block the
 others inside the group's constructor. Tearing a group down must release any peer still blocked
-on it: gloo's abort does not, so a leaving worker also shuts its group's sockets (release.py).
+on it: gloo's abort does not, so a leaving worker also shuts its group's sockets
+(sever_peer_connections). A Watch thread aborts the group the moment a newer plan is published.
 """
 from __future__ import annotations
 
+import os
+import socket
+import threading
+import time
 from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 
 from . import membership, protocol
 from .failures import communicating
-from .release import sever_peer_connections
 
 
 class Group:
@@ -93,16 +96,109 @@ class Group:
                         info.shard_process_group = group
 
 
+def sever_peer_connections(keep_ports: set[int]) -> int:
+    """Shut down every established TCP connection of this process except those to `keep_ports`
+    (the store). Returns how many were shut down.
+
+    A gloo collective waits until every peer it talks to sends or closes the connection. A worker
+    that leaves a broken group for recovery stays alive, and destroying its group object does not
+    always close the sockets (other objects, FSDP's among them, can keep the group alive), so a
+    peer blocked on it would wait for the process-group timeout. Shutting the group's TCP
+    connections down by hand turns that wait into an immediate connection error on the peer's
+    side, the same error a dead process gives."""
+    n = 0
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return 0
+    for name in fds:
+        fd = int(name)
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            s = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            if s.type != socket.SOCK_STREAM or s.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            try:
+                peer_port = s.getpeername()[1]
+                local_port = s.getsockname()[1]
+            except OSError:
+                continue  # a listening socket: no peer
+            if peer_port in keep_ports or local_port in keep_ports:
+                continue
+            s.shutdown(socket.SHUT_RDWR)
+            n += 1
+        except OSError:
+            pass
+        finally:
+            s.close()  # closes our duplicate only; the shutdown applies to the connection
+    return n
+
+
+# How long one blocking wait lasts. Long: a wait that times out makes c10d log a warning.
+_WAIT_S = 24 * 3600.0
+
+
+class Watch:
+    """Owns the thread (and its own store connection) that follows the published generations,
+    and aborts the process group the moment the membership moves on mid-step.
+
+    Gloo usually raises at once when a peer dies, but a rank whose ring neighbours are alive and
+    equally stuck, or any rank on NCCL, would wait for the process-group timeout. The supervisor
+    publishes the next plan as soon as it has declared a worker lost; this thread blocks in the
+    store until that plan appears and then aborts the communicator, which turns the wait into an
+    immediate error that the step scope recovers from.
+
+    `latest_gen` is the newest generation seen; `generation()` gives the worker's own, `in_step()`
+    whether it is inside a step, and `abort()` aborts its group."""
+
+    def __init__(self, host: str, port: int, generation, in_step, abort):
+        self.host, self.port = host, port
+        self.generation, self.in_step, self.abort = generation, in_step, abort
+        self.latest_gen = -1
+        self._stop = threading.Event()
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, daemon=True, name="checkpointless-watch").start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def moved(self, gen: int) -> bool:
+        """A generation newer than `gen` has been published."""
+        return self.latest_gen > gen
+
+    def _run(self) -> None:
+        store = membership.connect(self.host, self.port)
+        while not self._stop.is_set():
+            g = max(self.generation(), self.latest_gen) + 1
+            t0 = time.time()
+            try:
+                store.wait([protocol.plan_key(g)], timedelta(seconds=_WAIT_S))
+            except Exception:
+                if time.time() - t0 < _WAIT_S / 2:  # not a timeout: the store is gone, job over
+                    return
+                continue
+            mine = self.generation()
+            if mine >= 0 and g > mine and g > self.latest_gen:
+                self.latest_gen = g
+                if self.in_step():
+                    self.abort()
+
+
 def side_group(host: str, port: int, gen: int, rank: int, world_size: int, timeout_s: float):
     """A second gloo group over generation `gen`'s members, for the replica exchange thread
     (redundancy.py): one group's calls must not run from two threads at once.
 
     Built in that thread on its own store connection, under its own prefix, and never registered
     with torch.distributed, so FSDP and the training group know nothing of it. Tearing down the
-    training group shuts its sockets too (release.py severs every peer connection)."""
+    training group shuts its sockets too (sever_peer_connections shuts every peer connection)."""
     store = membership.connect(host, port)
-    return dist.ProcessGroupGloo(dist.PrefixStore(f"replicas/{gen}", store), rank, world_size,
-                                 timedelta(seconds=timeout_s))
+    return dist.ProcessGroupGloo(dist.PrefixStore(protocol.replicas_prefix(gen), store), rank,
+                                 world_size, timedelta(seconds=timeout_s))
 
 
 def reshard_all(modules) -> None:
@@ -143,11 +239,3 @@ def _drop_unsharded_grads(state) -> None:
             unsharded.grad = None
         if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
             fsdp_param.unsharded_accumulated_grad = None
-
-
-def is_dtensor(t) -> bool:
-    return hasattr(t, "device_mesh") and hasattr(t, "to_local")
-
-
-def local_part(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if is_dtensor(t) else t

@@ -24,9 +24,8 @@ from . import detection, membership, protocol, restore
 from .failures import Evicted, is_peer_failure
 from .faults import FaultInjector
 from .grads import KeptGrads
-from .group import Group
+from .group import Group, Watch
 from .state import ProtectedState
-from .watch import Watch
 
 
 class Phase(enum.Enum):

@@ -17,7 +17,7 @@ rank finished step P-1, whose collectives every rank joined after finishing its 
 So version P-2k is complete on every holder, and at most two newer ones are in flight or partial.
 Each side therefore keeps three versions: own snapshots v-2k, v-k, v, and held copies v-2k, v-k
 plus the one arriving. A failure at any moment leaves a version that every slice has somewhere
-(restorable_step finds the newest). Buffers of dropped versions are reused, not reallocated.
+(restore.restorable_step finds the newest). Buffers of dropped versions are reused, not reallocated.
 """
 from __future__ import annotations
 
@@ -183,8 +183,8 @@ class ShardReplicas:
         """Leave the current generation's exchange: whatever it still does is discarded.
 
         Called when a recovery begins. The thread may be blocked on a dead peer (tearing the
-        group down shuts its sockets too, release.py) or still building its group; it is never
-        joined (unless `join_s`). It commits nothing once the token moved, and the buffer it may
+        group down shuts its sockets too: group.sever_peer_connections) or still building its
+        group; it is never joined (unless `join_s`). It commits nothing once the token moved, and the buffer it may
         still be sending from is never reused."""
         with self._lock:
             self._token += 1
@@ -317,37 +317,3 @@ def _wait_all(works) -> None:
     for w in works:
         w.wait()
 
-
-def restorable_step(infos: list[dict]) -> int | None:
-    """The newest step to which every member's slice can be brought.
-
-    `infos[r]` = {"completed": steps done by rank r (-1: a spare, holds nothing),
-                  "own": steps of r's own snapshots, "held": {rank: steps of its copies}}.
-    A member with state can be at step s if it completed exactly s or snapshotted s; a spare's
-    rank can be at s if a member with state holds a copy of that rank's slice at s.
-    """
-    with_state = [r for r, i in enumerate(infos) if i["completed"] >= 0]
-    spares = [r for r, i in enumerate(infos) if i["completed"] < 0]
-    candidates = {i["completed"] for i in infos if i["completed"] >= 0}
-    candidates |= {s for i in infos for s in i["own"]}
-    for s in sorted(candidates, reverse=True):
-        if not all(infos[r]["completed"] == s or s in infos[r]["own"] for r in with_state):
-            continue
-        if all(any(s in infos[h]["held"].get(str(f), []) for h in with_state) for f in spares):
-            return s
-    return None
-
-
-def pick_holders(infos: list[dict], step: int) -> dict[int, int]:
-    """For each spare's rank, a member holding its slice at `step`, spreading the load."""
-    load: dict[int, int] = {}
-    out = {}
-    for f, info in enumerate(infos):
-        if info["completed"] >= 0:
-            continue
-        holders = [h for h, i in enumerate(infos) if i["completed"] >= 0
-                   and step in i["held"].get(str(f), [])]
-        h = min(holders, key=lambda x: (load.get(x, 0), x))
-        load[h] = load.get(h, 0) + 1
-        out[f] = h
-    return out

@@ -8,6 +8,9 @@ Sharded state (fsdp): each rank holds the only live copy of its slice, so the me
 newest step to which every slice can be brought: a survivor rolls back to its own snapshot, a
 spare receives its rank's slice from a peer that holds a copy (redundancy.py). When some slice has
 no copy left anywhere, every rank loads the newest durable checkpoint instead, and says so.
+
+Who sends to whom is decided by pure functions over what the members told each other
+(assign_sources, restorable_step, pick_holders, at the end); transfer.py moves the bytes.
 """
 from __future__ import annotations
 
@@ -20,7 +23,6 @@ import torch.distributed as dist
 from . import transfer
 from .failures import communicating
 from .group import reshard_all
-from .redundancy import pick_holders, restorable_step
 from .state import ProtectedState
 
 
@@ -71,7 +73,7 @@ def _restore_replicated(state: ProtectedState, me: Position, hook) -> Outcome:
     # when every source redoes the step from kept gradients, it only waits for the receivers
     if me.rank in receivers and all(kept[r] for r in sources):
         out.catching_up = len(receivers)
-    pairs = transfer.assign_sources(receivers, sources)
+    pairs = assign_sources(receivers, sources)
     sent = received = 0
     t0 = time.time()
     for dst, src in pairs.items():
@@ -157,3 +159,47 @@ def _restore_from_disk(state: ProtectedState, me: Position, info: dict, newest: 
     info.update(restored_from="durable_checkpoint", steps_redone=max(0, newest - step),
                 transfer_s=time.time() - t0)
     return Outcome(resumed_step=step, drop_kept_grads=True, info=info)
+
+
+# ---- agreement: pure functions over what the members said
+
+def assign_sources(receivers: list[int], sources: list[int]) -> dict[int, int]:
+    """Pair each receiver with a source, spreading receivers evenly over the sources."""
+    if receivers and not sources:
+        raise RuntimeError("no healthy worker holds the state: nothing to copy from")
+    return {r: sources[i % len(sources)] for i, r in enumerate(sorted(receivers))}
+
+
+def restorable_step(infos: list[dict]) -> int | None:
+    """The newest step to which every member's slice can be brought.
+
+    `infos[r]` = {"completed": steps done by rank r (-1: a spare, holds nothing),
+                  "own": steps of r's own snapshots, "held": {rank: steps of its copies}}.
+    A member with state can be at step s if it completed exactly s or snapshotted s; a spare's
+    rank can be at s if a member with state holds a copy of that rank's slice at s.
+    """
+    with_state = [r for r, i in enumerate(infos) if i["completed"] >= 0]
+    spares = [r for r, i in enumerate(infos) if i["completed"] < 0]
+    candidates = {i["completed"] for i in infos if i["completed"] >= 0}
+    candidates |= {s for i in infos for s in i["own"]}
+    for s in sorted(candidates, reverse=True):
+        if not all(infos[r]["completed"] == s or s in infos[r]["own"] for r in with_state):
+            continue
+        if all(any(s in infos[h]["held"].get(str(f), []) for h in with_state) for f in spares):
+            return s
+    return None
+
+
+def pick_holders(infos: list[dict], step: int) -> dict[int, int]:
+    """For each spare's rank, a member holding its slice at `step`, spreading the load."""
+    load: dict[int, int] = {}
+    out = {}
+    for f, info in enumerate(infos):
+        if info["completed"] >= 0:
+            continue
+        holders = [h for h, i in enumerate(infos) if i["completed"] >= 0
+                   and step in i["held"].get(str(f), [])]
+        h = min(holders, key=lambda x: (load.get(x, 0), x))
+        load[h] = load.get(h, 0) + 1
+        out[f] = h
+    return out

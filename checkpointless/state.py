@@ -7,8 +7,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from .data import LoaderPosition, check_loader
-from .group import is_dtensor, local_part
 from .redundancy import KEEP, ShardReplicas
+from .tensors import is_dtensor, local_part
 
 
 class ProtectedState:

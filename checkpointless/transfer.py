@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .failures import communicating
+from .tensors import local_tensor
 
 
 class _TensorRef:
@@ -36,10 +37,7 @@ def strip_tensors(obj) -> tuple[object, list[torch.Tensor]]:
         if isinstance(x, torch.Tensor):
             # a DTensor: its local shard only, read as an attribute (detach and to_local go
             # through DTensor's dispatch, ~0.1 ms a tensor: most of a snapshot's cost)
-            t = getattr(x, "_local_tensor", None)
-            if t is None:
-                t = x.to_local() if hasattr(x, "full_tensor") else x
-            t = t.detach()
+            t = local_tensor(x).detach()
             tensors.append(t)
             return _TensorRef(len(tensors) - 1, t.dtype, tuple(t.shape))
         if isinstance(x, dict):
@@ -142,11 +140,4 @@ def recv_state(src: int, group=None):
 
 class IntegrityError(RuntimeError):
     """A transferred state did not match its digest."""
-
-
-def assign_sources(receivers: list[int], sources: list[int]) -> dict[int, int]:
-    """Pair each receiver with a source, spreading receivers evenly over the sources."""
-    if receivers and not sources:
-        raise RuntimeError("no healthy worker holds the state: nothing to copy from")
-    return {r: sources[i % len(sources)] for i, r in enumerate(sorted(receivers))}
 

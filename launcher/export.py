@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from checkpointless.digest import StateDigest, full_tensor
+from checkpointless.digest import StateDigest
+from checkpointless.tensors import full_tensor
 
 INDEX = "model.safetensors.index.json"
 
@@ -160,8 +161,7 @@ def export_lora(cfg, model, state: dict, tokenizer, out_dir: Path) -> None:
 
     The live model is left untouched (merging or unloading it would change this rank's
     parameters before the replicas are compared): copies are built on the CPU from `state`."""
-    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
-             for k, v in state.items()}
+    state = {k: full_tensor(v).detach().cpu() for k, v in state.items()}
 
     def copy():
         from .model_setup import build

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 import checkpointless
+from checkpointless.tensors import full_tensor, local_tensor
 
 from .checkpoints import durable_checkpoints
 from .data import to_device
@@ -197,8 +198,7 @@ def train_step(run: Run, step: int):
     # unscaled first under fp16; torch's clip_grad_norm_ otherwise (the same bits)
     clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), clip)
-    if hasattr(grad_norm, "full_tensor"):
-        grad_norm = grad_norm.full_tensor()
+    grad_norm = full_tensor(grad_norm)
     run.opt.step()  # under fp16 the GradScaler skips an update with inf/nan gradients
     run.opt.zero_grad(set_to_none=True)
     if run.ckpt and (step + 1) % cfg.checkpoint.interval == 0:
@@ -266,7 +266,7 @@ def finish_run(run: Run) -> None:
         run.ckpt.close()  # the last write overlapped the export; it is on disk before we finish
     if metrics:
         metrics.close()
-    local = sum(getattr(p, "_local_tensor", p).numel() for p in model.parameters())
+    local = sum(local_tensor(p).numel() for p in model.parameters())
     write_results(run, digest, local, full_params)
     job.finish({"params_sha256": digest, "local_params": local,
                 "full_params": full_params, "final_loss": run.loss_value,

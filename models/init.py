@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.overrides import TorchFunctionMode
 
+from checkpointless.tensors import is_dtensor, local_part
+
 # calls that replace every value of the tensor they are given: earlier calls on it are moot
 _INIT_FUNCTIONS = {"uniform_", "normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
                    "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_",
@@ -191,11 +193,7 @@ class EmptyBuild:
 
 
 def is_meta(model: torch.nn.Module) -> bool:
-    return any(_local(p).is_meta for p in model.parameters())
-
-
-def _local(p):
-    return p.to_local() if hasattr(p, "to_local") else p
+    return any(local_part(p).is_meta for p in model.parameters())
 
 
 def materialize(model: torch.nn.Module, rules: InitRules, seed: int, device,
@@ -221,7 +219,7 @@ def materialize(model: torch.nn.Module, rules: InitRules, seed: int, device,
                 b.copy_(buffers[name])
         total = 0
         for name, p in model.named_parameters():
-            local = _local(p)
+            local = local_part(p)
             total += local.numel() * local.element_size()
             if not fill(name, p):
                 continue
@@ -237,7 +235,7 @@ def materialize(model: torch.nn.Module, rules: InitRules, seed: int, device,
 
 def _my_part(full: torch.Tensor, p) -> torch.Tensor:
     """The slice of `full` that this rank holds of parameter `p` (all of it when not sharded)."""
-    if not hasattr(p, "device_mesh"):
+    if not is_dtensor(p):
         return full
     from torch.distributed.tensor import distribute_tensor
     # src_data_rank=None: every rank cuts its part from its own copy, no communication

@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from checkpointless import detection, failures, faults, goodput, membership, protocol, transfer
+from checkpointless import (detection, failures, faults, goodput, membership, protocol, restore,
+                            transfer)
 from checkpointless.grads import all_reduce_grads
 from checkpointless.seeding import step_seed
 from tests.conftest import spawn_gloo
@@ -86,11 +87,11 @@ def test_state_transfer_over_gloo_is_exact_and_a_flipped_bit_is_refused(flip):
 
 
 def test_sources_are_load_balanced():
-    pairs = transfer.assign_sources([1, 3, 5, 6], [0, 2])
+    pairs = restore.assign_sources([1, 3, 5, 6], [0, 2])
     assert sorted(pairs) == [1, 3, 5, 6]
     assert sorted(pairs.values()) == [0, 0, 2, 2]
     with pytest.raises(RuntimeError, match="no healthy worker"):
-        transfer.assign_sources([1], [])
+        restore.assign_sources([1], [])
 
 
 def _raise_inside_torch_distributed():
@@ -234,7 +235,7 @@ def test_watch_thread_aborts_the_communicator_when_membership_moves_mid_step():
     """The NCCL release path: a survivor stuck in a collective is freed by aborting its
     communicator as soon as the supervisor publishes a new generation (no NCCL here, so the
     abort call itself is observed)."""
-    from checkpointless.watch import Watch
+    from checkpointless.group import Watch
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     store.set(protocol.GEN, "0")
     calls = []

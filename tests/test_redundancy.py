@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from checkpointless.redundancy import ShardReplicas, pick_holders, restorable_step
+from checkpointless.redundancy import ShardReplicas
+from checkpointless.restore import pick_holders, restorable_step
 from tests.conftest import spawn_gloo
 
 

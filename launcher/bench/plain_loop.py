@@ -6,9 +6,9 @@ The same model, tokenizer, data order, threads, precision, AdamW groups and lr s
 launcher/loop.py (imported from it, so the two cannot drift apart), but the step is torch alone:
 `torch.nn.parallel.DistributedDataParallel` with its default settings for ddp, FSDP2's
 `fully_shard` for fsdp, no supervisor, no join, nothing of checkpointless in the step (only the
-final digest is checkpointless.digest's, so equal bits show equal digests). It writes the
-recipe loop's metrics.jsonl records and results/rank<r>.json, so the benchmark reads both the same
-way.
+final digest is checkpointless.digest's, so equal bits show equal digests, and the count of local
+parameters is checkpointless.tensors'). It writes the recipe loop's metrics.jsonl records and
+results/rank<r>.json, so the benchmark reads both the same way.
 
 `launcher.loop` imports checkpointless at module level, so the package is loaded here, but nothing
 in it runs: the step below calls torch only.
@@ -26,6 +26,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from checkpointless.digest import state_sha256
+from checkpointless.tensors import local_tensor
 
 from ..data import to_device
 from ..loop import Metrics, build_optimizer, lr_at
@@ -91,7 +92,7 @@ def main(recipe_file: str) -> None:
         metrics.close()
     trainable = [p for p in model.parameters() if p.requires_grad]
     result = {"params_sha256": sha, "rank": rank, "final_loss": loss_value, "steps": t.max_steps,
-              "local_params": sum(getattr(p, "_local_tensor", p).numel() for p in trainable),
+              "local_params": sum(local_tensor(p).numel() for p in trainable),
               "full_params": sum(v.numel() for v in state.values())}
     (out_dir / "results").mkdir(exist_ok=True)
     (out_dir / "results" / f"rank{rank}.json").write_text(json.dumps(result))
