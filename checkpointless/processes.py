@@ -49,10 +49,8 @@ def kill_tree(proc: subprocess.Popen, sig=signal.SIGKILL) -> None:
     """Signal the process and whatever it started: a child left behind (a DataLoader worker)
     would keep a dead worker's connections open and its peers blocked on them."""
     try:
-        os.killpg(proc.pid, sig)
+        os.killpg(proc.pid, sig)  # its own group (start_process), the process included
     except (ProcessLookupError, PermissionError):
-        pass
-    if proc.poll() is None:
         try:
             proc.send_signal(sig)
         except ProcessLookupError:
