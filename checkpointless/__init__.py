@@ -11,6 +11,7 @@ Depends on torch only. The public API:
     DistributedDataParallel   drop-in for torch's wrapper: overlapped, fixed buckets (ddp.py)
     Job.between_steps(fn)     run fn (collectives allowed) after the loop; a peer failure in it is recovered
     Job.finish(result)        report this rank's result and leave
+    Job.steploop              the step boundary itself, for a loop of another shape (steploop.py)
     PeerFailure               what a collective raises when a peer was lost (failures.py)
     Supervisor                start workers and spares, detect failures, hand ranks to spares
 Run a script under it with `python -m checkpointless --nproc N --spares S script.py`.

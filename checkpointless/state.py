@@ -6,6 +6,7 @@ import os
 import torch
 from torch.utils.data import DataLoader
 
+from . import protocol
 from .data import LoaderPosition, check_loader
 from .redundancy import KEEP, ShardReplicas
 from .tensors import is_dtensor, local_part
@@ -39,9 +40,9 @@ class ProtectedState:
         self.objects.update(objects)
         sharded = any(is_dtensor(p) for m in self.modules() for p in m.parameters())
         if sharded and self.replicas is None:
-            rep = self.spec.replication
-            self.replicas = ShardReplicas(int(rep.get("factor", 2)), int(rep.get("interval", 1)),
-                                          int(rep.get("offset", 1)))
+            rep = {**protocol.default_replication(), **self.spec.replication}
+            self.replicas = ShardReplicas(int(rep["factor"]), int(rep["interval"]),
+                                          int(rep["offset"]))
             self.check_host_memory()
 
     def _on_optimizer_step(self, *_):

@@ -10,6 +10,8 @@ from contextlib import nullcontext
 import torch
 from omegaconf import OmegaConf
 
+from checkpointless import protocol
+
 from .data import to_device
 
 def setup(cfg):
@@ -19,7 +21,7 @@ def setup(cfg):
     backend = d.backend if d.backend != "auto" else ("nccl" if on_gpu else "gloo")
     if backend == "nccl":
         # the supervisor's device slot, or torchrun's local rank (the off and restart modes)
-        slot = int(os.environ.get("CL_DEVICE_SLOT", os.environ.get("LOCAL_RANK", "0")))
+        slot = int(os.environ.get(protocol.ENV_DEVICE_SLOT, os.environ.get("LOCAL_RANK", "0")))
         device = torch.device("cuda", slot % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:
