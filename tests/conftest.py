@@ -1,3 +1,14 @@
+"""What the tests share: the environment (set here, before any test module imports Hugging Face
+code), a few gloo processes, and the end-to-end runs.
+
+End-to-end runs start real worker processes (each imports torch, most transformers: ~13 s each on
+a 2-core machine), so they are written once here:
+- `train`: a recipe through the launcher's CLI, returning its report.json;
+- `supervised`: a script under the supervisor (`python -m checkpointless`), returning its report;
+- `final_digest` / `assert_same_bits`: the one params_sha256 every rank of a run ended with;
+- the session fixture `references`: failure-free runs, each trained once per session whichever
+  tests ask for it, keyed by (recipe or script, overrides).
+"""
 import os
 import sys
 from pathlib import Path
@@ -8,6 +19,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+
+import pytest  # noqa: E402
 
 
 def spawn_gloo(target, world: int, *args, timeout: float = 60.0) -> list:
@@ -28,38 +45,151 @@ def spawn_gloo(target, world: int, *args, timeout: float = 60.0) -> list:
             p.join(timeout=30)
 
 
-import pytest  # noqa: E402
+# ---- runs through the launcher -------------------------------------------------------------------
 
-
-@pytest.fixture(scope="session")
-def tiny_llama_30_steps_digest(tmp_path_factory):
-    """params_sha256 of tiny-llama, 1 node x 4 workers, 30 steps, no failure: the bits that
-    several fault tests must end with (trained once per session)."""
-    import json
-    import subprocess
-    out = tmp_path_factory.mktemp("tiny-llama-30")
-    r = subprocess.run([sys.executable, "-m", "launcher", "train", "tiny-llama",
-                        "checkpointless.spares=0", "trainer.max_steps=30",
-                        "trainer.progress_bar=false", f"run.output_dir={out / 'out'}",
-                        f"data.cache_dir={out / 'cache'}"], cwd=ROOT,
-                       env=dict(os.environ, HF_HUB_OFFLINE="1"), capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads((out / "out" / "report.json").read_text())["params_sha256"]
-
-
+# The failure-free runs several files end with (their bits) or start from (their disk state).
+# Spares never change the bits, so a reference trains without them.
+TINY_30 = ("trainer.max_steps=30",)  # tiny-llama, 1 node x 4 workers
 FSDP_12 = ("distributed.strategy=fsdp", "trainer.max_steps=12", "checkpoint.interval=4",
            "checkpoint.keep=3")
+# fsdp's memory savers together: bf16 compute over fp32 masters (MixedPrecisionPolicy),
+# per-block activation checkpointing, and accumulation reduce-scattering every micro-batch
+FSDP_SAVERS = ("trainer.precision=bf16", "model.gradient_checkpointing=true",
+               "trainer.grad_accum_steps=2")
+
+
+def launcher_cmd(tmp_path, out, recipe, *overrides, command="train") -> list:
+    """`python -m launcher train RECIPE` writing to `out`. The tokenized data is cached once per
+    session, beside the tests' own directories (tmp_path's parent is the session's base): its
+    key covers everything the rows depend on, so runs of the same data share it."""
+    return [sys.executable, "-m", "launcher", command, recipe, f"run.output_dir={out}",
+            f"data.cache_dir={tmp_path.parent / 'data-cache'}", "trainer.progress_bar=false",
+            *overrides]
+
+
+def train(tmp_path, name, recipe, *overrides, expect_rc=0, timeout=400, env=None):
+    """Train `recipe` through the CLI into tmp_path/name. Returns (out dir, report.json or None
+    when the run is expected to fail, the CompletedProcess)."""
+    out = tmp_path / name
+    r = subprocess.run(launcher_cmd(tmp_path, out, recipe, *overrides), capture_output=True,
+                       text=True, timeout=timeout, cwd=ROOT,
+                       env=None if env is None else dict(os.environ, **env))
+    assert r.returncode == expect_rc, (r.stdout[-3000:], r.stderr[-5000:])
+    report = json.loads((out / "report.json").read_text()) if expect_rc == 0 else None
+    return out, report, r
+
+
+def losses(out) -> list:
+    recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in recs if "step" in r]
+
+
+def assert_replicas_agree(report):
+    digests = set(report["params_sha256_by_rank"].values())
+    assert len(report["params_sha256_by_rank"]) == report["world_size"] and len(digests) == 1
+    assert report["params_sha256"] in digests
+
+
+# ---- runs under the supervisor -------------------------------------------------------------------
+
+def supervised(tmp_path, name, argv, *options, nproc=4, expect_rc=0, timeout=240, env=None):
+    """`python -m checkpointless --nproc N OPTIONS ARGV` (argv: the script and its arguments),
+    its report in tmp_path/name.json. Returns the report ({} if none was written) with the run's
+    stdout, stderr and took_s added."""
+    report = tmp_path / f"{name}.json"
+    full_env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **(env or {}))
+    t0 = time.time()
+    r = subprocess.run([sys.executable, "-m", "checkpointless", "--nproc", str(nproc),
+                        "--report", str(report), *options, *map(str, argv)],
+                       capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
+    assert r.returncode == expect_rc, (r.stdout[-3000:], r.stderr[-4000:])
+    rep = json.loads(report.read_text()) if report.exists() else {}
+    return dict(rep, stdout=r.stdout, stderr=r.stderr, took_s=time.time() - t0)
+
+
+# ---- the bits a run ended with -------------------------------------------------------------------
+
+def final_digest(rep) -> str:
+    """The params_sha256 of a run's final state, after asserting that every rank of it holds the
+    same one: a launcher's report.json, a supervisor's report, or a digest already."""
+    if isinstance(rep, str):
+        return rep
+    if "params_sha256_by_rank" in rep:
+        assert_replicas_agree(rep)
+        return rep["params_sha256"]
+    by_rank = rep["results_by_rank"]
+    digests = {v["params_sha256"] for v in by_rank.values()}
+    assert len(by_rank) == rep["world_size"] and len(digests) == 1, by_rank
+    return digests.pop()
+
+
+def assert_same_bits(rep, reference, *context):
+    """The run ended with the reference's bits (both: reports or digests); `context` is shown
+    when they differ."""
+    got, want = final_digest(rep), final_digest(reference)
+    assert got == want, (*context, rep.get("recoveries"), rep.get("failures"))
+
+
+class References:
+    """Failure-free runs, each trained once per session, keyed by what decides their bits."""
+
+    def __init__(self, tmp_path_factory):
+        self._tmp = tmp_path_factory
+        self._runs = {}
+
+    def _get(self, key, make):
+        if key not in self._runs:
+            self._runs[key] = make(self._tmp.mktemp("ref"))
+        return self._runs[key]
+
+    def train(self, recipe, *overrides):
+        """(out dir, report, CompletedProcess) of `recipe` with `overrides`, without spares."""
+        def make(tmp):
+            out, rep, r = train(tmp, "ref", recipe, *overrides, "checkpointless.spares=0")
+            assert rep["recoveries"] == [] and rep["status"] == "ok", rep
+            assert_replicas_agree(rep)
+            return out, rep, r
+        return self._get(("train", recipe, _key(overrides)), make)
+
+    def supervised(self, argv, *options, nproc=4, env=None):
+        """The report of `argv` under the supervisor, with `options` and `env`, without spares."""
+        def make(tmp):
+            rep = supervised(tmp, "ref", argv, *options, "--spares", "0", nproc=nproc, env=env)
+            assert rep["recoveries"] == [] and rep["status"] == "ok", rep
+            final_digest(rep)
+            return rep
+        key = ("supervised", tuple(map(str, argv)), _key(options), nproc,
+               tuple(sorted((env or {}).items())))
+        return self._get(key, make)
+
+
+def _key(overrides) -> tuple:
+    """Overrides as a key: in any order, and without the spares (they do not change the bits)."""
+    return tuple(sorted(o for o in overrides if not str(o).startswith("checkpointless.spares=")))
 
 
 @pytest.fixture(scope="session")
-def fsdp_12_steps(tmp_path_factory):
+def references(tmp_path_factory):
+    return References(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_30_steps(references):
+    """(out, report, CompletedProcess) of tiny-llama, 1 node x 4 workers, 30 steps, no failure."""
+    return references.train("tiny-llama", *TINY_30)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_30_steps_digest(tiny_llama_30_steps):
+    """The bits that several fault tests must end with."""
+    return tiny_llama_30_steps[1]["params_sha256"]
+
+
+@pytest.fixture(scope="session")
+def fsdp_12_steps(references):
     """(output dir, report) of tiny-llama under fsdp, 4 workers, 12 steps, checkpoints every 4,
-    no failure: the bits every fsdp fault test must end with (trained once per session), and
-    the disk state the fallback and resume tests start from."""
-    from tests.test_train_e2e import assert_replicas_agree, train
-    tmp = tmp_path_factory.mktemp("fsdp_ref")
-    out, rep, _ = train(tmp, "ref", "tiny-llama", *FSDP_12, "checkpointless.spares=0")
-    assert_replicas_agree(rep)
+    no failure: the bits every fsdp fault test must end with, and the disk state the fallback
+    and resume tests start from."""
+    out, rep, _ = references.train("tiny-llama", *FSDP_12)
     assert rep["steps_completed"] == 12
     return out, rep
