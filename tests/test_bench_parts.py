@@ -16,8 +16,8 @@ from launcher.bench.model import scenario, young_interval_s
 from launcher.bench.modes import mode_recipe
 from launcher.bench.paired import Turns, paired_modes
 from launcher.bench.records import read_records, run_digest, steps_in_turns, summarize
-from launcher.bench.report import (against_plain, consistency_line, grad_copy_line, model_table,
-                                   overlap_line, plain_line, table)
+from launcher.bench.report import (against_plain, consistency_line, grad_copy_line, overlap_line,
+                                   plain_line, table)
 from launcher.recipes import RecipeError
 
 
@@ -177,15 +177,6 @@ def test_model_goodput_moves_as_its_inputs_say():
     assert run_scenario(mtbf_h=1)["goodput_restart"] < base["goodput_restart"]
     assert base["young_tau_min"] == pytest.approx(
         math.sqrt(2 * base["checkpoint_s"] * 36000) / 60, rel=0.02)
-
-
-def test_model_text_names_the_measured_inputs():
-    rows, text = model_table({"checkpointless": {"recovery_s_median": 0.58}}, 0.025, 0.052)
-    assert "steady overhead +2.5%" in text and "recovery median 0.58 s" in text
-    assert "save 52 ms" in text
-    assert all(r["scenario"] in text for r in rows)
-    rows_none, text_none = model_table({}, None, 0.052)  # no overhead measured: taken as 0
-    assert "steady overhead +0.0%" in text_none
 
 
 def test_table_pads_columns_and_prints_missing_values_as_dash():

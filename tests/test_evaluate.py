@@ -1,11 +1,7 @@
 """Validation loss is the same figure whatever the world size: each row's loss lands in its own
 slot and the slots are summed in row order (launcher/evaluate.py). Plain torch and gloo."""
-import os
-import types
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 import math
+import types
 
 import pytest
 import torch
