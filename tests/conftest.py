@@ -97,7 +97,7 @@ def supervised(tmp_path, name, argv, *options, nproc=4, expect_rc=0, timeout=240
     its report in tmp_path/name.json. Returns the report ({} if none was written) with the run's
     stdout, stderr and took_s added."""
     report = tmp_path / f"{name}.json"
-    full_env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **(env or {}))
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
     t0 = time.time()
     r = subprocess.run([sys.executable, "-m", "checkpointless", "--nproc", str(nproc),
                         "--report", str(report), *options, *map(str, argv)],

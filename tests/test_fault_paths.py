@@ -2,51 +2,31 @@
 a user's own error with a misleading message, a second failure during a recovery, a spare that
 never becomes ready, a worker that dies before it joins, and a run with checkpointless off.
 Each recovered run ends with the bits of the failure-free run."""
-import json
-import os
-import subprocess
-import sys
-import time
-
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, assert_same_bits, final_digest, supervised
 
 pytestmark = pytest.mark.slow
 
-SCRIPT = str(ROOT / "tests/scripts/small_loop.py")
+SCRIPT = ROOT / "tests/scripts/small_loop.py"
+OPTIONS = ("--heartbeat-timeout", "3")
 
 
 def run(tmp_path, *args, expect_rc=0, timeout=180, **env):
-    report = tmp_path / "report.json"
-    full_env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
-                    MARKER_DIR=str(tmp_path), **env)
-    t0 = time.time()
-    r = subprocess.run([sys.executable, "-m", "checkpointless", "--nproc", "4",
-                        "--heartbeat-timeout", "3", "--report", str(report), *args, SCRIPT],
-                       capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
-    assert r.returncode == expect_rc, (r.stdout[-3000:], r.stderr[-4000:])
-    rep = json.loads(report.read_text()) if report.exists() else {}
-    rep.update(stdout=r.stdout, stderr=r.stderr, took_s=time.time() - t0)
-    return rep
+    """small_loop.py under the supervisor, 4 workers; `env` breaks it (see the script)."""
+    return supervised(tmp_path, "report", [SCRIPT], *OPTIONS, *args, expect_rc=expect_rc,
+                      timeout=timeout, env=dict(env, MARKER_DIR=str(tmp_path)))
 
 
-def digest(rep):
-    digests = {v["params_sha256"] for v in rep["results_by_rank"].values()}
-    assert len(rep["results_by_rank"]) == 4 and len(digests) == 1, rep["results_by_rank"]
-    return digests.pop()
-
-
-@pytest.fixture(scope="module")
-def clean_digest(tmp_path_factory):
-    rep = run(tmp_path_factory.mktemp("clean"), "--spares", "0")
-    assert rep["recoveries"] == [] and rep["status"] == "ok"
-    return digest(rep)
+@pytest.fixture
+def clean_digest(references):
+    """The failure-free run of small_loop.py (trained once per session)."""
+    return final_digest(references.supervised([SCRIPT], *OPTIONS))
 
 
 def test_own_error_with_a_misleading_message_is_replaced_within_seconds(tmp_path, clean_digest):
     rep = run(tmp_path, "--spares", "1", RAISE_AT="1:6")
-    assert digest(rep) == clean_digest
+    assert_same_bits(rep, clean_digest)
     (rec,) = rep["recoveries"]
     assert rec["cause"] == "error" and rec["failed_rank"] == 1 and rec["failed_at_step"] == 6
     assert "timed out reading shard 7" in rec["error"]  # its own message, in report.json
@@ -66,7 +46,7 @@ def test_own_error_again_at_the_same_step_stops_the_run_with_its_message(tmp_pat
 
 def test_the_replacement_killed_while_it_receives_the_state(tmp_path, clean_digest):
     rep = run(tmp_path, "--spares", "1", "--fault", "kill:2:5", "--fault", "kill:2:5@receive")
-    assert digest(rep) == clean_digest
+    assert_same_bits(rep, clean_digest)
     assert [f["rank"] for f in rep["failures"]] == [2, 2]
     assert "(receive)" in rep["stdout"]
     assert rep["recoveries"] and rep["recoveries"][-1]["resumed_step"] == 5
@@ -74,7 +54,7 @@ def test_the_replacement_killed_while_it_receives_the_state(tmp_path, clean_dige
 
 def test_a_survivor_killed_while_the_new_group_forms(tmp_path, clean_digest):
     rep = run(tmp_path, "--spares", "2", "--fault", "kill:2:5", "--fault", "kill:1:5@regroup")
-    assert digest(rep) == clean_digest
+    assert_same_bits(rep, clean_digest)
     assert sorted(f["rank"] for f in rep["failures"]) == [1, 2]
     assert "(regroup)" in rep["stdout"]
     for r in (0, 3):  # the other survivors kept their processes throughout
@@ -118,7 +98,7 @@ def test_a_silently_corrupted_replica_is_caught_named_and_replaced(tmp_path, cle
     # is named, leaves, and its replacement receives the majority's state, so nothing of the
     # corruption reaches a gradient and the run ends with the failure-free bits
     rep = run(tmp_path, "--spares", "1", "--consistency-every", "4", "--fault", "corrupt:2:8")
-    assert digest(rep) == clean_digest
+    assert_same_bits(rep, clean_digest)
     (rec,) = rep["recoveries"]
     assert rec["cause"] == "diverged" and rec["failed_rank"] == 2 and rec["resumed_step"] == 8
     assert "rank 2's parameters differ from the majority's at step 8" in rec["error"]
@@ -131,24 +111,26 @@ def test_a_corruption_the_periodic_check_misses_fails_the_run_at_the_end(tmp_pat
     assert rep["status"] == "failed"
 
 
-@pytest.mark.parametrize("fault", ["kill:2:5", "raise:1:6"])
-def test_dataloader_workers_forked_after_join_do_not_stall_a_recovery(tmp_path, clean_digest,
-                                                                       fault):
+def test_dataloader_workers_forked_after_join_do_not_stall_a_recovery(tmp_path, clean_digest):
     # DataLoader workers inherit the process group's sockets: the dead rank's children keep
-    # its connections open, and a survivor closing its own copies would not release its peers
-    rep = run(tmp_path, "--spares", "1", "--fault", fault, LOADER_WORKERS="2")
-    assert digest(rep) == clean_digest
-    (rec,) = rep["recoveries"]
-    assert rec["recovery_s"] < 10.0  # not the process-group timeout
+    # its connections open, and a survivor closing its own copies would not release its peers.
+    # A rank killed, then (in the next generation, whose replacement forked its own loader
+    # workers) one that raises.
+    rep = run(tmp_path, "--spares", "2", "--fault", "kill:2:5", "--fault", "raise:1:10",
+              LOADER_WORKERS="2")
+    assert_same_bits(rep, clean_digest)
+    assert [(r["failed_rank"], r["cause"], r["resumed_step"]) for r in rep["recoveries"]] == \
+        [(2, "exit", 5), (1, "error", 10)]
+    for rec in rep["recoveries"]:
+        assert rec["recovery_s"] < 10.0  # not the process-group timeout
 
 
-def test_the_drop_in_ddp_with_several_buckets_in_flight_recovers_a_kill(tmp_path):
+def test_the_drop_in_ddp_with_several_buckets_in_flight_recovers_a_kill(tmp_path, references):
     # several collectives per step: after the first fails no other may touch the broken group
     # (gloo aborts the process on stray bytes), and survivors redo the step from kept gradients
-    (tmp_path / "clean").mkdir()
-    clean = run(tmp_path / "clean", "--spares", "0", DDP_BUCKET_MB="0.004")
+    clean = references.supervised([SCRIPT], *OPTIONS, env={"DDP_BUCKET_MB": "0.004"})
     rep = run(tmp_path, "--spares", "1", "--fault", "kill:2:5", DDP_BUCKET_MB="0.004")
-    assert digest(rep) == digest(clean)
+    assert_same_bits(rep, clean)
     (rec,) = rep["recoveries"]
     assert rec["failed_rank"] == 2 and rec["ranks_reusing_grads"] == [0, 1, 3]
     assert [f["rank"] for f in rep["failures"]] == [2]  # no survivor was lost on the way
@@ -174,11 +156,13 @@ def test_a_rank_killed_after_the_loop_or_on_its_way_out_ends_with_the_failure_fr
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     before = run(tmp_path / "a", "--spares", "1", KILL_BEFORE_FINISH="2")
-    assert digest(before) == clean_digest and before["status"] == "ok"
+    assert_same_bits(before, clean_digest)
+    assert before["status"] == "ok"
     (rec,) = before["recoveries"]
     assert rec["failed_rank"] == 2 and rec["resumed_step"] == 16
     after = run(tmp_path / "b", "--spares", "1", KILL_AFTER_FINISH="1")
-    assert digest(after) == clean_digest and after["status"] == "ok"
+    assert_same_bits(after, clean_digest)
+    assert after["status"] == "ok"
     assert after["recoveries"] == [] and after["killed_after_done"] == [1]
     assert "workers [1] were killed (signals [9]) after reporting their results" in \
         after["stdout"] + after["stderr"]

@@ -79,8 +79,10 @@ for name, t in sorted(model.state_dict().items()):
 
 
 def kill_self_once(what: str) -> None:
+    if os.environ.get(what) != str(job.rank):
+        return
     marker = f"{os.environ['MARKER_DIR']}/{what}"
-    if os.environ.get(what) == str(job.rank) and not os.path.exists(marker):
+    if not os.path.exists(marker):
         open(marker, "w").close()
         os.kill(os.getpid(), 9)
         time.sleep(5)
