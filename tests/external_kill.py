@@ -13,11 +13,10 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, launcher_cmd
 
 
 def worker_pids(run_dir: Path, worker_id: int) -> list[int]:
@@ -67,11 +66,8 @@ def train_killing(tmp_path, name: str, recipe: str, moments, *overrides, victims
     out = tmp_path / name
     log_path = tmp_path / f"{name}.log"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "launcher", "train", recipe, f"run.output_dir={out}",
-             f"data.cache_dir={tmp_path / 'cache'}", "trainer.progress_bar=false", *overrides],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-            env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        proc = subprocess.Popen(launcher_cmd(tmp_path, out, recipe, *overrides), cwd=ROOT,
+                                stdout=log, stderr=subprocess.STDOUT)
         kills = []
         try:
             deadline = time.time() + timeout_s

@@ -17,13 +17,12 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, assert_same_bits, final_digest, supervised
 
 PLAIN = ROOT / "examples/accelerate_plain.py"
 DROPIN = ROOT / "examples/accelerate_checkpointless.py"
 EVAL_KILL = ROOT / "tests/scripts/accelerate_eval_kill.py"
-ENV = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-       "HF_HUB_OFFLINE": "1"}
+ENV = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 STEPS = 36  # 3 epochs of 12 steps (192 examples, batches of 8 on 2 ranks)
 
 
@@ -65,8 +64,9 @@ def test_the_dropin_changes_three_lines_and_reindents_none():
     ], changed
 
 
-def test_the_core_library_does_not_import_accelerate():
-    r = subprocess.run([sys.executable, "-c", "import sys, checkpointless; "
+def test_the_core_library_does_not_import_accelerate_or_transformers():
+    r = subprocess.run([sys.executable, "-c", "import sys, checkpointless, checkpointless.job, "
+                        "checkpointless.supervisor; "
                         "print(sorted(m for m in sys.modules if m.split('.')[0] in "
                         "('accelerate', 'transformers')))"],
                        capture_output=True, text=True, timeout=60, env=_env(), cwd=ROOT)
@@ -79,36 +79,30 @@ def test_gradient_accumulation_is_refused_before_joining():
         Accelerator(cpu=True, gradient_accumulation_steps=2)
 
 
-def _supervised(tmp_path, name, *args, script=(str(DROPIN),), **extra_env):
-    report = tmp_path / f"{name}.json"
-    r = subprocess.run([sys.executable, "-m", "checkpointless", "--nproc", "2",
-                        "--report", str(report), *args, *script, "--cpu"],
-                       capture_output=True, text=True, timeout=240, env=_env(**extra_env),
-                       cwd=ROOT)
-    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-4000:])
-    rep = json.loads(report.read_text())
-    digests = {v["params_sha256"] for v in rep["results_by_rank"].values()}
-    assert len(rep["results_by_rank"]) == 2 and len(digests) == 1, rep["results_by_rank"]
+def _supervised(tmp_path, name, *args, script=(DROPIN,), **extra_env):
+    rep = supervised(tmp_path, name, [*script, "--cpu"], *args, nproc=2,
+                     env=dict(ENV, **extra_env))
     assert rep["steps_completed"] == STEPS
-    return dict(rep, digest=digests.pop(), stdout=r.stdout, stderr=r.stderr)
+    return dict(rep, digest=final_digest(rep))
 
 
 @pytest.fixture(scope="module")
-def clean(tmp_path_factory):
-    rep = _supervised(tmp_path_factory.mktemp("clean"), "clean", "--spares", "0")
-    assert rep["recoveries"] == []
+def clean(references):
+    """The failure-free run under the supervisor (trained once per session)."""
+    rep = references.supervised([DROPIN, "--cpu"], nproc=2, env=ENV)
+    assert rep["steps_completed"] == STEPS
     epochs = _epochs(rep["stdout"])
     assert sorted(epochs) == [0, 1, 2] and epochs[2]["accuracy"] > 0.9  # it learned
     assert [(e, b) for e, b, _ in _losses(rep["stdout"])] == [
         (e, b) for e in range(3) for b in (0, 5, 10)]
-    return rep
+    return dict(rep, digest=final_digest(rep))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("step", [17, 12], ids=["mid-epoch", "first-step-of-an-epoch"])
 def test_a_worker_killed_in_a_training_step_is_replaced_with_the_same_bits(tmp_path, clean, step):
     rep = _supervised(tmp_path, "kill", "--spares", "1", "--fault", f"kill:1:{step}")
-    assert rep["digest"] == clean["digest"]
+    assert_same_bits(rep, clean)
     (rec,) = rep["recoveries"]
     assert rec["failed_rank"] == 1 and rec["cause"] == "exit" and rec["resumed_step"] == step
     assert "a peer was lost during backward" in rep["stderr"]
@@ -123,10 +117,10 @@ def test_a_worker_killed_during_an_evaluation_is_replaced_with_the_same_bits(tmp
     """Rank 0 (the one that prints) dies inside its 6th gather_for_metrics: the 2nd batch of
     epoch 1's evaluation, after that epoch's last step. The survivor's gather fails, the rest of
     its evaluation is void; the spare takes rank 0 and the evaluation runs again on both."""
-    rep = _supervised(tmp_path, "eval", "--spares", "1", script=(str(EVAL_KILL), str(DROPIN)),
+    rep = _supervised(tmp_path, "eval", "--spares", "1", script=(EVAL_KILL, DROPIN),
                       EVAL_KILL="0:6", EVAL_KILL_MARKER=str(tmp_path / "fired"))
     assert "[eval-kill] SIGKILL to rank 0 in gather_for_metrics call 6" in rep["stdout"]
-    assert rep["digest"] == clean["digest"]
+    assert_same_bits(rep, clean)
     (rec,) = rep["recoveries"]
     assert rec["failed_rank"] == 0 and rec["resumed_step"] == 24  # epoch 1's steps were done
     assert "rank 1: a peer was lost during gather" in rep["stderr"]
@@ -156,9 +150,9 @@ def test_rank_0_killed_mid_epoch_in_a_script_without_end_training(tmp_path, clea
     script's call to end_training() is switched off, as in the many accelerate scripts that never
     make it: the end of `epochs()` leaves the job at the worker's exit, and the run is ok."""
     rep = _supervised(tmp_path, "rank0", "--spares", "1", "--fault", "kill:0:22",
-                      script=(str(EVAL_KILL), str(DROPIN)), SKIP_END_TRAINING="1")
+                      script=(EVAL_KILL, DROPIN), SKIP_END_TRAINING="1")
     assert rep["status"] == "ok"
-    assert rep["digest"] == clean["digest"]
+    assert_same_bits(rep, clean)
     (rec,) = rep["recoveries"]
     assert rec["failed_rank"] == 0 and rec["resumed_step"] == 22
     assert _epochs(rep["stdout"]) == _epochs(clean["stdout"])

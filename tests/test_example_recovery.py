@@ -4,53 +4,46 @@ The twin runs under the supervisor with 4 workers and hot spares; each scenario 
 stops (SIGSTOP) or breaks a worker, and the final parameters must equal the failure-free
 torchrun run of the untouched plain script.
 """
-import json
+import os
 import re
 import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, assert_same_bits, final_digest, supervised
 
 pytestmark = pytest.mark.slow  # real training processes; `make test-fast` skips them
 
 STEPS = 20
 ENV = {"MAX_STEPS": str(STEPS), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+TWIN = ROOT / "examples/train_checkpointless.py"
 
 
-def _env():
-    import os
-    return dict(os.environ, **ENV)
+def torchrun(script, nproc=4, **env) -> str:
+    """Run `script` under torchrun; the one digest its ranks print."""
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc_per_node", str(nproc), str(script)],
+                       capture_output=True, text=True, timeout=180,
+                       env=dict(os.environ, **ENV, **env), cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    # the processes print at once, so lines may interleave: pick the digests out by pattern
+    found = re.findall(r'"params_sha256": "([0-9a-f]{64})"', r.stdout)
+    assert len(found) == nproc and len(set(found)) == 1, r.stdout
+    return found[0]
 
 
 @pytest.fixture(scope="module")
 def plain_digest():
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc_per_node", "4", str(ROOT / "examples/train_plain.py")],
-                       capture_output=True, text=True, timeout=180, env=_env(), cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-3000:]
-    # four processes print at once, so lines may interleave: pick the digests out by pattern
-    found = re.findall(r'"params_sha256": "([0-9a-f]{64})"', r.stdout)
-    digests = set(found)
-    assert len(found) == 4 and len(digests) == 1, r.stdout
-    return digests.pop()
+    """The untouched plain script's failure-free bits, under torchrun."""
+    return torchrun(ROOT / "examples/train_plain.py")
 
 
 def twin(tmp_path, *args, expect_rc=0):
-    report = tmp_path / "report.json"
-    r = subprocess.run([sys.executable, "-m", "checkpointless", "--nproc", "4",
-                        "--heartbeat-timeout", "2", "--report", str(report), *args,
-                        str(ROOT / "examples/train_checkpointless.py")],
-                       capture_output=True, text=True, timeout=240, env=_env(), cwd=ROOT)
-    assert r.returncode == expect_rc, (r.stdout[-2000:], r.stderr[-4000:])
-    if expect_rc:
-        return r
-    rep = json.loads(report.read_text())
-    digests = {v["params_sha256"] for v in rep["results_by_rank"].values()}
-    assert len(rep["results_by_rank"]) == 4 and len(digests) == 1, rep["results_by_rank"]
-    rep["digest"] = digests.pop()
-    rep["stdout"] = r.stdout
+    rep = supervised(tmp_path, "report", [TWIN], "--heartbeat-timeout", "2", *args,
+                     expect_rc=expect_rc, env=ENV)
+    if not expect_rc:
+        final_digest(rep)  # all 4 ranks agree
     return rep
 
 
@@ -66,7 +59,8 @@ def test_twin_differs_from_the_plain_script_by_at_most_ten_lines():
 
 def test_failure_free_twin_equals_plain_torchrun(tmp_path, plain_digest):
     rep = twin(tmp_path, "--spares", "0")
-    assert rep["digest"] == plain_digest and rep["recoveries"] == []
+    assert_same_bits(rep, plain_digest)
+    assert rep["recoveries"] == []
     assert rep["steps_completed"] == STEPS
 
 
@@ -77,7 +71,7 @@ def test_a_failed_worker_is_replaced_and_the_bits_are_unchanged(tmp_path, plain_
     kind, rank, step = fault.split(":")
     rank, step = int(rank), int(step)
     rep = twin(tmp_path, "--spares", "1", "--fault", fault)
-    assert rep["digest"] == plain_digest
+    assert_same_bits(rep, plain_digest)
     assert rep["steps_completed"] == STEPS
     (rec,) = rep["recoveries"]
     assert rec["failed_rank"] == rank and rec["cause"] == cause
@@ -99,7 +93,7 @@ def test_a_failed_worker_is_replaced_and_the_bits_are_unchanged(tmp_path, plain_
 
 def test_two_ranks_lost_together_are_both_replaced_from_different_sources(tmp_path, plain_digest):
     rep = twin(tmp_path, "--spares", "2", "--fault", "kill:1:9", "--fault", "kill:3:9")
-    assert rep["digest"] == plain_digest
+    assert_same_bits(rep, plain_digest)
     assert sorted(r["failed_rank"] for r in rep["recoveries"]) == [1, 3]
     served = rep["recoveries"][0]["served"]
     assert len(served) == 2 and len(set(served.values())) == 2  # the load was spread
@@ -107,18 +101,18 @@ def test_two_ranks_lost_together_are_both_replaced_from_different_sources(tmp_pa
 
 def test_without_a_spare_the_run_waits_for_the_refill(tmp_path, plain_digest):
     rep = twin(tmp_path, "--spares", "0", "--fault", "kill:2:5")
-    assert rep["digest"] == plain_digest
+    assert_same_bits(rep, plain_digest)
     (rec,) = rep["recoveries"]
     assert rec["phases_s"]["spare_wait"] > 0.5  # a fresh spare had to start
     assert "for a spare to warm up" in rep["stdout"]
 
 
 def test_without_spare_or_refill_the_run_stops_loudly(tmp_path):
-    r = twin(tmp_path, "--spares", "0", "--no-refill", "--fault", "kill:2:5", expect_rc=1)
-    assert "no spare left" in r.stderr
+    rep = twin(tmp_path, "--spares", "0", "--no-refill", "--fault", "kill:2:5", expect_rc=1)
+    assert "no spare left" in rep["stderr"]
 
 
-def test_a_typical_ddp_script_and_its_fault_tolerant_version(tmp_path):
+def test_a_typical_ddp_script_and_its_fault_tolerant_version(tmp_path, references):
     """examples/train_ddp.py (torch's DDP, a DataLoader over a DistributedSampler, epochs,
     LambdaLR) runs under torchrun; its fault-tolerant version, on
     checkpointless.DistributedDataParallel with the loader protected, recovers a kill mid-epoch
@@ -131,31 +125,16 @@ def test_a_typical_ddp_script_and_its_fault_tolerant_version(tmp_path):
     changed = [l for l in difflib.unified_diff(code(plain), code(ft), lineterm="", n=0)
                if l[:1] in "+-" and l[:3] not in ("+++", "---")]
     assert len(changed) <= 32, changed
-    env = dict(_env(), EPOCHS="3")  # 8 batches per epoch and rank: 24 steps
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc_per_node", "4", str(ROOT / "examples/train_ddp.py")],
-                       capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert len(set(re.findall(r'"params_sha256": "([0-9a-f]{64})"', r.stdout))) == 1
-
-    def ft_run(*args, **extra_env):
-        report = tmp_path / f"report{len(args)}.json"
-        r = subprocess.run([sys.executable, "-m", "checkpointless", "--nproc", "4",
-                            "--report", str(report), *args,
-                            str(ROOT / "examples/train_ddp_checkpointless.py")],
-                           capture_output=True, text=True, timeout=240, env=dict(env, **extra_env),
-                           cwd=ROOT)
-        assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
-        rep = json.loads(report.read_text())
-        digests = {v["params_sha256"] for v in rep["results_by_rank"].values()}
-        assert len(digests) == 1
-        return rep, digests.pop()
-
-    _, clean = ft_run("--spares", "0")
-    rep, recovered = ft_run("--spares", "1", "--fault", "kill:2:12")
-    assert recovered == clean
+    env = {"EPOCHS": "3"}  # 8 batches per epoch and rank: 24 steps
+    torchrun(ROOT / "examples/train_ddp.py", **env)
+    ft_script = [ROOT / "examples/train_ddp_checkpointless.py"]
+    clean = references.supervised(ft_script, env=dict(ENV, **env))
+    rep = supervised(tmp_path, "mid-epoch", ft_script, "--spares", "1", "--fault", "kill:2:12",
+                     env=dict(ENV, **env))
+    assert_same_bits(rep, clean)
     (rec,) = rep["recoveries"]
     assert rec["failed_rank"] == 2 and rec["resumed_step"] == 12
-    rep, recovered = ft_run("--spares", "1", "--fault", "kill:1:8", LOADER_WORKERS="1")
-    assert recovered == clean
+    rep = supervised(tmp_path, "first-batch", ft_script, "--spares", "1", "--fault", "kill:1:8",
+                     env=dict(ENV, **env, LOADER_WORKERS="1"))
+    assert_same_bits(rep, clean)
     assert [r["resumed_step"] for r in rep["recoveries"]] == [8]

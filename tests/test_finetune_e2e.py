@@ -1,28 +1,13 @@
 """Fine-tuning end to end through the real CLI: chat data the repo ships, LoRA through peft,
 validation, a worker killed; tiny models, real processes, gloo, offline."""
 import json
-import os
-import subprocess
-import sys
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
 
-from tests.conftest import ROOT
+from tests.conftest import assert_same_bits, train
 
 pytestmark = pytest.mark.slow  # real training processes; `make test-fast` skips them
-
-
-def train(tmp_path, name, recipe, *overrides):
-    out = tmp_path / name
-    r = subprocess.run([sys.executable, "-m", "launcher", "train", recipe,
-                        f"run.output_dir={out}", f"data.cache_dir={tmp_path / 'cache'}",
-                        "trainer.progress_bar=false", *overrides],
-                       capture_output=True, text=True, timeout=400, cwd=ROOT)
-    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-5000:])
-    return out, json.loads((out / "report.json").read_text()), r
 
 
 def evals(out):
@@ -30,14 +15,13 @@ def evals(out):
     return [l for l in lines if "eval_loss" in l]
 
 
-def test_tiny_lora_survives_a_kill_in_validation_moving_only_the_adapters(tmp_path):
+def test_tiny_lora_survives_a_kill_in_validation_moving_only_the_adapters(tmp_path, references):
     args = ("trainer.max_steps=40", "eval.every=20", "eval.max_batches=4")
-    _, clean, _ = train(tmp_path, "clean", "tiny-lora", *args, "checkpointless.spares=0")
+    clean_out, clean, _ = references.train("tiny-lora", *args)
     # the kill lands at the start of step 20, whose body begins with a validation pass: the
     # survivors' first collective after it is the validation's
     out, rep, r = train(tmp_path, "kill", "tiny-lora", *args, "faults=[kill:1:20]")
-    assert rep["params_sha256"] == clean["params_sha256"]
-    assert len(set(rep["params_sha256_by_rank"].values())) == 1
+    assert_same_bits(rep, clean)
     (rec,) = rep["recoveries"]
     assert rec["resumed_step"] == 20
     full_finetune_bytes = rep["full_params"] * 4 * 3  # fp32 parameters and two Adam moments
@@ -46,7 +30,7 @@ def test_tiny_lora_survives_a_kill_in_validation_moving_only_the_adapters(tmp_pa
     ev = evals(out)
     assert [e["eval_after_steps"] for e in ev] == [20, 40]
     assert ev[-1]["eval_loss"] < ev[0]["eval_loss"]
-    assert [e["eval_loss"] for e in ev] == [e["eval_loss"] for e in evals(tmp_path / "clean")]
+    assert [e["eval_loss"] for e in ev] == [e["eval_loss"] for e in evals(clean_out)]
     assert rep["eval"]["eval_loss"] == ev[-1]["eval_loss"]
     assert "validation after" in r.stdout or "eval_loss" in r.stdout
 
@@ -77,13 +61,13 @@ def test_tiny_lora_survives_a_kill_in_validation_moving_only_the_adapters(tmp_pa
     assert gen.shape[1] > ids.shape[1]
 
 
-def test_lora_under_fsdp_with_padded_examples_recovers_and_exports_merged(tmp_path):
+def test_lora_under_fsdp_with_padded_examples_recovers_and_exports_merged(tmp_path, references):
     args = ("distributed.num_processes=2", "distributed.strategy=fsdp", "trainer.max_steps=16",
             "data.packing=false", "eval.every=8", "eval.max_batches=2", "peft.merge=true")
-    _, clean, _ = train(tmp_path, "clean", "tiny-lora", *args, "checkpointless.spares=0")
+    _, clean, _ = references.train("tiny-lora", *args)
     out, rep, _ = train(tmp_path, "kill", "tiny-lora", *args, "checkpointless.spares=1",
                         "faults=[kill:1:5]")
-    assert rep["params_sha256"] == clean["params_sha256"]
+    assert_same_bits(rep, clean)
     (rec,) = rep["recoveries"]  # sharded: resumes from the peers' newest copy of the slice
     assert rec["resumed_step"] in (4, 5)
     assert rep["eval"]["eval_loss"] == clean["eval"]["eval_loss"]

@@ -4,16 +4,16 @@ tiny-llama, fsdp, 4 workers, real processes. Every scenario must end with the fa
 params_sha256. Checkpoints every 4 steps do not change the bits, so the reference run also
 leaves the disk state that the fallback and the resume scenarios use.
 """
+import json
 import shutil
 
 import pytest
 
-from tests.conftest import FSDP_12
-from tests.test_train_e2e import assert_replicas_agree, losses, train
+from tests.conftest import FSDP_12 as BASE
+from tests.conftest import FSDP_SAVERS as SAVERS
+from tests.conftest import assert_replicas_agree, assert_same_bits, losses, train
 
 pytestmark = pytest.mark.slow  # real training processes; `make test-fast` skips them
-
-BASE = FSDP_12
 
 
 @pytest.fixture
@@ -21,29 +21,14 @@ def reference(fsdp_12_steps):
     return fsdp_12_steps
 
 
-# FSDP2's memory savers together: bf16 compute over fp32 master parameters (MixedPrecisionPolicy),
-# per-block activation checkpointing, and accumulation reduce-scattering every micro-batch
-SAVERS = ("trainer.precision=bf16", "model.gradient_checkpointing=true",
-          "trainer.grad_accum_steps=2")
-
-
-@pytest.fixture(scope="module")
-def reference_savers(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("fsdp_ref_savers")
-    out, rep, _ = train(tmp, "ref", "tiny-llama", *BASE, *SAVERS, "checkpointless.spares=0")
-    assert_replicas_agree(rep)
-    return out, rep
-
-
 # Under all three savers at once; the fp32 path's recovery from a peer's memory is the one of
 # test_peers_lost_in_the_middle_of_a_background_replica_exchange below (and of the multi-node
 # fsdp test), so it is not run a third time here: make test must stay under 25 minutes.
-def test_a_killed_shard_comes_back_from_a_peers_memory(tmp_path, reference_savers):
-    reference = reference_savers
+def test_a_killed_shard_comes_back_from_a_peers_memory(tmp_path, references):
+    _, reference, _ = references.train("tiny-llama", *BASE, *SAVERS)
     _, rep, r = train(tmp_path, "kill", "tiny-llama", *BASE, *SAVERS, "checkpointless.spares=1",
                       "faults=[kill:2:7]")
-    assert_replicas_agree(rep)
-    assert rep["params_sha256"] == reference[1]["params_sha256"]
+    assert_same_bits(rep, reference)
     (rec,) = rep["recoveries"]
     assert rec["failed_rank"] == 2 and rec["restored_from"] == "peer_memory"
     assert rec["served"] == {"2": 3}  # rank 2 copies its slice to the next rank on the ring
@@ -60,8 +45,7 @@ def test_a_killed_shard_comes_back_from_a_peers_memory(tmp_path, reference_saver
 def test_a_slice_lost_with_its_holder_falls_back_to_the_durable_checkpoint(tmp_path, reference):
     _, rep, r = train(tmp_path, "pair", "tiny-llama", *BASE, "checkpointless.spares=2",
                       "faults=[kill:1:7,kill:2:7]")
-    assert_replicas_agree(rep)
-    assert rep["params_sha256"] == reference[1]["params_sha256"]
+    assert_same_bits(rep, reference[1])
     assert {x["restored_from"] for x in rep["recoveries"]} == {"durable_checkpoint"}
     assert "resume from the durable checkpoint at step 4" in r.stdout
 
@@ -92,8 +76,6 @@ def test_the_checkpoint_directory_holds_one_set_of_shard_files_per_rank(referenc
 
 
 def test_the_sharded_export_reloads_with_from_pretrained_and_is_the_final_state(reference):
-    import json
-
     from transformers import AutoModelForCausalLM
 
     from checkpointless.digest import model_sha256
@@ -113,7 +95,7 @@ def test_a_stopped_job_resumes_with_checkpoint_resume_auto(tmp_path, reference):
                       f"checkpoint.dir={ckpts}", "checkpoint.resume=auto")
     assert "resumed from checkpoint" in r.stdout and "step-00000008" in r.stdout
     assert rep["steps_this_launch"] == 4
-    assert rep["params_sha256"] == reference[1]["params_sha256"]  # the same world size: bits
+    assert_same_bits(rep, reference[1])  # the same world size: bits
     assert not (ckpts / ".step-00000012.g0.tmp").exists()  # the dead write was cleared
     assert (ckpts / "step-00000012" / ".metadata").exists()
 
@@ -141,7 +123,6 @@ def test_with_checkpointless_off_a_failure_stops_the_run_and_its_checkpoints_sta
     out, _, r = train(tmp_path, "off", "tiny-llama", *BASE, "checkpointless.enabled=false",
                       "faults=[kill:1:9]", expect_rc=1)
     assert "checkpointless is off" in r.stderr
-    import json
     rep = json.loads((out / "report.json").read_text())
     assert rep["status"] == "failed" and rep["failures"][0]["rank"] == 1
     from checkpointless.durable import latest, load
@@ -150,7 +131,7 @@ def test_with_checkpointless_off_a_failure_stops_the_run_and_its_checkpoints_sta
     # and it is the failure-free run's state: resuming from it ends with the same bits
     _, resumed, _ = train(tmp_path, "off", "tiny-llama", *BASE, "checkpoint.resume=auto",
                           "checkpointless.spares=0")
-    assert resumed["params_sha256"] == reference[1]["params_sha256"]
+    assert_same_bits(resumed, reference[1])
 
 
 def test_peers_lost_in_the_middle_of_a_background_replica_exchange(tmp_path, reference):
@@ -162,8 +143,7 @@ def test_peers_lost_in_the_middle_of_a_background_replica_exchange(tmp_path, ref
                       "checkpointless.heartbeat_timeout_s=5",
                       "faults=[kill:2:7@exchange,hang:0:10@exchange]")
     assert "(exchange)" in r.stdout
-    assert_replicas_agree(rep)
-    assert rep["params_sha256"] == reference[1]["params_sha256"]
+    assert_same_bits(rep, reference[1])
     kill, hang = rep["recoveries"]
     assert (kill["failed_rank"], hang["failed_rank"]) == (2, 0)
     assert {kill["restored_from"], hang["restored_from"]} == {"peer_memory"}

@@ -9,9 +9,8 @@ over a grid of seeded moments, under fsdp (with and without its memory savers) a
 """
 import pytest
 
-from tests.conftest import FSDP_12
+from tests.conftest import FSDP_12, FSDP_SAVERS, assert_same_bits
 from tests.external_kill import seeded_moments, train_killing
-from tests.test_train_e2e import assert_replicas_agree
 
 pytestmark = pytest.mark.slow
 
@@ -33,9 +32,8 @@ def test_fsdp_kills_inside_a_steps_compute_and_from_outside_end_with_the_failure
     for phase in ("(backward)", "(optimizer)", "(random: "):
         assert phase in log
     assert all(pid for _, _, pid in kills), kills  # each victim was alive when it was killed
-    assert_replicas_agree(rep)
     assert rep["status"] == "ok"
-    assert rep["params_sha256"] == fsdp_12_steps[1]["params_sha256"], (kills, rep["recoveries"])
+    assert_same_bits(rep, fsdp_12_steps[1], kills)
     recs = rep["recoveries"]
     assert [x["failed_worker"] for x in recs[:4]] == [1, 2, 3, 4]
     assert recs[0]["resumed_step"] == 3  # no survivor had applied step 3
@@ -52,41 +50,21 @@ def test_fsdp_kills_inside_a_steps_compute_and_from_outside_end_with_the_failure
     assert (out / "model" / "model.safetensors.index.json").exists()
 
 
-# fsdp's memory savers together: bf16 compute over fp32 masters, activation checkpointing, and
-# accumulation over 2 micro-batches (each reduce-scattered)
-SAVERS = ("trainer.precision=bf16", "model.gradient_checkpointing=true",
-          "trainer.grad_accum_steps=2")
-RUNS = {"fsdp": FSDP_12, "fsdp-savers": FSDP_12 + SAVERS, "ddp": ("trainer.max_steps=12",)}
+RUNS = {"fsdp": FSDP_12, "fsdp-savers": FSDP_12 + FSDP_SAVERS, "ddp": ("trainer.max_steps=12",)}
 SWEEP = [(kind, seed) for kind, n in (("fsdp", 6), ("fsdp-savers", 4), ("ddp", 6))
          for seed in range(n)]
-
-
-@pytest.fixture(scope="session")
-def sweep_references(tmp_path_factory):
-    """The failure-free report of each kind of run the sweep kills, trained when first asked."""
-    from tests.test_train_e2e import train
-    cache = {}
-
-    def get(kind):
-        if kind not in cache:
-            tmp = tmp_path_factory.mktemp(f"ref-{kind}")
-            cache[kind] = train(tmp, "ref", "tiny-llama", *RUNS[kind],
-                                "checkpointless.spares=0")[1]
-        return cache[kind]
-    return get
 
 
 @pytest.mark.sweep
 @pytest.mark.parametrize("kind,seed", SWEEP, ids=[f"{k}-{n}" for k, n in SWEEP])
 def test_sweep_a_kill_at_a_seeded_moment_ends_with_the_failure_free_bits(
-        tmp_path, kind, seed, sweep_references):
+        tmp_path, kind, seed, references):
     """One worker killed once, after a seeded line of metrics.jsonl (1 to 12: the last is the
     export and the exit) and a seeded delay within the next step."""
     import random
     rng = random.Random(f"{kind}:{seed}")
     moment = (rng.randint(1, 12), round(rng.uniform(0.0, 0.5), 3))
-    want = sweep_references(kind)
+    _, want, _ = references.train("tiny-llama", *RUNS[kind])  # trained once per kind
     _, rep, kills, _ = train_killing(tmp_path, "sweep", "tiny-llama", [moment], *RUNS[kind],
                                      "checkpointless.spares=1")
-    assert_replicas_agree(rep)
-    assert rep["params_sha256"] == want["params_sha256"], (moment, kills, rep["recoveries"])
+    assert_same_bits(rep, want, moment, kills)

@@ -9,12 +9,11 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import pytest
 
-from tests.conftest import FSDP_12, ROOT
+from tests.conftest import FSDP_12, ROOT, launcher_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -28,12 +27,12 @@ def _port() -> int:
 
 
 def _launch(tmp_path, node: int, port: int, *extra, command="train"):
-    args = [sys.executable, "-m", "launcher", command, "tiny-llama", "distributed.num_nodes=2",
-            "distributed.nproc_per_node=2", "checkpointless.spare_nodes=1",
-            "checkpointless.spares=0", f"distributed.master_port={port}",
-            "trainer.max_steps=30", "trainer.progress_bar=false",
-            f"run.output_dir={tmp_path / 'out'}", f"data.cache_dir={tmp_path / 'cache'}",
-            *([f"distributed.node_rank={node}"] if command == "train" else []), *extra]
+    args = launcher_cmd(tmp_path, tmp_path / "out", "tiny-llama", "distributed.num_nodes=2",
+                        "distributed.nproc_per_node=2", "checkpointless.spare_nodes=1",
+                        "checkpointless.spares=0", f"distributed.master_port={port}",
+                        "trainer.max_steps=30",
+                        *([f"distributed.node_rank={node}"] if command == "train" else []),
+                        *extra, command=command)
     log = open(tmp_path / (f"node{node}.log" if command == "train" else "coordinator.log"), "w")
     return subprocess.Popen(args, cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)

@@ -1,25 +1,16 @@
 """SIGTERM to a launcher (Slurm preemption, Ctrl-C is SIGINT) stops the whole job at one step
 boundary with a durable checkpoint; a resume reaches the failure-free bits. Real processes."""
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, TINY_30, assert_same_bits, launcher_cmd, train
 
 pytestmark = pytest.mark.slow
-ENV = dict(os.environ, HF_HUB_OFFLINE="1")
-ARGS = ["tiny-llama", "trainer.max_steps=30", "trainer.progress_bar=false",
-        "checkpoint.interval=100"]
-
-
-def _cmd(tmp_path, name, *extra):
-    return [sys.executable, "-m", "launcher", "train", *ARGS, f"run.output_dir={tmp_path / name}",
-            f"data.cache_dir={tmp_path / 'cache'}", *extra]
+ARGS = (*TINY_30, "checkpoint.interval=100")
 
 
 def test_sigterm_stops_every_process_with_a_checkpoint_and_a_resume_ends_with_the_same_bits(
@@ -27,8 +18,8 @@ def test_sigterm_stops_every_process_with_a_checkpoint_and_a_resume_ends_with_th
     want = tiny_llama_30_steps_digest  # checkpoints do not change the bits
 
     log = open(tmp_path / "run.log", "w")
-    p = subprocess.Popen(_cmd(tmp_path, "run"), cwd=ROOT, env=ENV, stdout=log,
-                         stderr=subprocess.STDOUT, start_new_session=True)
+    p = subprocess.Popen(launcher_cmd(tmp_path, tmp_path / "run", "tiny-llama", *ARGS),
+                         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 240
     while not metrics.exists() or len(metrics.read_text().splitlines()) < 8:
@@ -51,7 +42,6 @@ def test_sigterm_stops_every_process_with_a_checkpoint_and_a_resume_ends_with_th
     out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert not [l for l in out.splitlines() if str(tmp_path / "run") in l]  # none left
 
-    resumed = subprocess.run(_cmd(tmp_path, "run", "checkpoint.resume=auto"), cwd=ROOT,
-                             env=ENV, capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert json.loads((tmp_path / "run" / "report.json").read_text())["params_sha256"] == want
+    _, resumed, _ = train(tmp_path, "run", "tiny-llama", *ARGS, "checkpoint.resume=auto",
+                          timeout=300)
+    assert_same_bits(resumed, want)
