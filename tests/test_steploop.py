@@ -106,6 +106,8 @@ def reference():
     job = _job(s)
     bits = _bits(_train(job, 6))
     job.finish()
+    JOBS.remove(job)
+    s.publish()  # wakes its watch thread, which then sees it is stopped
     return bits
 
 
