@@ -21,6 +21,10 @@ dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], ra
 class Job:  # what build_accelerator reads of a supervised job
     rank, world_size, is_replacement = 0, 1, False
 
+    def process_env(self):  # as checkpointless.Job places rank 0 of 2 on one node
+        return {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1"}
+
 from launcher.accelerator import Autocast, build_accelerator, start_line
 acc = build_accelerator(cfg, Job(), device)
 autocast = Autocast(acc)
