@@ -167,13 +167,15 @@ def run_scenario(mtbf_h=10.0, restart_min=15, overhead=0.0):
 
 def test_model_goodput_moves_as_its_inputs_say():
     base = run_scenario()
-    # steady overhead costs checkpointless one for one; a measured speed-up is not credited
+    # the same seeded trace: a steady overhead divides checkpointless's goodput by 1 + overhead;
+    # a measured speed-up is not credited
     assert run_scenario(overhead=0.02)["goodput_checkpointless"] == \
-        pytest.approx(base["goodput_checkpointless"] - 0.02, abs=1e-4)
+        pytest.approx(base["goodput_checkpointless"] / 1.02, abs=1e-4)
     assert run_scenario(overhead=-0.02)["goodput_checkpointless"] == base["goodput_checkpointless"]
-    # five more restart minutes per failure cost restart 300 s / MTBF
+    # five more restart minutes per failure cost restart about 300 s / MTBF (3,000 simulated
+    # failures: within 10%)
     assert base["goodput_restart"] - run_scenario(restart_min=20)["goodput_restart"] == \
-        pytest.approx(300 / (10 * 3600), abs=1e-4)
+        pytest.approx(300 / (10 * 3600), rel=0.1)
     assert run_scenario(mtbf_h=1)["goodput_restart"] < base["goodput_restart"]
     assert base["young_tau_min"] == pytest.approx(
         math.sqrt(2 * base["checkpoint_s"] * 36000) / 60, rel=0.02)
