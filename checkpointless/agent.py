@@ -1,23 +1,31 @@
 """A node agent: the launcher of a node that is not the coordinator's (cluster.py: the other side).
 
 It starts the worker processes the coordinator asks for, watches them without polling (pidfds),
-pushes their exits into one record of its node (protocol.node_exited_key, behind one counter), kills
-on command, and beats. It stops its workers and exits when the job is over (0), when the
-coordinator fenced this node (3: it was declared lost; its processes hold no rank in any newer
-plan), or when the coordinator has been unreachable for `node_timeout_s` (4: losing the coordinator
-cannot be recovered in-process). Workers die with their agent (PR_SET_PDEATHSIG), so a launcher
-killed with SIGKILL leaves none.
+judges them (exits, heartbeats, stopped processes) and reports one health record per node: every
+`node_beat_s`, and at once when a worker exits. Its workers beat into a small store the agent hosts
+(the node store), so the coordinator's steady load grows with nodes, not ranks. A thread of its
+own blocks on the coordinator's next command (spawn, kill), so nothing polls for them either.
+
+It stops its workers and exits when the job is over (0), when the coordinator fenced this node
+(3: it was declared lost; its processes hold no rank in any newer plan), or when the coordinator
+has been unreachable for `node_timeout_s` (4: losing the coordinator cannot be recovered
+in-process). Workers die with their agent (PR_SET_PDEATHSIG), so a launcher killed with SIGKILL
+leaves none.
 """
 from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import sys
+import threading
 import time
 from datetime import timedelta
 
-from . import protocol
+import torch.distributed as dist
+
+from . import detection, protocol
 from .processes import (Worker, close_reaped, kill_tree, open_pidfd, start_process, stop_all,
                         wait_for_exit)
 
@@ -25,57 +33,72 @@ D = protocol.DEFAULTS
 
 
 class NodeAgent:
-    """Owns the worker processes of one node that is not the coordinator's."""
+    """Owns the worker processes of one node that is not the coordinator's, and its node store.
+
+    `starter(cmd, env)` starts one worker (start_process; the scale harness passes simulated
+    ranks that speak the protocol without training)."""
 
     def __init__(self, store, node: int, cmd: list[str], env: dict, store_host: str,
-                 store_port: int, node_timeout_s: float, log=print):
+                 store_port: int, node_timeout_s: float, log=print, starter=start_process):
         self.store, self.node, self.cmd, self.env = store, node, cmd, env
         self.host, self.port = store_host, store_port
         self.node_timeout_s = node_timeout_s
         self.log = log
+        self.starter = starter
         self.workers: dict[int, Worker] = {}
-        self.exited: dict[int, int] = {}  # wid -> exit code, as pushed to the coordinator
-        self.done_cmds = 0
+        self.exited: dict[int, int] = {}  # wid -> exit code, as reported to the coordinator
+        self.seq = 0  # health records written
+        # the node store: its workers' heartbeats and the barrier's first gathering
+        self.node_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                        timeout=timedelta(seconds=60))
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()  # the command thread wakes the loop through it
+        os.set_blocking(self._wake_r, False)
 
     def run(self, procs_here: int) -> int:
         """Serve the coordinator until the job ends (0), this node is fenced (3) or the
         coordinator is unreachable (4)."""
-        self.store.add(protocol.node_exits_key(self.node), 0)  # the coordinator reads it at once
-        self.store.set(protocol.node_hello_key(self.node), json.dumps(
-            {"host": os.uname().nodename, "procs": procs_here, "pid": os.getpid(),
-             "t": time.time()}))
+        self.hello(procs_here)
         asked: list[str] = []
-        for sig in (signal.SIGTERM, signal.SIGINT):  # preemption: the coordinator stops the job
-            signal.signal(sig, lambda s, _f: asked.append(signal.Signals(s).name))
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):  # preemption: the coordinator stops it
+                signal.signal(sig, lambda s, _f: asked.append(signal.Signals(s).name))
+        threading.Thread(target=self._follow_commands, daemon=True,
+                         name=f"node{self.node}-commands").start()
         try:
             return self._serve(asked)
         finally:
             stop_all(list(self.workers.values()))
             try:  # the coordinator waits for these exits as the job ends
-                self.push_exits()
+                self.health(news=bool(self.new_exits()), final=True)
             except (RuntimeError, OSError):
                 pass
 
+    def hello(self, procs_here: int) -> None:
+        self.health(news=False)  # the coordinator finds a record at once
+        self.store.set(protocol.node_hello_key(self.node), json.dumps(
+            {"host": os.uname().nodename, "procs": procs_here, "pid": os.getpid(),
+             "t": time.time(), "node_store_port": self.node_store.port}))
+
     def _serve(self, asked: list[str]) -> int:
-        last_ok, next_beat = time.time(), 0.0
+        last_ok, next_health = time.time(), 0.0
         while True:
             try:
-                now = time.time()
-                if now >= next_beat:
-                    self.store.add(protocol.node_beat_key(self.node), 1)
-                    next_beat = now + D.node_beat_s
-                fenced = protocol.node_fenced_key(self.node)
-                if self.store.check([fenced]):
-                    self.log(f"[node {self.node}] fenced by the coordinator "
-                             f"({self.store.get(fenced).decode()}): stopping this node's workers")
-                    return 3
-                if self.store.check([protocol.SHUTDOWN]):
+                if self.serve_commands() == "shutdown":
                     return 0
+                news = self.new_exits()
+                if news or time.time() >= next_health:
+                    state = self.health(news=bool(news))
+                    next_health = time.time() + D.node_beat_s
+                    if state.startswith("fenced"):
+                        self.log(f"[node {self.node}] fenced by the coordinator ({state}): "
+                                 "stopping this node's workers")
+                        return 3
+                    if state == "shutdown":
+                        return 0
                 if asked:
                     self.store.set(protocol.PREEMPT_ASK, f"{asked[0]} on node {self.node}")
                     asked.clear()
-                self.serve_commands()
-                self.push_exits()
                 last_ok = time.time()
             except (RuntimeError, OSError) as exc:  # the store (the coordinator) is gone
                 if time.time() - last_ok > self.node_timeout_s:
@@ -88,36 +111,82 @@ class NodeAgent:
                 time.sleep(0.2)
                 continue
             close_reaped(self.workers.values())
-            wait_for_exit(list(self.workers.values()), D.agent_poll_s)
+            wait_for_exit(list(self.workers.values()), max(0.0, next_health - time.time()),
+                          extra_fds=[self._wake_r])
 
-    def serve_commands(self) -> None:
-        n = self.store.add(protocol.node_cmds_key(self.node), 0)
-        while self.done_cmds < n:
-            c = json.loads(self.store.get(protocol.node_cmd_key(self.node, self.done_cmds)))
-            self.done_cmds += 1
+    def _follow_commands(self) -> None:
+        """Block on the coordinator's next command, on a connection of its own; queue it and
+        wake the loop."""
+        from .membership import connect
+        try:
+            store = connect(self.host, self.port)
+            i = 0
+            while True:
+                key = protocol.node_cmd_key(self.node, i)
+                store.wait([key], timedelta(days=1))
+                c = json.loads(store.get(key))
+                self._cmds.put(c)
+                os.write(self._wake_w, b"c")
+                if c["op"] == "shutdown":  # nothing follows; a thread still blocked in the
+                    return                 # store as the coordinator exits would abort us
+                i += 1
+        except Exception:  # noqa: BLE001  the coordinator is gone: the loop sees it too
+            return
+
+    def serve_commands(self) -> str | None:
+        """Carry out the queued commands; "shutdown" when the job is over."""
+        try:
+            os.read(self._wake_r, 4096)
+        except BlockingIOError:
+            pass
+        while not self._cmds.empty():
+            c = self._cmds.get()
             if c["op"] == "spawn":
                 self._spawn(c["wid"], c["slot"], c["spare"])
             elif c["op"] == "kill" and c["wid"] in self.workers:
                 kill_tree(self.workers[c["wid"]].proc)
+            elif c["op"] == "shutdown":
+                return "shutdown"
+        return None
 
     def _spawn(self, wid: int, slot: int, spare: bool) -> None:
-        env = dict(self.env, **protocol.worker_env(self.host, self.port, wid, slot, spare))
-        proc = start_process(self.cmd, env)
+        env = dict(self.env, **protocol.worker_env(self.host, self.port, wid, slot, spare,
+                                                   self.node, self.node_store.port))
+        proc = self.starter(self.cmd, env)
+        fd = proc.open_fd() if hasattr(proc, "open_fd") else open_pidfd(proc.pid)
         self.workers[wid] = Worker(wid=wid, proc=proc, slot=slot, started=time.time(),
-                                   node=self.node, pidfd=open_pidfd(proc.pid))
+                                   node=self.node, pidfd=fd)
         self.store.set(protocol.node_pid_key(self.node, wid), str(proc.pid))
 
-    def push_exits(self) -> None:
-        """Children that exited since the last call go into this node's record, then its
-        counter moves: two store writes per batch of exits, none while nothing exits."""
+    def new_exits(self) -> dict[int, int]:
+        """Children that exited since the last call (kept for every later record)."""
         new = {wid: w.proc.returncode for wid, w in self.workers.items()
                if wid not in self.exited and w.proc.poll() is not None}
-        if not new:
-            return
         self.exited.update(new)
-        self.store.set(protocol.node_exited_key(self.node),
-                       json.dumps({str(k): v for k, v in self.exited.items()}))
-        self.store.add(protocol.node_exits_key(self.node), len(new))
+        return new
+
+    def health(self, news: bool, final: bool = False) -> str:
+        """Write this node's record: each live worker's last heartbeat (its step, how long ago,
+        its generation and phase), which are stopped (SIGSTOP, a frozen container: only this
+        node can see it) and every exit so far. With news (an exit), the job's event counter
+        moves so the coordinator reads the records at once. Returns the coordinator's word for
+        this node ("run", "fenced: ...", "shutdown"), read in the same call. `final`: the
+        agent is leaving, its workers stopped."""
+        live = [wid for wid, w in self.workers.items() if wid not in self.exited]
+        beats = detection.read_beats(self.node_store, live)
+        now = time.time()
+        self.seq += 1
+        record = {"seq": self.seq, "t": now,
+                  "beats": {str(w): [b["step"], round(now - b["t"], 3), b["gen"], b["phase"]]
+                            for w, b in beats.items() if b},
+                  "stopped": [w for w in live
+                              if detection.process_stopped(self.workers[w].proc.pid)],
+                  "exited": {str(k): v for k, v in self.exited.items()}, "final": final}
+        self.store.set(protocol.node_health_key(self.node), json.dumps(record))
+        if news:
+            self.store.add(protocol.NODE_EVENTS, 1)
+        state = protocol.node_state_key(self.node)
+        return self.store.compare_set(state, "run", "run").decode()
 
 
 def run_agent(node: int, cmd: list[str], host: str, port: int, node_timeout_s: float,

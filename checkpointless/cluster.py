@@ -2,13 +2,14 @@
 
 The coordinator (the supervisor, in node 0's launcher or stand-alone) owns the store and the
 membership, as on one machine. Every other node runs an agent (agent.py) that starts and kills
-the workers the coordinator asks for; the keys they share are in protocol.py. The coordinator's
-load grows with nodes, not ranks: per node, one beat counter and one exit counter (the workers'
-training heartbeats are read only to tell a hung worker, as on one machine).
+the workers the coordinator asks for, and judges them; the keys they share are in protocol.py.
+The coordinator's load grows with nodes, not ranks: one read of one counter per wake-up (agents
+move it when a worker exits), and every health_every_s one read of every node's health record
+(its workers' heartbeats, stopped processes and exits) in a single call.
 
-A node is lost when its beat counter has not moved for `node_timeout_s` (its launcher is gone, the
-machine is down, or the link is cut): every worker on it is failed together, in one generation,
-and the node is fenced. A fenced node that comes back finds the fence and kills its processes;
+A node is lost when its health record has not changed for `node_timeout_s` (its launcher is gone,
+the machine is down, or the link is cut): every worker on it is failed together, in one
+generation, and the node is fenced. A fenced node that comes back finds the fence and kills its processes;
 they hold no rank in any newer plan, so nothing they do reaches the new generation.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from . import protocol
 from .processes import Worker, WorkerPool, stop_all
@@ -47,7 +48,7 @@ class RemoteProc:
     def wait(self, timeout=None):
         deadline = None if timeout is None else time.time() + timeout
         while True:
-            self.pool.refresh_node(self.node)
+            self.pool.refresh(force=True)
             if self.returncode is not None:
                 return self.returncode
             if deadline is not None and time.time() > deadline:
@@ -59,10 +60,12 @@ class RemoteProc:
 class NodeState:
     procs: int  # processes this node runs (workers + spares)
     spare_node: bool
-    beat: int = 0
-    beat_seen_at: float = 0.0
+    seq: int = 0  # its health record's sequence number when last read
+    beat_seen_at: float = 0.0  # when that number last moved
     lost: bool = False
-    exits: int = 0  # the node's exit counter when its record was last read
+    beats: dict = field(default_factory=dict)  # wid -> heartbeat, as its record gave them
+    stopped: frozenset = frozenset()  # its workers whose processes are stopped
+    left: bool = False  # its agent wrote its last record: its workers are stopped
 
 
 class ClusterPool(WorkerPool):
@@ -86,6 +89,8 @@ class ClusterPool(WorkerPool):
         for k in range(nodes, nodes + spare_nodes):
             self.nodes[k] = NodeState(per_node, True)
         self._cmds: dict[int, int] = {}
+        self._events = -1  # the agents' event counter when last read
+        self._health_at = 0.0  # when every node's record was last read
 
     def start(self, store) -> list[Worker]:
         """Every node's agent joins; then each active node K starts ranks K*P..K*P+P-1 in its
@@ -108,17 +113,16 @@ class ClusterPool(WorkerPool):
 
     def wait_for_nodes(self, timeout_s: float) -> None:
         """Every node's agent says hello, or the run stops naming the missing ones."""
-        deadline, said = time.time() + timeout_s, 0.0
-        while True:
-            missing = [k for k in self.nodes if self.remote(k) and
-                       not self.store.check([protocol.node_hello_key(k)])]
-            if not missing:
-                break
-            if time.time() > deadline:
-                raise RuntimeError(f"node(s) {missing} never joined within {timeout_s:g} s: start "
-                                   "`python -m launcher train ...` with distributed.node_rank=K "
-                                   "on each, pointing at this node's master_addr:master_port")
-            if time.time() - said > 10:
+        deadline, said = time.time() + timeout_s, time.time()
+        keys = {k: protocol.node_hello_key(k) for k in self.nodes if self.remote(k)}
+        while keys and not self.store.check(list(keys.values())):  # one call while waiting
+            if time.time() > deadline or time.time() - said > 10:
+                missing = [k for k, key in keys.items() if not self.store.check([key])]
+                if time.time() > deadline:
+                    raise RuntimeError(
+                        f"node(s) {missing} never joined within {timeout_s:g} s: start "
+                        "`python -m launcher train ...` with distributed.node_rank=K on each, "
+                        "pointing at this node's master_addr:master_port")
                 self.log(f"[checkpointless] waiting for node(s) {missing} to join")
                 said = time.time()
             time.sleep(0.1)
@@ -129,14 +133,11 @@ class ClusterPool(WorkerPool):
     def remote(self, node: int) -> bool:
         return node != 0 or not self.local
 
-    def local_pid(self, w: Worker) -> int:
-        return -1 if self.remote(w.node) else w.proc.pid
-
     def _command(self, node: int, **c) -> None:
+        """The node's next command: its agent blocks on this key (no counter, no polling)."""
         i = self._cmds.get(node, 0)
         self._cmds[node] = i + 1
         self.store.set(protocol.node_cmd_key(node, i), json.dumps(c))
-        self.store.add(protocol.node_cmds_key(node), 1)
 
     def spawn_on(self, node: int, slot: int, spare: bool, background: bool = False) -> Worker:
         if not self.remote(node):
@@ -160,7 +161,7 @@ class ClusterPool(WorkerPool):
         node = w.node
         if not self.remote(node):
             return WorkerPool.kill(w)
-        self.refresh_node(node)
+        self.refresh(force=True)
         if self.nodes[node].lost or w.proc.poll() is not None:
             if w.proc.returncode is None:
                 w.proc.returncode = -9
@@ -177,49 +178,69 @@ class ClusterPool(WorkerPool):
             return super().sleep(active, timeout_s)
         super().sleep(local, min(timeout_s, D.remote_poll_s))
 
-    def refresh(self) -> None:
-        """Read every live remote node's exit counter (one store operation each), and its
-        record of exits when the counter moved."""
-        for k in self.nodes:
-            self.refresh_node(k)
-
-    def refresh_node(self, k: int) -> None:
-        """Node k's exit notices: its counter, and its record when the counter moved."""
-        n = self.nodes[k]
-        if not self.remote(k) or n.lost:
+    def refresh(self, force: bool = False) -> None:
+        """Learn what the agents reported: one read of the event counter (an exit moves it), and
+        every health_every_s, or when it moved, or `force`d, every live node's record in one
+        call."""
+        now = time.time()
+        events = self.store.add(protocol.NODE_EVENTS, 0)
+        if not force and events == self._events and now - self._health_at < D.health_every_s:
             return
-        exits = self.store.add(protocol.node_exits_key(k), 0)
-        if exits != n.exits:
-            n.exits = exits
-            record = json.loads(self.store.get(protocol.node_exited_key(k)))
-            for wid, code in record.items():
-                w = self.workers.get(int(wid))
-                if w is not None and w.proc.returncode is None:
-                    w.proc.returncode = code
+        self._events, self._health_at = events, now
+        live = [k for k, n in self.nodes.items() if self.remote(k) and not n.lost]
+        if not live:
+            return
+        records = self.store.multi_get([protocol.node_health_key(k) for k in live])
+        for k, raw in zip(live, records):
+            self._read_health(k, json.loads(raw), now)
+
+    def _read_health(self, k: int, record: dict, now: float) -> None:
+        n = self.nodes[k]
+        if record["seq"] != n.seq:
+            n.seq, n.beat_seen_at = record["seq"], now
+        # a heartbeat's age as the agent saw it, on the coordinator's clock
+        n.beats = {int(w): {"t": now - age, "step": step, "gen": gen, "phase": phase}
+                   for w, (step, age, gen, phase) in record["beats"].items()}
+        n.stopped = frozenset(record["stopped"])
+        n.left = record.get("final", False)
+        for wid, code in record["exited"].items():
+            w = self.workers.get(int(wid))
+            if w is not None and w.proc.returncode is None:
+                w.proc.returncode = code
+
+    def beats(self, wids) -> dict:
+        """wid -> last heartbeat: node 0's read here, the others' from their nodes' records."""
+        local = [w for w in wids if not self.remote(self.workers[w].node)]
+        out = super().beats(local) if local else {}
+        for w in wids:
+            if w not in out:
+                out[w] = self.nodes[self.workers[w].node].beats.get(w)
+        return out
+
+    def stopped(self, w: Worker) -> bool:
+        if not self.remote(w.node):
+            return super().stopped(w)
+        return w.wid in self.nodes[w.node].stopped
 
     def fence_silent_nodes(self) -> list[int]:
-        """Nodes whose agent's beat has not moved for node_timeout_s: declared lost (once),
+        """Nodes whose health record has not changed for node_timeout_s: declared lost (once),
         fenced, and every worker on them counted as exited."""
         now, found = time.time(), []
         for k, n in self.nodes.items():
-            if not self.remote(k) or n.lost:
+            if not self.remote(k) or n.lost or now - n.beat_seen_at <= self.node_timeout_s:
                 continue
-            beat = self.store.add(protocol.node_beat_key(k), 0)
-            if beat != n.beat:
-                n.beat, n.beat_seen_at = beat, now
-            elif now - n.beat_seen_at > self.node_timeout_s:
-                n.lost = True
-                self.log(f"[checkpointless] node {k} lost: its launcher has been silent for "
-                         f"{self.node_timeout_s:g} s; its workers fail together and the node is "
-                         "fenced")
-                self.store.set(protocol.node_fenced_key(k),
-                               f"silent for {now - n.beat_seen_at:.1f} s")
-                for w in self.workers.values():
-                    if w.node == k and w.proc.returncode is None:
-                        w.proc.returncode = -9
-                        w.node_lost = True
-                        w.lost_at = n.beat_seen_at  # its last sign of life
-                found.append(k)
+            n.lost = True
+            self.log(f"[checkpointless] node {k} lost: its launcher has been silent for "
+                     f"{self.node_timeout_s:g} s; its workers fail together and the node is "
+                     "fenced")
+            self.store.set(protocol.node_state_key(k),
+                           f"fenced: silent for {now - n.beat_seen_at:.1f} s")
+            for w in self.workers.values():
+                if w.node == k and w.proc.returncode is None:
+                    w.proc.returncode = -9
+                    w.node_lost = True
+                    w.lost_at = n.beat_seen_at  # its last sign of life
+            found.append(k)
         return found
 
     def lost_node_ids(self) -> set[int]:
@@ -232,13 +253,19 @@ class ClusterPool(WorkerPool):
         return [w for w in super().spares(store, ready) if not self.nodes[w.node].lost]
 
     def stop_all(self, grace_s: float = 10.0) -> None:
-        """Node 0's processes here; the agents stop theirs on `shutdown` and push their exits,
-        which are waited for (at most `grace_s`)."""
+        """Node 0's processes here; every agent is told to stop its own, and its last health
+        record (its exits, written as it leaves) is waited for, at most `grace_s`: an agent
+        that finds the coordinator gone before it heard of the end would take it for lost."""
+        live = [k for k, n in self.nodes.items() if self.remote(k) and not n.lost]
+        for k in live:
+            self.store.set(protocol.node_state_key(k), "shutdown")
+            self._command(k, op="shutdown")
         stop_all([w for w in self.workers.values() if not self.remote(w.node)], grace_s)
         deadline = time.time() + grace_s
         while time.time() < deadline:
-            self.refresh()
-            if all(not w.alive() or self.nodes[w.node].lost for w in self.workers.values()):
+            self.refresh(force=True)
+            if all(not w.alive() or self.nodes[w.node].lost for w in self.workers.values()) \
+                    and all(self.nodes[k].left or self.nodes[k].lost for k in live):
                 return
             time.sleep(0.05)
 

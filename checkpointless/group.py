@@ -24,17 +24,19 @@ class Group:
     """Owns this worker's process group: forming one per plan, tearing it down, aborting it, and
     keeping FSDP2 modules pointed at the live one."""
 
-    def __init__(self, store, backend: str, pg_timeout_s: float, store_port: int, modules):
-        self.store = store
+    def __init__(self, store, node_store, backend: str, pg_timeout_s: float, store_ports,
+                 modules):
+        self.store, self.node_store = store, node_store
         self.backend = backend
         self.pg_timeout_s = pg_timeout_s
-        self.store_port = store_port
+        self.store_ports = set(store_ports)  # connections to the stores: never severed
         self.modules = modules  # () -> the protected nn.Modules, for FSDP's cached group handles
 
-    def form(self, plan: membership.Plan, rank: int) -> bool:
+    def form(self, plan: membership.Seat) -> bool:
         """Build generation `plan.gen`'s group; False when a newer plan replaced it meanwhile."""
         self.teardown()
-        if not membership.barrier(self.store, plan.gen, plan.world_size):
+        rank = plan.rank
+        if not membership.barrier(self.store, self.node_store, plan):
             return False
         with communicating(f"forming the process group of generation {plan.gen}"):
             dist.init_process_group(
@@ -66,7 +68,7 @@ class Group:
         them: children forked after join (DataLoader workers) hold the same sockets, so closing
         our descriptors alone would leave the connections open and peers blocked on them."""
         if self.backend == "gloo":
-            sever_peer_connections({self.store_port})
+            sever_peer_connections(self.store_ports)
 
     @staticmethod
     def abort() -> None:
@@ -159,10 +161,14 @@ class Watch:
         self.host, self.port = host, port
         self.generation, self.in_step, self.abort = generation, in_step, abort
         self.latest_gen = -1
+        self.preempt_at: int | None = None  # the step before which the job stops, once asked
         self._stop = threading.Event()
+        self._seen = threading.Condition()
 
     def start(self) -> None:
         threading.Thread(target=self._run, daemon=True, name="checkpointless-watch").start()
+        threading.Thread(target=self._run_preempt, daemon=True,
+                         name="checkpointless-preempt").start()
 
     def stop(self) -> None:
         self._stop.set()
@@ -170,6 +176,20 @@ class Watch:
     def moved(self, gen: int) -> bool:
         """A generation newer than `gen` has been published."""
         return self.latest_gen > gen
+
+    def wait_newer(self, gen: int, timeout_s: float) -> bool:
+        """Sleep until a generation newer than `gen` is seen, at most `timeout_s`."""
+        with self._seen:
+            return self._seen.wait_for(lambda: self.latest_gen > gen, timeout_s)
+
+    def _run_preempt(self) -> None:
+        """Learn of a preemption the moment it is asked, without a store call per step."""
+        store = membership.connect(self.host, self.port)
+        try:
+            store.wait([protocol.PREEMPT], timedelta(seconds=_WAIT_S))
+            self.preempt_at = int(store.get(protocol.PREEMPT))
+        except Exception:  # noqa: BLE001  the store is gone: the job is over
+            return
 
     def _run(self) -> None:
         store = membership.connect(self.host, self.port)
@@ -184,7 +204,9 @@ class Watch:
                 continue
             mine = self.generation()
             if mine >= 0 and g > mine and g > self.latest_gen:
-                self.latest_gen = g
+                with self._seen:
+                    self.latest_gen = g
+                    self._seen.notify_all()
                 if self.in_step():
                     self.abort()
 

@@ -20,7 +20,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from . import consistency, detection, membership, protocol
+from . import consistency, membership, protocol
 from .data import END, Cursor, LoaderPosition
 from .ddp import DistributedDataParallel
 from .failures import report_error
@@ -28,6 +28,7 @@ from .faults import FaultInjector, parse_faults
 from .grads import KeptGrads, summed_extra
 from .outside import OutsideSteps
 from .recovery import Recovery
+from .reporter import Reporter
 from .steploop import StepLoop, StepScope
 from .seeding import seed_all, step_seed
 from .state import ProtectedState
@@ -48,8 +49,14 @@ class Job:
         self._injector = FaultInjector(parse_faults(spec.faults), store, worker_id)
         self._injector.corrupt = lambda: consistency.flip_a_bit(self._state.modules())
         self._injector.connect = lambda: membership.connect(host, port)
+        # heartbeats and step records leave the loop's critical path (reporter.py); the node's
+        # own store takes the heartbeats and the barrier's first gathering (protocol.py)
+        node_port = int(os.environ.get(protocol.ENV_NODE_STORE_PORT, "0"))
+        self.reporter = Reporter(worker_id, host, port, node_port)
+        node_store = membership.connect("127.0.0.1", node_port) if node_port else store
         self._rec = Recovery(store, worker_id, spec, host, port, self._state, self._kept,
-                             self._injector)
+                             self._injector, self.reporter, node_store, protocol.node_id(),
+                             store_ports={port, node_port} - {0})
         self._injector.where = lambda: (self._rec.rank, self._rec.completed)
         # the step boundary, the public API the drop-in Accelerator drives too (steploop.py)
         self.steploop = StepLoop(store, worker_id, spec, self._rec, self._state, self._injector)
@@ -172,9 +179,10 @@ class Job:
 
     def _stop_here(self, step: int) -> bool:
         """The job is being stopped and every rank stops before `step` or sooner."""
-        if not self.store.check([protocol.PREEMPT]):
+        stop = self._rec.watch.preempt_at  # the watch learns of it (no store call per step)
+        if stop is None:
             return False
-        self._preempted = step >= int(self.store.get(protocol.PREEMPT))
+        self._preempted = step >= stop
         return self._preempted
 
     def steps(self, max_steps: int):
@@ -334,7 +342,8 @@ class Job:
         complete = self._outside.leave(json.dumps(result or {}))
         if self._state.replicas is not None:  # the last copy is worth nothing now: stop it
             self._state.replicas.close(lambda: self._rec.watch.moved(self.gen), timeout_s=10.0)
-        detection.beat(self.store, self.worker_id, self._rec.completed, self.gen, "done")
+        self.reporter.beat(self._rec.completed, self.gen, "done")
+        self.reporter.flush()
         self.store.set(protocol.done_key(self.worker_id), "1")
         self.store.add(protocol.DONE, 1)
         self._rec.watch.stop()

@@ -5,12 +5,16 @@ plan: which worker holds which rank and the world size. Workers build a fresh pr
 generation on its own store prefix, so nothing left from an older, broken group (keys, sockets) can
 leak into the new one. The store lives in the supervisor, never in a training worker, so losing
 any worker, rank 0 included, loses no coordination state.
+
+What a rank reads per generation does not grow with the job: the plan's head (world size, nodes
+with members) and its own node's part (who joined or left there). A rank's own rank never changes
+while it lives (a lost rank goes to a spare), so a survivor only learns whether it is still in.
 """
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -20,23 +24,49 @@ from . import protocol
 
 @dataclass
 class Plan:
-    """Who holds which rank in one generation."""
+    """Who holds which rank in one generation, as the supervisor keeps it: the whole map."""
     gen: int
     world_size: int
     ranks: dict[int, int]  # worker id -> rank
     t_published: float = 0.0
     lost: int = 0  # workers the supervisor had declared lost when it published this plan
+    nodes: dict[int, int] = field(default_factory=dict)  # worker id -> node (absent: node 0)
 
-    def to_json(self) -> str:
-        return json.dumps({"gen": self.gen, "world_size": self.world_size, "t": self.t_published,
-                           "lost": self.lost,
-                           "ranks": {str(k): v for k, v in self.ranks.items()}})
+    def node_of(self, wid: int) -> int:
+        return self.nodes.get(wid, 0)
 
-    @classmethod
-    def from_json(cls, text) -> "Plan":
-        d = json.loads(text)
-        return cls(gen=d["gen"], world_size=d["world_size"], t_published=d["t"],
-                   lost=d.get("lost", 0), ranks={int(k): int(v) for k, v in d["ranks"].items()})
+
+@dataclass
+class Seat:
+    """What one worker reads of a generation's plan: its own rank, and its node's share."""
+    gen: int
+    world_size: int
+    rank: int
+    node: int
+    members_here: int  # members of this generation on this worker's node
+    nodes: int  # nodes with members
+    lost: int
+    t_published: float
+
+
+def parts(plan: Plan, before: Plan | None) -> dict[int, dict]:
+    """Node k -> its part of `plan`: who joined there since `before` (every member in the first
+    generation), who left, and how many members it has. A rank reads its own node's part only,
+    so what every rank reads does not grow with the job (a whole map per rank would: R^2)."""
+    old = before.ranks if before else {}
+    nodes = {plan.node_of(w) for w in plan.ranks}
+    if before:
+        nodes |= {before.node_of(w) for w in old}
+    out = {k: {"joined": {}, "left": [], "members": 0} for k in nodes}
+    for wid, rank in plan.ranks.items():
+        part = out[plan.node_of(wid)]
+        part["members"] += 1
+        if old.get(wid) != rank:
+            part["joined"][str(wid)] = rank
+    for wid in old:
+        if wid not in plan.ranks:
+            out[before.node_of(wid)]["left"].append(wid)
+    return out
 
 
 def connect(host: str, port: int, timeout_s: float = 120.0) -> dist.TCPStore:
@@ -47,37 +77,64 @@ def current_gen(store) -> int:
     return int(store.get(protocol.GEN)) if store.check([protocol.GEN]) else -1
 
 
-def publish(store, plan: Plan) -> None:
-    """Write the plan first, then move `gen`: a reader that sees the new gen finds its plan."""
+def publish(store, plan: Plan, before: Plan | None = None) -> None:
+    """Write every node's part, then the plan (what a waiting rank wakes on), then move `gen`;
+    the generation before it, if its barrier is still open, is marked stale so that its members
+    stop waiting for it."""
     plan.t_published = time.time()
-    store.set(protocol.plan_key(plan.gen), plan.to_json())
+    by_node = parts(plan, before)
+    store.multi_set([protocol.plan_node_key(plan.gen, k) for k in by_node],
+                    [json.dumps(v) for v in by_node.values()])
+    members = sum(1 for v in by_node.values() if v["members"])
+    store.set(protocol.plan_key(plan.gen), json.dumps(
+        {"gen": plan.gen, "world_size": plan.world_size, "t": plan.t_published,
+         "lost": plan.lost, "nodes": members}))
+    if plan.gen > 0:
+        store.compare_set(protocol.barrier_done_key(plan.gen - 1), "", "stale")
     store.set(protocol.GEN, str(plan.gen))
 
 
-def read_plan(store, gen: int) -> Plan:
-    return Plan.from_json(store.get(protocol.plan_key(gen)))
+def follow(store, wid: int, node: int, rank: int, after_gen: int, gen: int) -> Seat | None:
+    """Worker `wid` of node `node`, holding `rank` (-1: none) as of generation `after_gen`,
+    reads generation `gen`: the plan and its node's parts of every generation in between, in one
+    call. Its seat in `gen`, or None when it holds no rank there (a spare not picked, or a rank
+    that was dropped)."""
+    gens = list(range(after_gen + 1, gen + 1))
+    if rank < 0:  # a spare's node may have had no members (a spare node): no part of its own
+        gens = [g for g in gens if store.check([protocol.plan_node_key(g, node)])]
+    keys = [protocol.plan_key(gen)] + [protocol.plan_node_key(g, node) for g in gens]
+    head, *node_parts = (json.loads(v) for v in store.multi_get(keys))
+    for part in node_parts:
+        if wid in part["left"]:
+            rank = -1
+        rank = part["joined"].get(str(wid), rank)
+    if rank < 0:
+        return None
+    # a member's node always has a part (it has members)
+    return Seat(gen=gen, world_size=head["world_size"], rank=rank, node=node,
+                members_here=node_parts[-1]["members"], nodes=head["nodes"], lost=head["lost"],
+                t_published=head["t"])
 
 
 def counter(store, key: str) -> int:
     return store.add(key, 0)
 
 
-def barrier(store, gen: int, world_size: int,
-            poll_s: float = protocol.DEFAULTS.plan_poll_s) -> bool:
-    """All members of `gen` arrive; False if a newer generation replaces it while waiting.
+def barrier(store, node_store, seat: Seat) -> bool:
+    """Every member of `seat.gen` arrives; False if a newer generation replaced it meanwhile.
 
-    Done on the store, before the process group exists, so a member that died after the plan was
-    published cannot block the others inside the process-group constructor.
-    """
-    key = protocol.barrier_key(gen)
-    store.add(key, 1)
-    while counter(store, key) < world_size:
-        if current_gen(store) != gen:
-            return False
-        time.sleep(poll_s)
-    return True
-
-
+    Gathered by node: each member adds to its node's counter (its node store), the node's last
+    adds once to the job's, and the job's last opens the barrier; every member waits on that one
+    key, woken by the store, with no polling. Done before the process group exists, so a member
+    that died after the plan was published cannot block the others inside the group's
+    constructor (the supervisor's next plan marks this barrier stale)."""
+    g = seat.gen
+    done = protocol.barrier_done_key(g)
+    if node_store.add(protocol.barrier_node_key(g, seat.node), 1) == seat.members_here:
+        if store.add(protocol.barrier_key(g), 1) == seat.nodes:
+            store.compare_set(done, "", "go")
+    store.wait([done], timedelta(days=1))
+    return store.get(done) == b"go"
 def results_in(store, world_size: int) -> bool:
     """Every rank reported its result (job.finish): the end of the run is reached."""
     return all(store.check([protocol.result_key(r)]) for r in range(world_size))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from . import detection, membership, protocol
+from . import membership, protocol
 from .failures import GroupAborted
 from .recovery import Recovery
 from .steploop import StepLoop
@@ -35,7 +35,7 @@ class OutsideSteps:
             loop.next()
             # outside the steps a rank beats here: one still busy after the loop (an export)
             # is not taken for one left behind while the others wait for it
-            detection.beat(self.store, self.worker_id, rec.completed, rec.gen, "between")
+            rec.reporter.beat(rec.completed, rec.gen, "between")
             if rec.gen != gen and self.on_recovered is not None and \
                     not self.on_recovered(before):
                 continue
@@ -63,7 +63,7 @@ class OutsideSteps:
         loop, rec = self.loop, self.rec
         while True:
             self.store.set(protocol.result_key(rec.rank), result_text)
-            detection.beat(self.store, self.worker_id, rec.completed, rec.gen, "finish")
+            rec.reporter.beat(rec.completed, rec.gen, "finish")
             loop.body(True)  # a peer hung on its way here is caught as in a step
             try:
                 if not dist.is_initialized():  # the watch aborted it: a newer generation exists

@@ -47,7 +47,10 @@ def open_pidfd(pid: int) -> int | None:
 
 def kill_tree(proc: subprocess.Popen, sig=signal.SIGKILL) -> None:
     """Signal the process and whatever it started: a child left behind (a DataLoader worker)
-    would keep a dead worker's connections open and its peers blocked on them."""
+    would keep a dead worker's connections open and its peers blocked on them. A stand-in for a
+    process (the scale harness's simulated ranks) is asked to end itself."""
+    if hasattr(proc, "signal_tree"):
+        return proc.signal_tree(sig)
     try:
         os.killpg(proc.pid, sig)  # its own group (start_process), the process included
     except (ProcessLookupError, PermissionError):
@@ -77,8 +80,9 @@ class Worker:
         return self.proc.poll() is None
 
 
-def wait_for_exit(workers: list[Worker], timeout_s: float) -> None:
-    """Sleep until one of `workers` exits or `timeout_s` passes.
+def wait_for_exit(workers: list[Worker], timeout_s: float, extra_fds=()) -> None:
+    """Sleep until one of `workers` exits, one of `extra_fds` is readable, or `timeout_s`
+    passes.
 
     Waiting on pidfds costs no CPU and sees an exit the moment it happens; polling every 20 ms
     cost about 1% of a core, which on a small machine is taken from training."""
@@ -86,6 +90,7 @@ def wait_for_exit(workers: list[Worker], timeout_s: float) -> None:
     if None in fds:
         time.sleep(min(timeout_s, 0.02))
         return
+    fds += list(extra_fds)
     if not fds:
         time.sleep(timeout_s)
         return
@@ -165,16 +170,23 @@ class WorkerPool:
         close_reaped(self.workers.values())
         wait_for_exit([self.workers[wid] for wid in active], timeout_s)
 
-    def refresh(self) -> None:
+    def refresh(self, force: bool = False) -> None:
         """Learn of exits the processes' own status does not show (other nodes': cluster.py)."""
 
     def fence_silent_nodes(self) -> list[int]:
         """Nodes declared lost (and fenced) since the last call: none on one machine."""
         return []
 
-    def local_pid(self, w: Worker) -> int:
-        """The worker's pid if it runs on this machine (where /proc shows it), else -1."""
-        return w.proc.pid
+    def beats(self, wids) -> dict:
+        """wid -> its last heartbeat (None: none yet), from the store its node's workers beat
+        into: on one machine, the supervisor's own."""
+        from .detection import read_beats
+        return read_beats(self.store, list(wids))
+
+    def stopped(self, w: Worker) -> bool:
+        """The worker's process is stopped (SIGSTOP, a debugger, a frozen container)."""
+        from .detection import process_stopped
+        return process_stopped(w.proc.pid)
 
     @staticmethod
     def kill(w: Worker) -> None:

@@ -2,16 +2,26 @@
 
 The supervisor and its workers talk through one TCPStore hosted by the supervisor (it outlives any
 worker) and through a few environment variables set when a worker process is started. Everything
-either side reads or writes is named here, so a reader can see the whole conversation in one page:
+either side reads or writes is named here, so a reader can see the whole conversation in one page.
+What grows with ranks goes to the rank's own node (its node store, below); what reaches the
+coordinator grows with nodes, or happens once per generation:
 
     supervisor                                   worker
     ----------                                   ------
     spec             (job settings, JSON)  --->  read once in join()
                                            <---  ready/<wid>      warmed up, waiting for a rank
-    plan/<g>, gen    (membership plan g)   --->  build the group of generation g
-                                           <---  barrier/<g>      counter: members arrived
-                                           <---  hb/<wid>         heartbeat {t, step, gen, phase}
-                                           <---  steps/<s>        rank 0: step s ran t0..t1
+    plan/<g>         (generation g: world  --->  a rank waits on it (one key, no polling), then
+      size, nodes with members)                  reads it with its node's part in one call:
+    plan/<g>/<k>     (node k's part: who            who joined, who left, members on node k
+      joined or left there, members)
+    gen              (newest generation)
+                                           <---  barrier/<g>/<k>  node store: members arrived;
+                                                 the node's last adds once to barrier/<g>, the
+                                                 job's last sets barrier/<g>/done, which every
+                                                 member waits on (a newer plan sets it stale)
+                                           <---  hb/<wid>         node store, from a background
+                                                 thread: heartbeat {t, step, gen, phase}
+                                           <---  steps/<s>        rank 0, background: step s ran
                                            <---  rec/<g>/<rank>   how generation g was entered
                                            <---  recfirst/<g>/<r> first step committed in g
                                            <---  error/<wid>, errors   an exception of its own
@@ -21,20 +31,27 @@ either side reads or writes is named here, so a reader can see the whole convers
                                            <---  result/<rank>, done/<wid>, done
     shutdown                               --->  the job is over
 
+The node store: every node agent hosts a small TCPStore of its own for its workers (their
+heartbeats and the barrier's first gathering); on the coordinator's node, and on one machine, the
+supervisor's store is that node's store too.
+
 Many machines: every node but the coordinator's runs an agent (agent.py) that the coordinator
-(cluster.py) talks to through keys of its own, one set per node k. Its load grows with nodes, not
-ranks: the agent pushes its children's exits into one record, behind one counter.
+(cluster.py) talks to through keys of its own, one set per node k. The agent judges its own
+workers (exits, heartbeats, stopped processes) and reports one record per node, so the
+coordinator's steady load grows with nodes, not ranks:
 
     coordinator                                  agent (node k)
     -----------                                  --------------
                                            <---  node/k/hello     {host, procs, pid}
-    node/k/cmds (counter), node/k/cmd/<i>  --->  spawn {wid, slot, spare} | kill {wid}
+    node/k/cmd/<i>   (the i-th command)    --->  spawn {wid, slot, spare} | kill {wid}; a thread
+                                                 of the agent blocks on the next one
                                            <---  node/k/pid/<wid>
-                                           <---  node/k/exited    {wid: exit code}, then
-                                                 node/k/exits     (counter: exits so far)
-                                           <---  node/k/beat      (counter, every node_beat_s)
-    node/k/fenced (declared lost)          --->  kill every local worker, exit
-    shutdown                               --->  stop every local worker, exit 0
+                                           <---  node/k/health    {seq, beats, stopped,
+                                                 exited}: every node_beat_s, and at once on an
+                                                 exit, then node_events (counter) moves
+    node/k/state     "fenced: <why>"       --->  kill every local worker, exit 3
+                     "shutdown"            --->  stop every local worker, exit 0
+                     (read in the same call as each health record is written)
 """
 from __future__ import annotations
 
@@ -48,6 +65,8 @@ ENV_STORE_PORT = "CL_STORE_PORT"  # its port
 ENV_WORKER_ID = "CL_WORKER_ID"  # this process's id, unique over the job (spares included)
 ENV_DEVICE_SLOT = "CL_DEVICE_SLOT"  # local device index; a replacement takes the lost one's slot
 ENV_SPARE = "CL_SPARE"  # "1" in a process started as a hot spare
+ENV_NODE = "CL_NODE"  # the node the process runs on
+ENV_NODE_STORE_PORT = "CL_NODE_STORE_PORT"  # its node store on 127.0.0.1 (unset: the main store)
 
 # ---- store keys ------------------------------------------------------------------------------
 SPEC = "spec"  # the job's Spec, JSON, written before any worker starts
@@ -59,14 +78,33 @@ FIRST_STEP = "first_step"  # the step this launch's step records start at (resum
 SHUTDOWN = "shutdown"  # set by the supervisor when the job is over
 PREEMPT = "preempt"  # set by the supervisor on SIGTERM/SIGINT: the step before which all stop
 PREEMPT_ASK = "preempt_ask"  # set by a node agent that got SIGTERM/SIGINT: please stop the job
+NODE_EVENTS = "node_events"  # counter: agents' health records that carry news (an exit)
+LAST_STEP = "last_step"  # rank 0's newest committed step (with its step record)
 
 
 def plan_key(gen: int) -> str:
     return f"plan/{gen}"
 
 
+def plan_node_key(gen: int, node: int) -> str:
+    """Node `node`'s part of generation `gen`'s plan: who joined or left there, its members."""
+    return f"plan/{gen}/{node}"
+
+
 def barrier_key(gen: int) -> str:
+    """Counter on the main store: nodes whose members of generation `gen` all arrived."""
     return f"barrier/{gen}"
+
+
+def barrier_node_key(gen: int, node: int) -> str:
+    """Counter on node `node`'s store: its members of generation `gen` that arrived."""
+    return f"barrier/{gen}/{node}"
+
+
+def barrier_done_key(gen: int) -> str:
+    """"go" once every member of `gen` arrived, or "stale" once a newer plan replaced it (set
+    if absent, so exactly one of the two wins)."""
+    return f"barrier/{gen}/done"
 
 
 def group_prefix(gen: int) -> str:
@@ -141,12 +179,9 @@ def node_hello_key(node: int) -> str:
     return f"node/{node}/hello"
 
 
-def node_beat_key(node: int) -> str:
-    return f"node/{node}/beat"
-
-
-def node_cmds_key(node: int) -> str:
-    return f"node/{node}/cmds"
+def node_health_key(node: int) -> str:
+    """The node agent's one record of its workers (agent.py's health())."""
+    return f"node/{node}/health"
 
 
 def node_cmd_key(node: int, i: int) -> str:
@@ -157,18 +192,10 @@ def node_pid_key(node: int, wid: int) -> str:
     return f"node/{node}/pid/{wid}"
 
 
-def node_exits_key(node: int) -> str:
-    """Counter: exits the node's agent has written into its node_exited_key record."""
-    return f"node/{node}/exits"
-
-
-def node_exited_key(node: int) -> str:
-    """JSON {wid: exit code} of every worker of the node that exited, written before the counter."""
-    return f"node/{node}/exited"
-
-
-def node_fenced_key(node: int) -> str:
-    return f"node/{node}/fenced"
+def node_state_key(node: int) -> str:
+    """Set by the coordinator: "fenced: <why>" (the node was declared lost) or "shutdown"; the
+    agent reads it with each health record (absent: run on)."""
+    return f"node/{node}/state"
 
 
 def read_json(store, key: str):
@@ -204,9 +231,8 @@ class Defaults:
     beats_every_s: float = 0.5  # how often the supervisor reads the workers' heartbeats
     remote_poll_s: float = 0.05  # its longest sleep with workers on other nodes (their exits)
     spare_poll_s: float = 0.05  # how often a lost rank waiting for a spare looks again
-    node_beat_s: float = 0.5  # how often a node's agent beats
-    agent_poll_s: float = 0.1  # how often an agent looks for commands (children wake it)
-    plan_poll_s: float = 0.002  # how often a rank in recovery looks for the next plan
+    node_beat_s: float = 0.5  # how often a node's agent writes its health record
+    health_every_s: float = 0.25  # how often the coordinator reads every node's health record
     gather_window_s: float = 0.02  # failures seen this close together join one generation
     refill_delay_s: float = 3.0  # a refill waits this long when spares suffice for now
     # a node whose launcher is silent this long is lost; below confirm_s, so that survivors whose
@@ -307,9 +333,13 @@ class SupervisorConfig:
                              ranks_per_node=self.per_node)
 
 
-def worker_env(host: str, port: int, wid: int, slot: int, spare: bool) -> dict[str, str]:
-    return {ENV_STORE_HOST: host, ENV_STORE_PORT: str(port), ENV_WORKER_ID: str(wid),
-            ENV_DEVICE_SLOT: str(slot), ENV_SPARE: "1" if spare else "0"}
+def worker_env(host: str, port: int, wid: int, slot: int, spare: bool, node: int = 0,
+               node_store_port: int = 0) -> dict[str, str]:
+    env = {ENV_STORE_HOST: host, ENV_STORE_PORT: str(port), ENV_WORKER_ID: str(wid),
+           ENV_DEVICE_SLOT: str(slot), ENV_SPARE: "1" if spare else "0", ENV_NODE: str(node)}
+    if node_store_port:
+        env[ENV_NODE_STORE_PORT] = str(node_store_port)
+    return env
 
 
 def supervised() -> bool:
@@ -322,6 +352,10 @@ def device_slot() -> int:
 
 def started_as_spare() -> bool:
     return os.environ.get(ENV_SPARE) == "1"
+
+
+def node_id() -> int:
+    return int(os.environ.get(ENV_NODE, "0"))
 
 
 def replica_offset(placement: str, procs_per_node: int) -> int:

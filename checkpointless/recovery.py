@@ -20,11 +20,12 @@ import json
 import time
 from datetime import timedelta
 
-from . import detection, membership, protocol, restore
+from . import membership, protocol, restore
 from .failures import Evicted, is_peer_failure
 from .faults import FaultInjector
 from .grads import KeptGrads
 from .group import Group, Watch
+from .reporter import Reporter
 from .state import ProtectedState
 
 
@@ -46,14 +47,17 @@ class Recovery:
     (commits, generation entries) the supervisor reads to time each recovery."""
 
     def __init__(self, store, worker_id: int, spec: protocol.Spec, host: str, port: int,
-                 state: ProtectedState, kept: KeptGrads, injector: FaultInjector):
+                 state: ProtectedState, kept: KeptGrads, injector: FaultInjector,
+                 reporter: Reporter, node_store=None, node: int = 0, store_ports=None):
         self.store, self.worker_id, self.spec = store, worker_id, spec
         self.state, self.kept, self.injector = state, kept, injector
-        self.group = Group(store, spec.backend, spec.pg_timeout_s, port, state.modules)
+        self.reporter, self.node = reporter, node
+        self.group = Group(store, node_store or store, spec.backend, spec.pg_timeout_s,
+                           store_ports or {port}, state.modules)
         self.watch = Watch(host, port, lambda: self.gen, lambda: self._phase is Phase.IN_STEP,
                            self._abort_from_watch)
         self._phase = Phase.WAITING  # changed only by this class's transitions below
-        self.plan: membership.Plan | None = None
+        self.plan: membership.Seat | None = None
         self.gen, self.rank, self.world_size = -1, -1, 0
         self.completed = 0  # committed steps
         self.holds_state = True
@@ -73,35 +77,34 @@ class Recovery:
         Group.abort()
 
     # ---- waiting ---------------------------------------------------------------------------
-    def wait_plan(self, after_gen: int, timeout_s: float | None) -> membership.Plan:
-        """The newest plan with generation > after_gen that includes this worker.
+    def wait_plan(self, after_gen: int, timeout_s: float | None) -> membership.Seat:
+        """This worker's seat in the newest plan with generation > after_gen that includes it.
 
-        A rank polls (quietly: a store wait that times out logs a warning) and keeps beating, so
-        the supervisor does not take a long spare wait for a hang; a spare blocks in the store."""
+        Nothing polls: a spare blocks in the store until the next plan is published; a rank
+        (its watch thread is running) sleeps until that thread sees the next plan, beating every
+        heartbeat_every_s meanwhile, so that the supervisor does not take a long spare wait for a
+        hang."""
         self._phase = Phase.WAITING
         deadline = None if timeout_s is None else time.time() + timeout_s
-        last_beat, pause = 0.0, protocol.DEFAULTS.plan_poll_s
+        seen = after_gen  # plans up to here are read
         while True:
-            g = membership.current_gen(self.store)
-            if g > after_gen:
-                plan = membership.read_plan(self.store, g)
-                if self.worker_id in plan.ranks:
-                    return plan
+            g = max(membership.current_gen(self.store), self.watch.latest_gen)
+            if g > seen:
+                seat = membership.follow(self.store, self.worker_id, self.node, self.rank, seen, g)
+                if seat is not None:
+                    return seat
                 if self.rank >= 0:
                     raise Evicted(f"worker {self.worker_id} is not in generation {g}")
-                after_gen = g  # a spare not picked this time keeps waiting
+                seen = g  # a spare not picked this time keeps waiting
             if self.store.check([protocol.SHUTDOWN]):
                 raise SystemExit(0)
             if deadline is not None and time.time() > deadline:
                 raise TimeoutError(f"no new membership within {timeout_s:.0f} s after a failure")
             if self.rank < 0:
-                self._block_until_plan(max(g, after_gen) + 1)
+                self._block_until_plan(seen + 1)
                 continue
-            if time.time() - last_beat > protocol.DEFAULTS.heartbeat_every_s:
-                detection.beat(self.store, self.worker_id, self.completed, self.gen, "recover")
-                last_beat = time.time()
-            time.sleep(pause)
-            pause = min(0.02, pause * 1.1)
+            self.reporter.beat(self.completed, self.gen, "recover")
+            self.watch.wait_newer(seen, protocol.DEFAULTS.heartbeat_every_s)
 
     def _block_until_plan(self, gen: int) -> None:
         try:
@@ -117,7 +120,7 @@ class Recovery:
         except Exception:
             return False
 
-    def join(self, plan: membership.Plan) -> None:
+    def join(self, plan: membership.Seat) -> None:
         """A new worker's first plan: build its group (JOINED); the state waits for sync_first.
 
         Workers of the first generation all start from the same seeded state; a worker that
@@ -131,18 +134,18 @@ class Recovery:
         self.completed = step
 
     # ---- entering a generation -------------------------------------------------------------
-    def enter(self, plan: membership.Plan, sync: bool = True) -> None:
+    def enter(self, plan: membership.Seat, sync: bool = True) -> None:
         """Build the group for a plan (or a newer one) and bring every member to one state.
 
         With sync=False only the group is built (JOINED); the restore waits for `sync_first`."""
         while True:
             try:
                 if self.gen >= 0 and self.holds_state:  # rehearse a failure during recovery
-                    self.injector.at("regroup", plan.ranks[self.worker_id], self.completed)
+                    self.injector.at("regroup", plan.rank, self.completed)
                 self.plan, self.gen = plan, plan.gen
-                self.rank, self.world_size = plan.ranks[self.worker_id], plan.world_size
+                self.rank, self.world_size = plan.rank, plan.world_size
                 self._phase = Phase.REGROUPING
-                if not self.group.form(plan, self.rank):
+                if not self.group.form(plan):
                     plan = self.wait_plan(plan.gen, None)
                     continue
                 self.t_group = time.time()
@@ -167,7 +170,7 @@ class Recovery:
                 raise
             self.fail()
 
-    def _restore(self, plan: membership.Plan, awaiting: int | None) -> None:
+    def _restore(self, plan: membership.Seat, awaiting: int | None) -> None:
         self._phase = Phase.RESTORING
         me = restore.Position(self.rank, self.world_size, self.completed, self.holds_state,
                               self.kept.usable(self.completed, self.rank, self.world_size))
@@ -237,7 +240,7 @@ class Recovery:
         step = self.completed
         self.completed += 1
         if self.rank == 0:
-            self.store.set(protocol.step_key(step), f"{step_started_at:.6f},{t1:.6f}")
+            self.reporter.step_done(step, step_started_at, t1)
         self.resumed(t1)
 
     def resumed(self, t: float | None = None) -> None:

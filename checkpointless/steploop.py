@@ -29,7 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import consistency, detection, membership, protocol
+from . import consistency, membership, protocol
 from .failures import communicating, report_error
 from .faults import FaultInjector, InjectedFault
 from .group import side_group
@@ -98,7 +98,7 @@ class StepLoop:
     def ready(self, step: int) -> bool:
         """Before a step's body: heartbeat, due faults, replica exchange, consistency check.
         False when a peer failed meanwhile (the next turn recovers)."""
-        detection.beat(self.store, self.worker_id, step, self.rec.gen, "step")
+        self.rec.reporter.beat(step, self.rec.gen, "step")
         self.injector.before_step(self.rec.rank, step)
         self.step_started_at = time.time()  # the replica snapshot (and any wait) is in the step
         self.state.update_applied = False

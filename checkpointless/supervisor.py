@@ -22,7 +22,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from . import detection, membership, policy, protocol
+from . import membership, policy, protocol
 from .cluster import ClusterPool, pool_for
 from .processes import Worker
 from .protocol import SupervisorConfig
@@ -54,6 +54,7 @@ class Supervisor:
         self.failures: list[Failure] = []
         self.gen = -1
         self.ranks: dict[int, int] = {}  # active worker id -> rank
+        self._plan: membership.Plan | None = None  # the newest published plan
         self.killed_after_done: list[int] = []  # workers killed once their result was in
         self._exit_seen: dict[int, float] = {}  # when a worker that left a result was seen dead
         self._crashes: dict[int, int] = {}  # rank -> its replacements lost before a first step
@@ -154,11 +155,11 @@ class Supervisor:
         return out
 
     def _hung(self) -> list[tuple[Worker, bool]]:
+        """Judged from the heartbeats of every active worker (a node's agent reports its own,
+        and which of its processes are stopped: only that node's /proc shows it)."""
         active = {wid: self.workers[wid] for wid in self.ranks}
-        beats = detection.read_beats(self.store, list(active))
-        # a stopped process can be seen in /proc only on this node
-        hung = policy.find_hung(beats, self.cfg.heartbeat_timeout_s, time.time(), stopped=lambda
-                                wid: detection.process_stopped(self.pool.local_pid(active[wid])))
+        hung = policy.find_hung(self.pool.beats(list(active)), self.cfg.heartbeat_timeout_s,
+                                time.time(), stopped=lambda wid: self.pool.stopped(active[wid]))
         return [(active[wid], True) for wid in hung]
 
     def _silent_nodes(self, lost) -> list[tuple[Worker, bool]]:
@@ -222,7 +223,7 @@ class Supervisor:
         """Take a lost worker out of the membership, say so, and stop if nothing is left."""
         err = protocol.read_json(self.store, protocol.error_key(w.wid))
         fault = protocol.read_json(self.store, protocol.fault_time_key(w.wid))
-        beat = detection.read_beat(self.store, w.wid)
+        beat = self.pool.beats([w.wid]).get(w.wid)
         diverged = self.store.check([protocol.diverged_key(w.wid)])
         f = Failure(wid=w.wid, rank=w.rank, cause=policy.cause(w.node_lost, hung, diverged, err),
                     t_fail=fault["t"] if fault else w.lost_at or now, t_detect=now,
@@ -252,8 +253,13 @@ class Supervisor:
         return f
 
     def _job_step(self) -> int:
-        """The step the job is at, from the active workers' heartbeats."""
-        return policy.job_step(detection.read_beats(self.store, list(self.ranks)).values())
+        """The step the job is at: the furthest of the active workers' heartbeats, or the step
+        after rank 0's newest committed one (heartbeats from other nodes come at most one
+        health record late)."""
+        last = self.store.get(protocol.LAST_STEP) if self.store.check([protocol.LAST_STEP]) \
+            else None
+        return max(policy.job_step(self.pool.beats(list(self.ranks)).values()),
+                   int(last) + 1 if last is not None else 0)
 
     def _replace(self, pending: list[Failure]) -> None:
         """Give each lost rank to a ready spare, waiting for one (the refill) if none is ready."""
@@ -298,10 +304,13 @@ class Supervisor:
                                     self.pool.lost_node_ids(), self.pool.spare_node_ids())
 
     def _publish(self) -> None:
+        """The next generation's plan: what changed since the last one, node by node."""
         self.gen += 1
         plan = membership.Plan(gen=self.gen, world_size=self.cfg.nproc, ranks=dict(self.ranks),
-                               lost=membership.counter(self.store, protocol.LOST))
-        membership.publish(self.store, plan)
+                               lost=membership.counter(self.store, protocol.LOST),
+                               nodes={wid: self.workers[wid].node for wid in self.ranks})
+        membership.publish(self.store, plan, self._plan)
+        self._plan = plan
 
     def _refill_dead_spares(self) -> None:
         """A spare that died while waiting is replaced too."""
@@ -328,7 +337,9 @@ class Supervisor:
                 self.stop_asked or self.store.check([protocol.PREEMPT_ASK])):
             return
         self.stop_asked = self.stop_asked or self.store.get(protocol.PREEMPT_ASK).decode()
-        stop = self._job_step() + 1
+        # two steps past the furthest seen: a rank may have begun the next step since its last
+        # heartbeat was read, and every rank must learn of the stop before it reaches it
+        stop = self._job_step() + 2
         self.preempted_at = stop
         self.store.set(protocol.PREEMPT, str(stop))
         self.log(f"[checkpointless] {self.stop_asked}: stopping every rank before step {stop}")

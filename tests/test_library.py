@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -195,13 +196,41 @@ def test_a_fault_fires_once_even_when_the_step_is_redone():
     assert json.loads(store.get(protocol.fault_time_key(0)))["kind"] == "raise"
 
 
-def test_plans_roundtrip_and_the_barrier_gives_way_to_a_newer_generation():
+def test_plans_are_read_by_node_as_changes_and_the_barrier_gives_way_to_a_newer_one():
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    membership.publish(store, membership.Plan(gen=0, world_size=2, ranks={10: 0, 11: 1}))
-    plan = membership.read_plan(store, membership.current_gen(store))
-    assert plan.ranks == {10: 0, 11: 1} and plan.t_published > 0
-    membership.publish(store, membership.Plan(gen=1, world_size=2, ranks={10: 0, 12: 1}))
-    assert membership.barrier(store, 0, 2) is False  # gen 0 is stale: do not wait for it
+    gen0 = membership.Plan(gen=0, world_size=4, ranks={10: 0, 11: 1, 12: 2, 13: 3},
+                           nodes={10: 0, 11: 0, 12: 1, 13: 1})
+    membership.publish(store, gen0)
+    seat = membership.follow(store, 12, 1, -1, -1, 0)
+    assert (seat.rank, seat.world_size, seat.members_here, seat.nodes) == (2, 4, 2, 2)
+    assert membership.follow(store, 14, 2, -1, -1, 0) is None  # a spare on node 2: not yet
+    # worker 11 is lost; spare 14 on node 2 takes rank 1: node 0's part lists only the change
+    gen1 = membership.Plan(gen=1, world_size=4, ranks={10: 0, 14: 1, 12: 2, 13: 3},
+                           nodes={10: 0, 14: 2, 12: 1, 13: 1})
+    membership.publish(store, gen1, gen0)
+    part = json.loads(store.get(protocol.plan_node_key(1, 0)))
+    assert part == {"joined": {}, "left": [11], "members": 1}
+    assert json.loads(store.get(protocol.plan_node_key(1, 1)))["joined"] == {}
+    assert membership.follow(store, 14, 2, -1, -1, 1).rank == 1  # read both generations
+    assert membership.follow(store, 10, 0, 0, 0, 1).members_here == 1
+    assert membership.follow(store, 11, 0, 1, 0, 1) is None  # dropped
+    # generation 0's barrier was still open: gen 1 marked it stale, so nobody waits for it
+    assert membership.barrier(store, store, seat) is False
+    # every member of gen 1 arrives: each node's last adds once, the job's last opens it
+    seats = [membership.follow(store, w, n, r, 0, 1) for w, n, r in
+             [(10, 0, 0), (12, 1, 2), (13, 1, 3)]] + [membership.follow(store, 14, 2, -1, -1, 1)]
+    got = []
+
+    def arrive(seat):  # each member on a connection of its own, as workers are
+        client = dist.TCPStore("127.0.0.1", store.port, is_master=False)
+        got.append(membership.barrier(client, client, seat))
+
+    threads = [threading.Thread(target=arrive, args=(s,)) for s in seats]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert got == [True] * 4 and int(store.get(protocol.barrier_key(1))) == 3
 
 
 def _reduce(rank, port, q):

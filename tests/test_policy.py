@@ -194,59 +194,66 @@ def cluster(per_node: int, remote_nodes: int = 2):
         client = CountingStore(dist.TCPStore("127.0.0.1", master.port, is_master=False,
                                              timeout=timedelta(seconds=10)))
         agent = NodeAgent(client, node, ["true"], {}, "127.0.0.1", master.port, 0.2)
-        client.add(protocol.node_exits_key(node), 0)
         for slot in range(per_node):
             wid = pool._next_wid
             pool._next_wid += 1
             pool.workers[wid] = Worker(wid=wid, proc=RemoteProc(pool, node, wid), slot=slot,
                                        started=0.0, node=node, rank=wid)
-            agent.workers[wid] = Worker(wid=wid, proc=FakeProc(1000 + wid), slot=slot,
+            # a pid past the kernel's largest: /proc has no such process
+            agent.workers[wid] = Worker(wid=wid, proc=FakeProc(2 ** 22 + wid), slot=slot,
                                         started=0.0, node=node)
+            agent.node_store.set(protocol.heartbeat_key(wid), json.dumps(
+                {"t": time.time(), "step": 7, "gen": 0, "phase": "step"}))
+        agent.hello(per_node)
         agents[node] = agent
     return master, pool, coordinator, agents
 
 
 @pytest.mark.parametrize("per_node", [2, 16])
-def test_agents_push_exits_and_the_coordinator_reads_one_key_per_node(per_node):
+def test_agents_report_by_node_and_the_coordinator_reads_by_node(per_node):
     master, pool, coordinator, agents = cluster(per_node)
-    for agent in agents.values():  # nothing exited: an agent writes nothing
+    for agent in agents.values():  # one health record: a write and the node's state, read back
         agent.store.ops = 0
-        agent.push_exits()
-        assert agent.store.ops == 0
+        assert agent.health(news=bool(agent.new_exits())) == "run"
+        assert agent.store.ops == 2
     coordinator.ops = 0
-    for _ in range(10):  # ten wake-ups of the supervisor's loop
+    for _ in range(10):  # ten wake-ups of the supervisor's loop, nothing new
         pool.refresh()
         assert all(w.alive() for w in pool.workers.values())
-    assert coordinator.ops == 10 * len(agents)  # by node, whatever per_node is
+    assert coordinator.ops <= 10 + 1  # the event counter, and every record once, in one call
+    pool.refresh(force=True)
+    beats = pool.beats(list(pool.workers))
+    assert {b["step"] for b in beats.values()} == {7} and len(beats) == 2 * per_node
 
     victim = next(w for w in pool.workers.values() if w.node == 2)
     agents[2].workers[victim.wid].proc.returncode = -9
     agents[2].store.ops = 0
-    agents[2].push_exits()
-    agents[2].push_exits()  # an exit is pushed once
-    assert agents[2].store.ops == 2  # the node's record, then its counter
+    news = agents[2].new_exits()
+    assert news == {victim.wid: -9} and agents[2].new_exits() == {}  # an exit is news once
+    agents[2].health(news=True)
+    assert agents[2].store.ops == 3  # the record, the event counter, the node's state
     coordinator.ops = 0
-    pool.refresh()
-    assert coordinator.ops == len(agents) + 1  # the counters, and node 2's record once
+    pool.refresh()  # the counter moved: every record is read at once
+    assert coordinator.ops == 2
     assert victim.proc.poll() == -9 and victim.proc.wait(timeout=1) == -9
     assert [w.wid for w in pool.workers.values() if not w.alive()] == [victim.wid]
-    record = json.loads(master.get(protocol.node_exited_key(2)))
-    assert record == {str(victim.wid): -9}
+    record = json.loads(master.get(protocol.node_health_key(2)))
+    assert record["exited"] == {str(victim.wid): -9} and str(victim.wid) not in record["beats"]
 
 
 def test_a_silent_node_is_fenced_and_its_workers_fail_together():
     master, pool, coordinator, agents = cluster(2)
-    for agent in agents.values():
-        agent.store.add(protocol.node_beat_key(agent.node), 1)
+    pool.refresh(force=True)
     now = time.time()
     for n in pool.nodes.values():
         n.beat_seen_at = now
-    assert pool.fence_silent_nodes() == []  # both beat
+    assert pool.fence_silent_nodes() == []  # both reported
     time.sleep(0.25)
-    agents[1].store.add(protocol.node_beat_key(1), 1)  # node 1 beats on, node 2 is silent
+    agents[1].health(news=False)  # node 1 reports on, node 2 is silent
+    pool.refresh(force=True)
     assert pool.fence_silent_nodes() == [2]
     assert pool.lost_node_ids() == {2}
     lost = [w for w in pool.workers.values() if w.node == 2]
     assert all(w.node_lost and w.proc.poll() == -9 for w in lost)
-    assert master.check([protocol.node_fenced_key(2)])
+    assert agents[2].health(news=False).startswith("fenced")  # it learns so when it returns
     assert all(w.alive() for w in pool.workers.values() if w.node == 1)

@@ -1,0 +1,83 @@
+"""What a worker reports as it trains, written off the step's critical path.
+
+Each step a worker beats (its heartbeat: when it last made progress, at which step) and rank 0
+records the step's times. Written from the training loop, each is a store round trip between one
+step and the next; here the loop only leaves the newest values in memory and a thread of the
+worker's own writes them, on connections of its own: the heartbeat to the node's store (its agent
+judges it; the coordinator never reads a rank's heartbeat), the step record to the main store.
+
+The heartbeat's time is taken by the loop, not by the thread, so a hung loop still reads as
+silent. `flush()` waits for what is pending (the last beats before a worker leaves).
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+from . import protocol
+
+
+class Reporter:
+    """A worker's heartbeat and step records, written by a background thread."""
+
+    def __init__(self, worker_id: int, host: str, port: int, node_port: int = 0):
+        self.worker_id = worker_id
+        self.host, self.port, self.node_port = host, port, node_port
+        self._beat: str | None = None  # the newest heartbeat not yet written
+        self._steps: list[tuple[int, str]] = []  # step records not yet written
+        self._queued = self._written = 0
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._broken = False  # a store is gone: the job is over or this worker is lost
+
+    def beat(self, step: int, gen: int, phase: str) -> None:
+        self._put(beat=json.dumps({"t": time.time(), "step": step, "gen": gen, "phase": phase}))
+
+    def step_done(self, step: int, t0: float, t1: float) -> None:
+        """Rank 0: step `step` ran from t0 to t1 (report.py reads these for goodput)."""
+        self._put(step=(step, f"{t0:.6f},{t1:.6f}"))
+
+    def flush(self, timeout_s: float = 5.0) -> None:
+        """Wait until everything reported so far is written (or the stores are gone)."""
+        with self._cond:
+            target = self._queued
+            self._cond.wait_for(lambda: self._written >= target or self._broken, timeout_s)
+
+    def _put(self, beat: str | None = None, step: tuple[int, str] | None = None) -> None:
+        with self._cond:
+            if beat is not None:
+                self._beat = beat
+            if step is not None:
+                self._steps.append(step)
+            self._queued += 1
+            self._cond.notify_all()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name="checkpointless-reporter")
+                self._thread.start()
+
+    def _run(self) -> None:
+        from .membership import connect
+        try:
+            node = connect("127.0.0.1" if self.node_port else self.host,
+                           self.node_port or self.port)
+            main = None
+            while True:
+                with self._cond:
+                    self._cond.wait_for(lambda: self._queued > self._written)
+                    beat, steps, upto = self._beat, self._steps, self._queued
+                    self._beat, self._steps = None, []
+                if beat is not None:
+                    node.set(protocol.heartbeat_key(self.worker_id), beat)
+                if steps:
+                    main = main or connect(self.host, self.port)
+                    main.multi_set([protocol.step_key(s) for s, _ in steps] + [protocol.LAST_STEP],
+                                   [v for _, v in steps] + [str(steps[-1][0])])
+                with self._cond:
+                    self._written = upto
+                    self._cond.notify_all()
+        except Exception:  # noqa: BLE001  a store is gone: nothing more can be reported
+            with self._cond:
+                self._broken = True
+                self._cond.notify_all()
