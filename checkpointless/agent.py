@@ -49,8 +49,10 @@ class NodeAgent:
         self.exited: dict[int, int] = {}  # wid -> exit code, as reported to the coordinator
         self.seq = 0  # health records written
         # the node store: its workers' heartbeats and the barrier's first gathering
-        self.node_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                        timeout=timedelta(seconds=60))
+        self.node_server = dist.TCPStore("127.0.0.1", 0, is_master=True,
+                                         wait_for_workers=False, timeout=timedelta(seconds=60))
+        self.node_store = dist.TCPStore("127.0.0.1", self.node_server.port, is_master=False,
+                                        timeout=timedelta(seconds=60))  # (see Supervisor.run)
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()  # the command thread wakes the loop through it
         os.set_blocking(self._wake_r, False)
@@ -78,7 +80,7 @@ class NodeAgent:
         self.health(news=False)  # the coordinator finds a record at once
         self.store.set(protocol.node_hello_key(self.node), json.dumps(
             {"host": os.uname().nodename, "procs": procs_here, "pid": os.getpid(),
-             "t": time.time(), "node_store_port": self.node_store.port}))
+             "t": time.time(), "node_store_port": self.node_server.port}))
 
     def _serve(self, asked: list[str]) -> int:
         last_ok, next_health = time.time(), 0.0
@@ -151,7 +153,7 @@ class NodeAgent:
 
     def _spawn(self, wid: int, slot: int, spare: bool) -> None:
         env = dict(self.env, **protocol.worker_env(self.host, self.port, wid, slot, spare,
-                                                   self.node, self.node_store.port))
+                                                   self.node, self.node_server.port))
         proc = self.starter(self.cmd, env)
         fd = proc.open_fd() if hasattr(proc, "open_fd") else open_pidfd(proc.pid)
         self.workers[wid] = Worker(wid=wid, proc=proc, slot=slot, started=time.time(),

@@ -44,10 +44,11 @@ class Supervisor:
     and the failure records; the processes themselves belong to its pool."""
 
     def __init__(self, cmd: list[str], cfg: SupervisorConfig, env: dict | None = None, log=print,
-                 on_start=None):
+                 on_start=None, wrap_store=None):
         self.cfg = cfg
         self.log = log
         self.on_start = on_start
+        self.wrap_store = wrap_store  # the scale harness counts the store's operations
         self.pool = pool_for(cfg, cmd, dict(os.environ if env is None else env), log)
         self.cluster = isinstance(self.pool, ClusterPool)
         self.workers = self.pool.workers
@@ -80,9 +81,15 @@ class Supervisor:
     # ---- main loop -----------------------------------------------------------------------
     def run(self) -> dict:
         cfg = self.cfg
-        self.store = dist.TCPStore(cfg.host, cfg.port, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=60))
-        self.port = self.store.port
+        self.server = dist.TCPStore(cfg.host, cfg.port, is_master=True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=60))
+        self.port = self.server.port
+        # its own calls on a client connection of their own: the server object's built-in one
+        # stalls for up to 5 s while the server wakes many waiters at once (a plan published to
+        # 64 waiting ranks, torch 2.13), and the supervisor must not stall in a recovery
+        self.store = membership.connect(cfg.host, self.port, timeout_s=60)
+        if self.wrap_store:
+            self.store = self.wrap_store(self.store)
         self.store.set(protocol.SPEC, cfg.spec().to_json())
         self.t_start = time.time()
         for w in self.pool.start(self.store):

@@ -35,12 +35,14 @@ class Supervisor:
         self.port = _free_port()
         self.store = dist.TCPStore("127.0.0.1", self.port, is_master=True, wait_for_workers=False)
         self.gen = -1
+        self.plan = None  # the newest plan published
 
-    def publish(self) -> None:
+    def publish(self, ranks=None) -> None:
         self.gen += 1
-        membership.publish(self.store, membership.Plan(
-            gen=self.gen, world_size=1, ranks={WID: 0},
-            lost=membership.counter(self.store, protocol.LOST)))
+        plan = membership.Plan(gen=self.gen, world_size=1, ranks=ranks or {WID: 0},
+                               lost=membership.counter(self.store, protocol.LOST))
+        membership.publish(self.store, plan, self.plan)
+        self.plan = plan
 
     def lose_a_worker(self) -> None:
         """A peer was declared lost, and the next generation replaces it."""
@@ -155,12 +157,12 @@ def test_a_failure_while_regrouping_waits_for_the_plan_that_replaces_that_peer_t
         sup, reference, monkeypatch):
     form, calls = Group.form, []
 
-    def flaky_form(self, plan, rank):
+    def flaky_form(self, plan):
         calls.append(plan.gen)
         if plan.gen == 1:  # a second member dies while the first replacement's group forms
             sup.lose_a_worker()
             raise PeerLost("a member died during the regroup")
-        return form(self, plan, rank)
+        return form(self, plan)
 
     def fail(job, step, where):
         if step == 4 and where == "forward" and job.gen == 0:
@@ -233,8 +235,7 @@ def test_between_steps_is_run_again_after_a_failure_inside_it(sup, reference):
 
 def test_a_worker_left_out_of_the_next_plan_is_evicted(sup):
     job = _job(sup)
-    sup.gen += 1
-    membership.publish(sup.store, membership.Plan(gen=sup.gen, world_size=1, ranks={7: 0}))
+    sup.publish(ranks={7: 0})
     with pytest.raises(Exception, match="not in generation 1"):
         _train(job, 3, lambda j, s, w: (_ for _ in ()).throw(PeerLost("x"))
                if s == 1 and w == "forward" else None)
