@@ -88,7 +88,9 @@ class Recovery:
         deadline = None if timeout_s is None else time.time() + timeout_s
         seen = after_gen  # plans up to here are read
         while True:
-            g = max(membership.current_gen(self.store), self.watch.latest_gen)
+            # the watch saw the newest plan already (a recovery), or the store says (a start)
+            g = self.watch.latest_gen if self.watch.latest_gen > seen else \
+                membership.current_gen(self.store)
             if g > seen:
                 seat = membership.follow(self.store, self.worker_id, self.node, self.rank, seen, g)
                 if seat is not None:

@@ -32,8 +32,6 @@ import threading
 import time
 from datetime import timedelta
 
-import torch.distributed as dist
-
 from checkpointless import membership, protocol
 from checkpointless.agent import NodeAgent
 from checkpointless.protocol import SupervisorConfig
@@ -126,7 +124,8 @@ class SimRank:
         self.rank, self.gen = -1, -1
         self.times: dict[int, tuple[float, float]] = {}  # gen -> (plan read, barrier done)
         self._fd = os.eventfd(0)
-        self.store = node.harness.connections.pop()  # made before the job started (Harness)
+        pool = node.harness.connections  # made before the job started (Harness)
+        self.store = pool.pop() if pool else None
         threading.Thread(target=self._run, daemon=True).start()
 
     # Popen's surface
@@ -156,13 +155,14 @@ class SimRank:
     # the worker's side
     def _run(self) -> None:
         try:
+            self.store = self.store or connect(self.node.port, self.node.harness.main_ops)
             self.store.set(protocol.ready_key(self.wid), f"{time.time():.6f}")
             seen = -1
             while self.returncode is None:
                 self.store.wait([protocol.plan_key(seen + 1)], timedelta(days=1))
                 if self.returncode is not None:
                     return
-                g = max(membership.current_gen(self.store), seen + 1)
+                g = seen + 1  # a newer one, if any, is read on the next turn
                 seat = membership.follow(self.store, self.wid, self.node.k, self.rank, seen, g)
                 seen, t_plan = g, time.time()
                 if seat is None:
@@ -173,7 +173,7 @@ class SimRank:
                 if membership.barrier(self.store, self.node.node_store, seat):
                     self.gen = g
                     self.times[g] = (t_plan, time.time())
-        except Exception as exc:  # noqa: BLE001  the coordinator is gone: the harness is over
+        except Exception:  # noqa: BLE001  the coordinator is gone: the harness is over
             if os.environ.get("SCALE_DEBUG"):
                 import traceback
                 traceback.print_exc()
@@ -258,7 +258,7 @@ class Harness:
         cfg = dict(nproc=nodes * per_node, spares=0, refill=True, nodes=nodes,
                    spare_nodes=spare_nodes, standalone=True, port=self.port,
                    node_timeout_s=node_timeout_s, heartbeat_timeout_s=30.0,
-                   spare_wait_s=120.0)
+                   spare_wait_s=1800.0)  # also how long it waits for every node to join
         self.proc = ctx.Process(target=_coordinator, args=(cfg, child),
                                 daemon=True)
         self.proc.start()
@@ -270,10 +270,11 @@ class Harness:
         # them, which would make healthy nodes look silent. A real job connects each worker
         # once, in its own process, before it trains.
         from concurrent.futures import ThreadPoolExecutor
-        with ThreadPoolExecutor(64) as pool:
+        with ThreadPoolExecutor(256) as pool:
             self.connections = list(pool.map(lambda _: connect(self.port, self.main_ops),
-                                             range((nodes + spare_nodes) * per_node + 16)))
-        self.nodes = [SimNode(self, k, per_node) for k in range(nodes + spare_nodes)]
+                                             range((nodes + spare_nodes) * per_node + 4)))
+            self.nodes = list(pool.map(lambda k: SimNode(self, k, per_node),
+                                       range(nodes + spare_nodes)))
         self.store = connect(self.port, self.main_ops)
 
     def ask(self):

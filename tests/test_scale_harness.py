@@ -1,0 +1,49 @@
+"""The control plane at a small scale: the real coordinator and node agents, simulated ranks
+(launcher/bench/scale.py), at a small size. A node's loss completes every phase, and the coordinator's steady
+store calls do not grow with the ranks per node."""
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _measure(tmp_path, nodes: int, per_node: int) -> dict:
+    out = tmp_path / f"scale-{nodes}x{per_node}.json"
+    run = subprocess.run([sys.executable, "-m", "launcher.bench.scale", "--nodes", str(nodes),
+                          "--ranks-per-node", str(per_node), "--spare-nodes", "2",
+                          "--steady-s", "3", "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and out.exists(), run.stdout[-2000:] + run.stderr[-3000:]
+    return json.loads(out.read_text())[0]
+
+
+@pytest.mark.slow  # about 40 s, almost all of it connecting (see below)
+def test_a_node_loss_completes_every_phase_and_steady_calls_follow_nodes_not_ranks(tmp_path):
+    # 8 nodes, not thousands: a c10d client connects about 5 times a second on this machine
+    # (docs/scale.md), so each simulated rank and node costs start-up time here
+    one = _measure(tmp_path, 8, 1)
+    four = _measure(tmp_path, 8, 4)
+    for row in (one, four):
+        for kind in ("rank_failure", "node_failure"):
+            f = row[kind]
+            assert "error" not in f, f
+            assert f["lost_ranks"] == (1 if kind == "rank_failure" else row["ranks_per_node"])
+            phases = [f["detect_s"], f["decide_s"], f["plan_to_every_rank_s"],
+                      f["barrier_complete_s"]]
+            assert all(p >= 0 for p in phases), f
+            assert f["barrier_complete_s"] >= f["plan_to_every_rank_s"]
+        # a node is lost after node_timeout_s of silence; a rank's exit is seen at once
+        assert row["node_failure"]["detect_s"] >= 3.0 > row["rank_failure"]["detect_s"]
+    ops1, ops4 = one["steady"]["store_ops_per_s"], four["steady"]["store_ops_per_s"]
+    # the same 10 nodes with four times the ranks: what reaches the coordinator stays put
+    # (its per-rank share would quadruple it), while the nodes' own stores take the beats
+    assert ops4 < 1.5 * ops1, (ops1, ops4)
+    assert four["steady"]["node_store_ops_per_s_each"] > \
+        2 * one["steady"]["node_store_ops_per_s_each"]
