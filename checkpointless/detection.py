@@ -7,6 +7,10 @@ Three signals, fastest first:
   * a worker hangs (alive, not progressing): its training-loop heartbeat goes silent. Silence alone
     is not proof, since healthy workers blocked in a collective with the hung one go silent too, so
     a silent worker is declared hung only when it is behind the others or its process is stopped.
+
+The heartbeats are written by each worker's reporter thread (reporter.py) into its node's store;
+the node's agent reads them there (with which processes are stopped) and reports them in its
+health record, and the supervisor reads its own node's directly.
 """
 from __future__ import annotations
 
@@ -14,11 +18,6 @@ import json
 import time
 
 from . import policy, protocol
-
-
-def beat(store, worker_id: int, step: int, gen: int, phase: str) -> None:
-    store.set(protocol.heartbeat_key(worker_id),
-              json.dumps({"t": time.time(), "step": step, "gen": gen, "phase": phase}))
 
 
 def read_beat(store, worker_id: int):

@@ -21,7 +21,8 @@ coordinator grows with nodes, or happens once per generation:
                                                  member waits on (a newer plan sets it stale)
                                            <---  hb/<wid>         node store, from a background
                                                  thread: heartbeat {t, step, gen, phase}
-                                           <---  steps/<s>        rank 0, background: step s ran
+                                           <---  steps/<s>, last_step  rank 0, background: step
+                                                 s ran t0..t1; the newest committed
                                            <---  rec/<g>/<rank>   how generation g was entered
                                            <---  recfirst/<g>/<r> first step committed in g
                                            <---  error/<wid>, errors   an exception of its own

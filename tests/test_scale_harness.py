@@ -39,8 +39,9 @@ def test_a_node_loss_completes_every_phase_and_steady_calls_follow_nodes_not_ran
                       f["barrier_complete_s"]]
             assert all(p >= 0 for p in phases), f
             assert f["barrier_complete_s"] >= f["plan_to_every_rank_s"]
-        # a node is lost after node_timeout_s of silence; a rank's exit is seen at once
-        assert row["node_failure"]["detect_s"] >= 3.0 > row["rank_failure"]["detect_s"]
+        # a node is lost after node_timeout_s (3 s) without a new record, counted from the last
+        # one seen (up to 0.75 s before the kill); a rank's exit is seen at once
+        assert row["node_failure"]["detect_s"] > 2.0 > row["rank_failure"]["detect_s"]
     ops1, ops4 = one["steady"]["store_ops_per_s"], four["steady"]["store_ops_per_s"]
     # the same 10 nodes with four times the ranks: what reaches the coordinator stays put
     # (its per-rank share would quadruple it), while the nodes' own stores take the beats

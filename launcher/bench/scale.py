@@ -317,6 +317,7 @@ class Harness:
         """Kill one rank (on node 1) or one node (node 2, or 1 with two nodes); time each phase
         of the generation that replaces it."""
         node = self.nodes[min(1 if kind == "rank" else 2, self.nodes_n - 1)]
+        cpu0, own0 = self.cpu_s(), _own_cpu_s()
         t_fail = time.time()
         if kind == "rank":
             next(r for r in node.ranks if r.returncode is None and r.rank >= 0).die(-9)
@@ -324,6 +325,7 @@ class Harness:
             node.kill()
         if not self.wait_gen(gen, timeout_s):
             return {"kind": kind, "error": f"generation {gen} not complete in {timeout_s} s"}
+        cpu, own = self.cpu_s() - cpu0, _own_cpu_s() - own0
         failures = [f for f in self.ask()[1] if f["gen"] == gen]
         head = json.loads(self.store.get(protocol.plan_key(gen)))
         ranks = self.active()
@@ -335,11 +337,19 @@ class Harness:
                 "decide_s": round(head["t"] - t_detect, 4),
                 "plan_to_every_rank_s": round(t_plan - head["t"], 4),
                 "barrier_complete_s": round(t_barrier - head["t"], 4),
-                "decision_to_barrier_s": round(t_barrier - t_detect, 4)}
+                "decision_to_barrier_s": round(t_barrier - t_detect, 4),
+                # where the CPU went from the kill to every rank ready: the simulated ranks'
+                # own client work runs here on two cores, the coordinator's in its process
+                "cpu_s": {"coordinator": round(cpu, 3), "simulated_nodes_and_ranks": round(own, 3)}}
 
     def close(self) -> None:
         self.proc.kill()
         self.proc.join(5)
+
+
+def _own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
 
 
 def _free_port() -> int:
@@ -401,7 +411,9 @@ def _print(row: dict) -> None:
               f"plan published {f['decide_s']:.3f} s after, read by every rank "
               f"{f['plan_to_every_rank_s']:.3f} s after that, barrier complete "
               f"{f['barrier_complete_s']:.3f} s after it (decision to barrier "
-              f"{f['decision_to_barrier_s']:.3f} s)")
+              f"{f['decision_to_barrier_s']:.3f} s); CPU meanwhile: coordinator "
+              f"{f['cpu_s']['coordinator']:.2f} s, simulated nodes and ranks "
+              f"{f['cpu_s']['simulated_nodes_and_ranks']:.2f} s")
     print(f"    given, not measured: regroup {row['given']['regroup_s']} s "
           f"({row['given']['regroup_source']})", flush=True)
 
