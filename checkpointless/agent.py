@@ -23,9 +23,7 @@ import threading
 import time
 from datetime import timedelta
 
-import torch.distributed as dist
-
-from . import detection, protocol
+from . import detection, membership, protocol
 from .processes import (Worker, close_reaped, kill_tree, open_pidfd, start_process, stop_all,
                         wait_for_exit)
 
@@ -49,10 +47,7 @@ class NodeAgent:
         self.exited: dict[int, int] = {}  # wid -> exit code, as reported to the coordinator
         self.seq = 0  # health records written
         # the node store: its workers' heartbeats and the barrier's first gathering
-        self.node_server = dist.TCPStore("127.0.0.1", 0, is_master=True,
-                                         wait_for_workers=False, timeout=timedelta(seconds=60))
-        self.node_store = dist.TCPStore("127.0.0.1", self.node_server.port, is_master=False,
-                                        timeout=timedelta(seconds=60))  # (see Supervisor.run)
+        self.node_server, self.node_store = membership.host("127.0.0.1")
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()  # the command thread wakes the loop through it
         os.set_blocking(self._wake_r, False)
@@ -119,9 +114,8 @@ class NodeAgent:
     def _follow_commands(self) -> None:
         """Block on the coordinator's next command, on a connection of its own; queue it and
         wake the loop."""
-        from .membership import connect
         try:
-            store = connect(self.host, self.port)
+            store = membership.connect(self.host, self.port)
             i = 0
             while True:
                 key = protocol.node_cmd_key(self.node, i)
@@ -194,9 +188,8 @@ class NodeAgent:
 def run_agent(node: int, cmd: list[str], host: str, port: int, node_timeout_s: float,
               procs_here: int, connect_timeout_s: float = 300.0) -> int:
     """A node's launcher when it is not the coordinator: connect, serve, return an exit code."""
-    from .membership import connect
     try:
-        store = connect(host, port, timeout_s=connect_timeout_s)
+        store = membership.connect(host, port, timeout_s=connect_timeout_s)
     except Exception as exc:  # noqa: BLE001
         print(f"[node {node}] cannot reach the coordinator at {host}:{port}: {exc}",
               file=sys.stderr, flush=True)

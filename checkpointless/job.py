@@ -49,14 +49,11 @@ class Job:
         self._injector = FaultInjector(parse_faults(spec.faults), store, worker_id)
         self._injector.corrupt = lambda: consistency.flip_a_bit(self._state.modules())
         self._injector.connect = lambda: membership.connect(host, port)
-        # heartbeats and step records leave the loop's critical path (reporter.py); the node's
-        # own store takes the heartbeats and the barrier's first gathering (protocol.py)
-        node_port = int(os.environ.get(protocol.ENV_NODE_STORE_PORT, "0"))
+        # heartbeats and step records leave the loop's critical path, to the node's own store
+        node_port = protocol.node_store_port()
         self.reporter = Reporter(worker_id, host, port, node_port)
-        node_store = membership.connect("127.0.0.1", node_port) if node_port else store
         self._rec = Recovery(store, worker_id, spec, host, port, self._state, self._kept,
-                             self._injector, self.reporter, node_store, protocol.node_id(),
-                             store_ports={port, node_port} - {0})
+                             self._injector, self.reporter, node_port, protocol.node_id())
         self._injector.where = lambda: (self._rec.rank, self._rec.completed)
         # the step boundary, the public API the drop-in Accelerator drives too (steploop.py)
         self.steploop = StepLoop(store, worker_id, spec, self._rec, self._state, self._injector)

@@ -73,6 +73,15 @@ def connect(host: str, port: int, timeout_s: float = 120.0) -> dist.TCPStore:
     return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
+def host(host: str, port: int = 0, timeout_s: float = 60.0):
+    """A store server on `port` (0: any free one), and a client connection to it for the host's
+    own calls. The server object's built-in client stalls for up to 5 s while the server wakes
+    many waiters at once (64 ranks woken by one plan, torch 2.13); a recovery must not."""
+    server = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=timeout_s))
+    return server, connect(host, server.port, timeout_s)
+
+
 def current_gen(store) -> int:
     return int(store.get(protocol.GEN)) if store.check([protocol.GEN]) else -1
 

@@ -216,6 +216,17 @@ class WorkerPool:
             self._refills.remove(r)
             self.respawn(r[1])
 
+    def replace_dead_spares(self, shutting_down: bool, log) -> None:
+        """A spare that died while waiting is replaced too (unless the job is ending, or its
+        node was lost)."""
+        for w in self.dead_spares():
+            if shutting_down or w.node_lost:
+                continue
+            log(f"[checkpointless] spare worker {w.wid} exited (code {w.proc.returncode})" +
+                ("; starting another" if self.refills else ""))
+            if self.refills:
+                self.respawn(w)
+
     def dead_spares(self) -> list[Worker]:
         """Spares that exited while waiting for a rank, each returned once."""
         out = [w for w in self.workers.values()

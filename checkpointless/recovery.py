@@ -48,12 +48,14 @@ class Recovery:
 
     def __init__(self, store, worker_id: int, spec: protocol.Spec, host: str, port: int,
                  state: ProtectedState, kept: KeptGrads, injector: FaultInjector,
-                 reporter: Reporter, node_store=None, node: int = 0, store_ports=None):
+                 reporter: Reporter, node_port: int = 0, node: int = 0):
         self.store, self.worker_id, self.spec = store, worker_id, spec
         self.state, self.kept, self.injector = state, kept, injector
         self.reporter, self.node = reporter, node
-        self.group = Group(store, node_store or store, spec.backend, spec.pg_timeout_s,
-                           store_ports or {port}, state.modules)
+        # the node's own store (its heartbeats, the barrier's first gathering), or the main one
+        node_store = membership.connect("127.0.0.1", node_port) if node_port else store
+        self.group = Group(store, node_store, spec.backend, spec.pg_timeout_s,
+                           {port, node_port} - {0}, state.modules)
         self.watch = Watch(host, port, lambda: self.gen, lambda: self._phase is Phase.IN_STEP,
                            self._abort_from_watch)
         self._phase = Phase.WAITING  # changed only by this class's transitions below

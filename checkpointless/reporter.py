@@ -16,6 +16,7 @@ import threading
 import time
 
 from . import protocol
+from .membership import connect
 
 
 class Reporter:
@@ -58,7 +59,6 @@ class Reporter:
                 self._thread.start()
 
     def _run(self) -> None:
-        from .membership import connect
         try:
             node = connect("127.0.0.1" if self.node_port else self.host,
                            self.node_port or self.port)

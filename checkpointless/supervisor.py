@@ -18,9 +18,6 @@ from __future__ import annotations
 
 import os
 import time
-from datetime import timedelta
-
-import torch.distributed as dist
 
 from . import membership, policy, protocol
 from .cluster import ClusterPool, pool_for
@@ -81,13 +78,8 @@ class Supervisor:
     # ---- main loop -----------------------------------------------------------------------
     def run(self) -> dict:
         cfg = self.cfg
-        self.server = dist.TCPStore(cfg.host, cfg.port, is_master=True, wait_for_workers=False,
-                                    timeout=timedelta(seconds=60))
+        self.server, self.store = membership.host(cfg.host, cfg.port)
         self.port = self.server.port
-        # its own calls on a client connection of their own: the server object's built-in one
-        # stalls for up to 5 s while the server wakes many waiters at once (a plan published to
-        # 64 waiting ranks, torch 2.13), and the supervisor must not stall in a recovery
-        self.store = membership.connect(cfg.host, self.port, timeout_s=60)
         if self.wrap_store:
             self.store = self.wrap_store(self.store)
         self.store.set(protocol.SPEC, cfg.spec().to_json())
@@ -180,7 +172,8 @@ class Supervisor:
         """The loop's duties every poll_s; True once the job is over."""
         self._preempt_if_asked()
         self._say_recoveries()
-        self._refill_dead_spares()
+        self.pool.replace_dead_spares(self.store.check([protocol.SHUTDOWN]), self.log)
+        self.pool.refill_due()
         return self._finished()
 
     def _finished(self) -> bool:
@@ -263,10 +256,9 @@ class Supervisor:
         """The step the job is at: the furthest of the active workers' heartbeats, or the step
         after rank 0's newest committed one (heartbeats from other nodes come at most one
         health record late)."""
-        last = self.store.get(protocol.LAST_STEP) if self.store.check([protocol.LAST_STEP]) \
-            else None
+        last = protocol.read_json(self.store, protocol.LAST_STEP)  # an integer, or None
         return max(policy.job_step(self.pool.beats(list(self.ranks)).values()),
-                   int(last) + 1 if last is not None else 0)
+                   0 if last is None else last + 1)
 
     def _replace(self, pending: list[Failure]) -> None:
         """Give each lost rank to a ready spare, waiting for one (the refill) if none is ready."""
@@ -318,17 +310,6 @@ class Supervisor:
                                nodes={wid: self.workers[wid].node for wid in self.ranks})
         membership.publish(self.store, plan, self._plan)
         self._plan = plan
-
-    def _refill_dead_spares(self) -> None:
-        """A spare that died while waiting is replaced too."""
-        for w in self.pool.dead_spares():
-            if self.store.check([protocol.SHUTDOWN]) or w.node_lost:
-                continue
-            self.log(f"[checkpointless] spare worker {w.wid} exited (code "
-                     f"{w.proc.returncode})" + ("; starting another" if self.cfg.refill else ""))
-            if self.cfg.refill:
-                self.pool.respawn(w)
-        self.pool.refill_due()
 
     # ---- preemption ----------------------------------------------------------------------
     def request_stop(self, why: str) -> None:

@@ -30,62 +30,16 @@ import socket
 import sys
 import threading
 import time
-from datetime import timedelta
 
-from checkpointless import membership, protocol
-from checkpointless.agent import NodeAgent
+from checkpointless import protocol
 from checkpointless.protocol import SupervisorConfig
+
+from .scale_sim import Counter, SimNode, SimRank, Wrapped, connect
 
 # NCCL communicator creation at scale cannot be run here. NVIDIA's NCCL 2.23 release notes
 # (2024, "scalable init" with ncclCommInitRankScalable) report about 1 s at 1,000s of GPUs and
 # several seconds before it; launcher/bench/model.py assumed 2 s at 1,024 GPUs, 5 s at 16,384.
 REGROUP_S_GIVEN = {1024: 2.0, 16384: 5.0}
-
-
-class Counting:
-    """A store client that counts every call made through it (shared counter, thread-safe)."""
-
-    def __init__(self, store, counter: "Counter"):
-        self._store, self._counter = store, counter
-
-    def __getattr__(self, name):
-        attr = getattr(self._store, name)
-        if not callable(attr):
-            return attr
-
-        def call(*a, **k):
-            self._counter.add()
-            return attr(*a, **k)
-        return call
-
-
-class Counter:
-    def __init__(self):
-        self.n = 0
-        self._lock = threading.Lock()
-
-    def add(self) -> None:
-        with self._lock:
-            self.n += 1
-
-
-class Locked:
-    """A store client shared by threads: one call at a time (a client is not thread-safe)."""
-
-    def __init__(self, store):
-        self._store, self._lock = store, threading.Lock()
-
-    def __getattr__(self, name):
-        attr = getattr(self._store, name)
-
-        def call(*a, **k):
-            with self._lock:
-                return attr(*a, **k)
-        return call
-
-
-def connect(port: int, counter: Counter, timeout_s: float = 120.0):
-    return Counting(membership.connect("127.0.0.1", port, timeout_s), counter)
 
 
 # ---- the coordinator's process -------------------------------------------------------------
@@ -97,7 +51,7 @@ def _coordinator(cfg_fields: dict, pipe) -> None:
     quiet = not os.environ.get("SCALE_DEBUG")
     sup = Supervisor(["sim"], SupervisorConfig(**cfg_fields),
                      log=(lambda m: None) if quiet else (lambda m: print(m, file=sys.stderr)),
-                     wrap_store=lambda s: Counting(s, counter))
+                     wrap_store=lambda s: Wrapped(s, counter.add))
 
     def serve():
         while True:
@@ -109,140 +63,6 @@ def _coordinator(cfg_fields: dict, pipe) -> None:
         sup.run()
     except JobFailed as exc:
         print(f"[scale] the coordinator stopped: {exc}", file=sys.stderr, flush=True)
-
-
-# ---- a simulated rank ----------------------------------------------------------------------
-class SimRank:
-    """What a node agent takes for a worker process (Popen's surface, as far as the agent uses
-    it), running the worker's side of the protocol in a thread."""
-
-    def __init__(self, env: dict, node: "SimNode"):
-        self.wid = int(env[protocol.ENV_WORKER_ID])
-        self.node = node
-        self.pid = 0  # no process: /proc has no pid 0, so it is never seen as stopped
-        self.returncode: int | None = None
-        self.rank, self.gen = -1, -1
-        self.times: dict[int, tuple[float, float]] = {}  # gen -> (plan read, barrier done)
-        self._fd = os.eventfd(0)
-        pool = node.harness.connections  # made before the job started (Harness)
-        self.store = pool.pop() if pool else None
-        threading.Thread(target=self._run, daemon=True).start()
-
-    # Popen's surface
-    def poll(self):
-        return self.returncode
-
-    def wait(self, timeout=None):
-        deadline = None if timeout is None else time.time() + timeout
-        while self.returncode is None:
-            if deadline is not None and time.time() > deadline:
-                import subprocess
-                raise subprocess.TimeoutExpired(f"sim {self.wid}", timeout)
-            time.sleep(0.01)
-        return self.returncode
-
-    def signal_tree(self, sig) -> None:
-        self.die(-int(sig))
-
-    def open_fd(self) -> int:
-        return os.dup(self._fd)
-
-    def die(self, code: int = -9) -> None:
-        if self.returncode is None:
-            self.returncode = code
-            os.eventfd_write(self._fd, 1)  # the agent's poll wakes, as on a pidfd
-
-    # the worker's side
-    def _run(self) -> None:
-        try:
-            self.store = self.store or connect(self.node.port, self.node.harness.main_ops)
-            self.store.set(protocol.ready_key(self.wid), f"{time.time():.6f}")
-            seen = -1
-            while self.returncode is None:
-                self.store.wait([protocol.plan_key(seen + 1)], timedelta(days=1))
-                if self.returncode is not None:
-                    return
-                g = seen + 1  # a newer one, if any, is read on the next turn
-                seat = membership.follow(self.store, self.wid, self.node.k, self.rank, seen, g)
-                seen, t_plan = g, time.time()
-                if seat is None:
-                    if self.rank >= 0:  # dropped from the plan
-                        return self.die(1)
-                    continue
-                self.rank = seat.rank
-                if membership.barrier(self.store, self.node.node_store, seat):
-                    self.gen = g
-                    self.times[g] = (t_plan, time.time())
-        except Exception:  # noqa: BLE001  the coordinator is gone: the harness is over
-            if os.environ.get("SCALE_DEBUG"):
-                import traceback
-                traceback.print_exc()
-            self.die(1)
-
-
-class SimNode:
-    """One node: a real NodeAgent in a thread, starting SimRanks, and a thread that writes its
-    live ranks' heartbeats into the node store every step (what each worker's reporter does)."""
-
-    def __init__(self, harness: "Harness", k: int, procs: int):
-        self.harness, self.k, self.port = harness, k, harness.port
-        self.ranks: list[SimRank] = []
-        self.dead = False
-        self.agent_store = connect(self.port, harness.main_ops)
-        self.agent = NodeAgent(_Cut(self.agent_store, self), k, ["sim"], {}, "127.0.0.1",
-                               self.port, harness.node_timeout_s, log=lambda m: None,
-                               starter=self._start)
-        # one connection for the node's simulated ranks and their heartbeats, taken in turn
-        self.node_store = Locked(Counting(
-            membership.connect("127.0.0.1", self.agent.node_server.port), harness.node_ops))
-        threading.Thread(target=self.agent.run, args=(procs,), daemon=True).start()
-        threading.Thread(target=self._beat, daemon=True).start()
-
-    def _start(self, cmd, env):
-        r = SimRank(env, self)
-        self.ranks.append(r)
-        return r
-
-    def _beat(self) -> None:
-        step = 0
-        while not self.dead:
-            time.sleep(self.harness.step_s)
-            step += 1
-            for r in list(self.ranks):
-                if r.returncode is None and r.gen >= 0:
-                    self.node_store.set(protocol.heartbeat_key(r.wid), json.dumps(
-                        {"t": time.time(), "step": step, "gen": r.gen, "phase": "step"}))
-                    if r.rank == 0:  # rank 0's step record, as its reporter writes it
-                        self.harness.step_store.multi_set(
-                            [protocol.step_key(step), protocol.LAST_STEP],
-                            [f"{time.time() - self.harness.step_s:.6f},{time.time():.6f}",
-                             str(step)])
-
-    def kill(self) -> None:
-        """The whole node goes down at once: its launcher silent, its workers dead."""
-        self.dead = True
-        for r in self.ranks:
-            r.die(-9)
-
-
-class _Cut:
-    """The agent's store connection, which fails once its node is killed (its launcher is
-    gone: no health record reaches the coordinator any more)."""
-
-    def __init__(self, store, node: SimNode):
-        self._store, self._node = store, node
-
-    def __getattr__(self, name):
-        attr = getattr(self._store, name)
-        if not callable(attr):
-            return attr
-
-        def call(*a, **k):
-            if self._node.dead:
-                time.sleep(1.0)
-                raise RuntimeError("node killed by the harness")
-            return attr(*a, **k)
-        return call
 
 
 # ---- one size ------------------------------------------------------------------------------
@@ -263,7 +83,7 @@ class Harness:
                                 daemon=True)
         self.proc.start()
         _wait_port(self.port)
-        self.step_store = Locked(connect(self.port, self.main_ops))
+        self.step_store = Wrapped(connect(self.port, self.main_ops), lock=threading.Lock())
         # Every simulated rank's connection is made first, in parallel: a c10d client's connect
         # stalls for 5 s now and then on this machine (seen on loopback, torch 2.13, about one
         # in 20), and while many are in flight the process's other store calls stall with

@@ -1,0 +1,178 @@
+"""The simulated side of the scale harness (scale.py): ranks that speak the worker's protocol
+without training, the nodes whose real agents start them, and the counted store clients.
+
+A `SimRank` is what a node agent takes for a worker process (Popen's surface, as far as the agent
+uses it). It runs the worker's side with the library's own functions: it writes `ready`, blocks
+on the next plan, reads its node's part with `membership.follow`, meets the others at
+`membership.barrier`. Its node beats for it into the node store once a step, as each worker's
+reporter thread does, and rank 0's node writes the step records.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+import time
+from datetime import timedelta
+
+from checkpointless import membership, protocol
+from checkpointless.agent import NodeAgent
+
+
+class Counter:
+    def __init__(self):
+        self.n = 0
+        self._lock = threading.Lock()
+
+    def add(self) -> None:
+        with self._lock:
+            self.n += 1
+
+
+class Wrapped:
+    """A store client whose every call first runs `before()` (count it; or fail, as a killed
+    node's would) and, given a `lock`, takes turns with other threads (a client is not
+    thread-safe)."""
+
+    def __init__(self, store, before=None, lock=None):
+        self._store, self._before, self._lock = store, before, lock
+
+    def __getattr__(self, name):
+        attr = getattr(self._store, name)
+        if not callable(attr):
+            return attr
+
+        def call(*a, **k):
+            if self._before is not None:
+                self._before()
+            if self._lock is None:
+                return attr(*a, **k)
+            with self._lock:
+                return attr(*a, **k)
+        return call
+
+
+def connect(port: int, counter: Counter, timeout_s: float = 120.0):
+    """A client of the store on `port` (127.0.0.1) whose calls `counter` counts."""
+    return Wrapped(membership.connect("127.0.0.1", port, timeout_s), counter.add)
+
+
+# ---- a simulated rank ----------------------------------------------------------------------
+class SimRank:
+    """What a node agent takes for a worker process (Popen's surface, as far as the agent uses
+    it), running the worker's side of the protocol in a thread."""
+
+    def __init__(self, env: dict, node: "SimNode"):
+        self.wid = int(env[protocol.ENV_WORKER_ID])
+        self.node = node
+        self.pid = 0  # no process: /proc has no pid 0, so it is never seen as stopped
+        self.returncode: int | None = None
+        self.rank, self.gen = -1, -1
+        self.times: dict[int, tuple[float, float]] = {}  # gen -> (plan read, barrier done)
+        self._fd = os.eventfd(0)
+        pool = node.harness.connections  # made before the job started (Harness)
+        self.store = pool.pop() if pool else None
+        threading.Thread(target=self._run, daemon=True).start()
+
+    # Popen's surface
+    def poll(self):
+        return self.returncode
+
+    def wait(self, timeout=None):
+        deadline = None if timeout is None else time.time() + timeout
+        while self.returncode is None:
+            if deadline is not None and time.time() > deadline:
+                raise subprocess.TimeoutExpired(f"sim {self.wid}", timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def signal_tree(self, sig) -> None:
+        self.die(-int(sig))
+
+    def open_fd(self) -> int:
+        return os.dup(self._fd)
+
+    def die(self, code: int = -9) -> None:
+        if self.returncode is None:
+            self.returncode = code
+            os.eventfd_write(self._fd, 1)  # the agent's poll wakes, as on a pidfd
+
+    # the worker's side
+    def _run(self) -> None:
+        try:
+            self.store = self.store or connect(self.node.port, self.node.harness.main_ops)
+            self.store.set(protocol.ready_key(self.wid), f"{time.time():.6f}")
+            seen = -1
+            while self.returncode is None:
+                self.store.wait([protocol.plan_key(seen + 1)], timedelta(days=1))
+                if self.returncode is not None:
+                    return
+                g = seen + 1  # a newer one, if any, is read on the next turn
+                seat = membership.follow(self.store, self.wid, self.node.k, self.rank, seen, g)
+                seen, t_plan = g, time.time()
+                if seat is None:
+                    if self.rank >= 0:  # dropped from the plan
+                        return self.die(1)
+                    continue
+                self.rank = seat.rank
+                if membership.barrier(self.store, self.node.node_store, seat):
+                    self.gen = g
+                    self.times[g] = (t_plan, time.time())
+        except Exception:  # noqa: BLE001  the coordinator is gone: the harness is over
+            if os.environ.get("SCALE_DEBUG"):
+                import traceback
+                traceback.print_exc()
+            self.die(1)
+
+
+class SimNode:
+    """One node: a real NodeAgent in a thread, starting SimRanks, and a thread that writes its
+    live ranks' heartbeats into the node store every step (what each worker's reporter does)."""
+
+    def __init__(self, harness, k: int, procs: int):  # harness: scale.Harness
+        self.harness, self.k, self.port = harness, k, harness.port
+        self.ranks: list[SimRank] = []
+        self.dead = False
+        self.agent_store = connect(self.port, harness.main_ops)
+        self.agent = NodeAgent(Wrapped(self.agent_store, self._alive), k, ["sim"], {}, "127.0.0.1",
+                               self.port, harness.node_timeout_s, log=lambda m: None,
+                               starter=self._start)
+        # one connection for the node's simulated ranks and their heartbeats, taken in turn
+        self.node_store = Wrapped(connect(self.agent.node_server.port, harness.node_ops),
+                                  lock=threading.Lock())
+        threading.Thread(target=self.agent.run, args=(procs,), daemon=True).start()
+        threading.Thread(target=self._beat, daemon=True).start()
+
+    def _start(self, cmd, env):
+        r = SimRank(env, self)
+        self.ranks.append(r)
+        return r
+
+    def _beat(self) -> None:
+        step = 0
+        while not self.dead:
+            time.sleep(self.harness.step_s)
+            step += 1
+            for r in list(self.ranks):
+                if r.returncode is None and r.gen >= 0:
+                    self.node_store.set(protocol.heartbeat_key(r.wid), json.dumps(
+                        {"t": time.time(), "step": step, "gen": r.gen, "phase": "step"}))
+                    if r.rank == 0:  # rank 0's step record, as its reporter writes it
+                        self.harness.step_store.multi_set(
+                            [protocol.step_key(step), protocol.LAST_STEP],
+                            [f"{time.time() - self.harness.step_s:.6f},{time.time():.6f}",
+                             str(step)])
+
+    def _alive(self) -> None:
+        """Before each of its agent's calls: once the node is killed, its launcher is gone and
+        no health record reaches the coordinator any more."""
+        if self.dead:
+            time.sleep(1.0)
+            raise RuntimeError("node killed by the harness")
+
+    def kill(self) -> None:
+        """The whole node goes down at once: its launcher silent, its workers dead."""
+        self.dead = True
+        for r in self.ranks:
+            r.die(-9)
