@@ -223,11 +223,13 @@ class Supervisor:
         """Take a lost worker out of the membership, say so, and stop if nothing is left."""
         err = protocol.read_json(self.store, protocol.error_key(w.wid))
         fault = protocol.read_json(self.store, protocol.fault_time_key(w.wid))
+        # the step the job was in: a worker's newest beat can be one step old when it dies (its
+        # reporter thread had not yet written it), so the others' progress counts too
         beat = self.pool.beats([w.wid]).get(w.wid)
         diverged = self.store.check([protocol.diverged_key(w.wid)])
         f = Failure(wid=w.wid, rank=w.rank, cause=policy.cause(w.node_lost, hung, diverged, err),
                     t_fail=fault["t"] if fault else w.lost_at or now, t_detect=now,
-                    step=beat["step"] if beat else self._job_step(),
+                    step=max(beat["step"] if beat else 0, self._job_step()),
                     error=err["error"] if err else None, node=w.node)
         self.failures.append(f)
         where = f", node {w.node}" if self.cluster else ""
