@@ -5,6 +5,8 @@ judges them (exits, heartbeats, stopped processes) and reports one health record
 `node_beat_s`, and at once when a worker exits. Its workers beat into a small store the agent hosts
 (the node store), so the coordinator's steady load grows with nodes, not ranks. A thread of its
 own blocks on the coordinator's next command (spawn, kill), so nothing polls for them either.
+Another copies each new generation's plan, and its barrier's outcome, into the node store, where
+the node's workers wait for them: a new generation wakes one waiter per node in the job's store.
 
 It stops its workers and exits when the job is over (0), when the coordinator fenced this node
 (3: it was declared lost; its processes hold no rank in any newer plan), or when the coordinator
@@ -34,15 +36,17 @@ class NodeAgent:
     """Owns the worker processes of one node that is not the coordinator's, and its node store.
 
     `starter(cmd, env)` starts one worker (start_process; the scale harness passes simulated
-    ranks that speak the protocol without training)."""
+    ranks that speak the protocol without training), and `connect(host, port)` makes the
+    connections of its threads (the harness counts their calls)."""
 
     def __init__(self, store, node: int, cmd: list[str], env: dict, store_host: str,
-                 store_port: int, node_timeout_s: float, log=print, starter=start_process):
+                 store_port: int, node_timeout_s: float, log=print, starter=start_process,
+                 connect=membership.connect):
         self.store, self.node, self.cmd, self.env = store, node, cmd, env
         self.host, self.port = store_host, store_port
         self.node_timeout_s = node_timeout_s
         self.log = log
-        self.starter = starter
+        self.starter, self.connect = starter, connect
         self.workers: dict[int, Worker] = {}
         self.exited: dict[int, int] = {}  # wid -> exit code, as reported to the coordinator
         self.seq = 0  # health records written
@@ -62,6 +66,8 @@ class NodeAgent:
                 signal.signal(sig, lambda s, _f: asked.append(signal.Signals(s).name))
         threading.Thread(target=self._follow_commands, daemon=True,
                          name=f"node{self.node}-commands").start()
+        threading.Thread(target=self._relay_plans, daemon=True,
+                         name=f"node{self.node}-plans").start()
         try:
             return self._serve(asked)
         finally:
@@ -115,7 +121,7 @@ class NodeAgent:
         """Block on the coordinator's next command, on a connection of its own; queue it and
         wake the loop."""
         try:
-            store = membership.connect(self.host, self.port)
+            store = self.connect(self.host, self.port)
             i = 0
             while True:
                 key = protocol.node_cmd_key(self.node, i)
@@ -126,6 +132,19 @@ class NodeAgent:
                 if c["op"] == "shutdown":  # nothing follows; a thread still blocked in the
                     return                 # store as the coordinator exits would abort us
                 i += 1
+        except Exception:  # noqa: BLE001  the coordinator is gone: the loop sees it too
+            return
+
+    def _relay_plans(self) -> None:
+        """Copy every generation's plan and barrier outcome into the node store, in order
+        (membership.relay), on connections of its own."""
+        try:
+            store = self.connect(self.host, self.port)
+            node_store = self.connect("127.0.0.1", self.node_server.port)
+            gen = 0
+            while True:
+                membership.relay(store, node_store, self.node, gen)
+                gen += 1
         except Exception:  # noqa: BLE001  the coordinator is gone: the loop sees it too
             return
 

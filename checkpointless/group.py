@@ -157,8 +157,9 @@ class Watch:
     `latest_gen` is the newest generation seen; `generation()` gives the worker's own, `in_step()`
     whether it is inside a step, and `abort()` aborts its group."""
 
-    def __init__(self, host: str, port: int, generation, in_step, abort):
-        self.host, self.port = host, port
+    def __init__(self, host: str, port: int, generation, in_step, abort, plans_at=None):
+        self.host, self.port = host, port  # the job's store (preemption is asked there)
+        self.plans_at = plans_at or (host, port)  # where the plans are: the node's store
         self.generation, self.in_step, self.abort = generation, in_step, abort
         self.latest_gen = -1
         self.preempt_at: int | None = None  # the step before which the job stops, once asked
@@ -192,7 +193,7 @@ class Watch:
             return
 
     def _run(self) -> None:
-        store = membership.connect(self.host, self.port)
+        store = membership.connect(*self.plans_at)
         while not self._stop.is_set():
             g = max(self.generation(), self.latest_gen) + 1
             t0 = time.time()

@@ -142,8 +142,24 @@ def barrier(store, node_store, seat: Seat) -> bool:
     if node_store.add(protocol.barrier_node_key(g, seat.node), 1) == seat.members_here:
         if store.add(protocol.barrier_key(g), 1) == seat.nodes:
             store.compare_set(done, "", "go")
+    # the outcome is read where the plan was: the node store (its agent copies it there)
+    node_store.wait([done], timedelta(days=1))
+    return node_store.get(done) == b"go"
+
+
+def relay(store, node_store, node: int, gen: int) -> None:
+    """A node's agent, for its workers: wait for generation `gen`'s plan in the job's store and
+    copy it to the node's store (its node's part first, then the head a waiting rank wakes on,
+    then `gen`); then wait for its barrier's outcome ("go", or "stale" once a newer plan exists)
+    and copy that. The job's store then wakes one waiter per node for each, not one per rank:
+    every rank waits, and reads, in its node's store."""
+    store.wait([protocol.plan_key(gen)], timedelta(days=1))
+    part = protocol.plan_node_key(gen, node)
+    keys = ([part] if store.check([part]) else []) + [protocol.plan_key(gen)]
+    node_store.multi_set(keys + [protocol.GEN], store.multi_get(keys) + [str(gen)])
+    done = protocol.barrier_done_key(gen)
     store.wait([done], timedelta(days=1))
-    return store.get(done) == b"go"
+    node_store.set(done, store.get(done))
 def results_in(store, world_size: int) -> bool:
     """Every rank reported its result (job.finish): the end of the run is reached."""
     return all(store.check([protocol.result_key(r)]) for r in range(world_size))

@@ -52,12 +52,14 @@ class Recovery:
         self.store, self.worker_id, self.spec = store, worker_id, spec
         self.state, self.kept, self.injector = state, kept, injector
         self.reporter, self.node = reporter, node
-        # the node's own store (its heartbeats, the barrier's first gathering), or the main one
-        node_store = membership.connect("127.0.0.1", node_port) if node_port else store
-        self.group = Group(store, node_store, spec.backend, spec.pg_timeout_s,
+        # the node's own store (its heartbeats, the plans its agent copies there, the barrier's
+        # first gathering and its outcome), or the main one on the coordinator's node
+        self.node_store = membership.connect("127.0.0.1", node_port) if node_port else store
+        self.group = Group(store, self.node_store, spec.backend, spec.pg_timeout_s,
                            {port, node_port} - {0}, state.modules)
+        plans_at = ("127.0.0.1", node_port) if node_port else (host, port)
         self.watch = Watch(host, port, lambda: self.gen, lambda: self._phase is Phase.IN_STEP,
-                           self._abort_from_watch)
+                           self._abort_from_watch, plans_at=plans_at)
         self._phase = Phase.WAITING  # changed only by this class's transitions below
         self.plan: membership.Seat | None = None
         self.gen, self.rank, self.world_size = -1, -1, 0
@@ -92,9 +94,10 @@ class Recovery:
         while True:
             # the watch saw the newest plan already (a recovery), or the store says (a start)
             g = self.watch.latest_gen if self.watch.latest_gen > seen else \
-                membership.current_gen(self.store)
+                membership.current_gen(self.node_store)
             if g > seen:
-                seat = membership.follow(self.store, self.worker_id, self.node, self.rank, seen, g)
+                seat = membership.follow(self.node_store, self.worker_id, self.node, self.rank,
+                                         seen, g)
                 if seat is not None:
                     return seat
                 if self.rank >= 0:
@@ -112,7 +115,7 @@ class Recovery:
 
     def _block_until_plan(self, gen: int) -> None:
         try:
-            self.store.wait([protocol.plan_key(gen)], timedelta(days=1))
+            self.node_store.wait([protocol.plan_key(gen)], timedelta(days=1))
         except Exception:  # the store is gone: the supervisor ended
             if not self.store_alive():
                 raise SystemExit(0)

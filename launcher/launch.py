@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -165,7 +166,12 @@ def _node_agent(cfg, recipe_file: Path) -> dict | None:
     why = {0: "the job is over", 3: "this node was fenced (declared lost)",
            4: "the coordinator is gone"}.get(rc, f"exit {rc}")
     print(f"[launcher] node {d.node_rank}: {why}", flush=True)
-    return {"node": d.node_rank, "exit": rc} if rc == 0 else None
+    # The agent's threads stay blocked in the coordinator's store (its next plan, its next
+    # command); one of those calls returning while the interpreter shuts down aborts the
+    # process (c10d unwinding a thread that can no longer take the GIL). Nothing is left to do
+    # here: leave at once, with the exit code `launcher train` gives (0 done, 1 otherwise).
+    sys.stderr.flush()
+    os._exit(0 if rc == 0 else 1)
 
 
 def _report(cfg, run: dict, t0: float, **extra) -> dict:

@@ -233,6 +233,55 @@ def test_plans_are_read_by_node_as_changes_and_the_barrier_gives_way_to_a_newer_
     assert got == [True] * 4 and int(store.get(protocol.barrier_key(1))) == 3
 
 
+def test_a_nodes_agent_relays_each_plan_and_its_barrier_outcome_into_the_node_store():
+    # the ranks of node 1 wait and read in their node's store only: the job's store wakes one
+    # waiter per node (the relay), not one per rank
+    main = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    node = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    relayed = []
+
+    def relay():  # the agent's thread, on connections of its own
+        m = dist.TCPStore("127.0.0.1", main.port, is_master=False)
+        n = dist.TCPStore("127.0.0.1", node.port, is_master=False)
+        for g in range(2):
+            membership.relay(m, n, 1, g)
+            relayed.append(g)
+
+    threading.Thread(target=relay, daemon=True).start()
+    gen0 = membership.Plan(gen=0, world_size=2, ranks={10: 0, 12: 1}, nodes={10: 0, 12: 1})
+    membership.publish(main, gen0)
+    rank_conn = dist.TCPStore("127.0.0.1", node.port, is_master=False)
+    rank_conn.wait([protocol.plan_key(0)], timedelta(seconds=10))  # woken by the relay
+    seat = membership.follow(rank_conn, 12, 1, -1, -1, 0)
+    assert (seat.rank, seat.members_here, seat.nodes) == (1, 1, 2)
+    assert membership.current_gen(rank_conn) == 0
+    # node 0's member arrives in the job's store (its node store is the job's), node 1's in
+    # its own; both learn "go", node 1's from the relay
+    seat0 = membership.follow(main, 10, 0, -1, -1, 0)
+    got = []
+    t = threading.Thread(target=lambda: got.append(membership.barrier(
+        dist.TCPStore("127.0.0.1", main.port, is_master=False),
+        dist.TCPStore("127.0.0.1", main.port, is_master=False), seat0)))
+    t.start()
+    got.append(membership.barrier(dist.TCPStore("127.0.0.1", main.port, is_master=False),
+                                  rank_conn, seat))
+    t.join(10)
+    assert got == [True, True]
+    # generation 1 replaces a barrier that never completes: the relay carries "stale" across
+    gen1 = membership.Plan(gen=1, world_size=2, ranks={10: 0, 12: 1}, nodes={10: 0, 12: 1})
+    membership.publish(main, gen1, gen0)
+    rank_conn.wait([protocol.plan_key(1)], timedelta(seconds=10))
+    seat1 = membership.follow(rank_conn, 12, 1, 1, 0, 1)
+    gen2 = membership.Plan(gen=2, world_size=2, ranks={10: 0, 12: 1}, nodes={10: 0, 12: 1})
+    membership.publish(main, gen2, gen1)
+    assert membership.barrier(dist.TCPStore("127.0.0.1", main.port, is_master=False),
+                              rank_conn, seat1) is False
+    deadline = time.time() + 10
+    while relayed != [0, 1] and time.time() < deadline:
+        time.sleep(0.01)
+    assert relayed == [0, 1]
+
+
 def _reduce(rank, port, q):
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)

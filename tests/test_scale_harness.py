@@ -11,6 +11,7 @@ import sys  # noqa: E402
 
 import pytest  # noqa: E402
 
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -24,12 +25,9 @@ def _measure(tmp_path, nodes: int, per_node: int) -> dict:
     return json.loads(out.read_text())[0]
 
 
-# `make test-scale`, not `make test`: about a minute here, almost all of it connecting (below),
-# and `make test` is at its 30-minute limit
-@pytest.mark.scale
+# in `make test`, not `make test-fast`: two real coordinators and 20 real agents, about 40 s
+@pytest.mark.slow
 def test_a_node_loss_completes_every_phase_and_steady_calls_follow_nodes_not_ranks(tmp_path):
-    # 8 nodes, not thousands: a c10d client connects about 5 times a second on this machine
-    # (docs/scale.md), so each simulated rank and node costs start-up time here
     one = _measure(tmp_path, 8, 1)
     four = _measure(tmp_path, 8, 4)
     for row in (one, four):

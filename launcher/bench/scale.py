@@ -34,7 +34,7 @@ import time
 from checkpointless import protocol
 from checkpointless.protocol import SupervisorConfig
 
-from .scale_sim import Counter, SimNode, SimRank, Wrapped, connect
+from .scale_sim import Counter, Wrapped, connect, shard_main
 
 # NCCL communicator creation at scale cannot be run here. NVIDIA's NCCL 2.23 release notes
 # (2024, "scalable init" with ncclCommInitRankScalable) report about 1 s at 1,000s of GPUs and
@@ -50,7 +50,7 @@ def _coordinator(cfg_fields: dict, pipe) -> None:
     counter = Counter()
     quiet = not os.environ.get("SCALE_DEBUG")
     sup = Supervisor(["sim"], SupervisorConfig(**cfg_fields),
-                     log=(lambda m: None) if quiet else (lambda m: print(m, file=sys.stderr)),
+                     log=(lambda m: None) if quiet else (lambda m: print(time.strftime("%X"), m, file=sys.stderr, flush=True)),
                      wrap_store=lambda s: Wrapped(s, counter.add))
 
     def serve():
@@ -67,11 +67,14 @@ def _coordinator(cfg_fields: dict, pipe) -> None:
 
 # ---- one size ------------------------------------------------------------------------------
 class Harness:
+    """The coordinator's process and the shards' (scale_sim.Shard: the simulated nodes, split
+    over processes), driven through pipes."""
+
     def __init__(self, nodes: int, per_node: int, spare_nodes: int, step_s: float,
-                 node_timeout_s: float):
+                 node_timeout_s: float, shards: int):
         self.nodes_n, self.per_node, self.spare_nodes = nodes, per_node, spare_nodes
-        self.step_s, self.node_timeout_s = step_s, node_timeout_s
-        self.main_ops, self.node_ops = Counter(), Counter()
+        self.main_ops = Counter()
+        self._lock = threading.Lock()
         self.port = _free_port()
         ctx = mp.get_context("spawn")
         self.pipe, child = ctx.Pipe()
@@ -79,79 +82,99 @@ class Harness:
                    spare_nodes=spare_nodes, standalone=True, port=self.port,
                    node_timeout_s=node_timeout_s, heartbeat_timeout_s=30.0,
                    spare_wait_s=1800.0)  # also how long it waits for every node to join
-        self.proc = ctx.Process(target=_coordinator, args=(cfg, child),
-                                daemon=True)
+        self.proc = ctx.Process(target=_coordinator, args=(cfg, child), daemon=True)
         self.proc.start()
         _wait_port(self.port)
-        self.step_store = Wrapped(connect(self.port, self.main_ops), lock=threading.Lock())
-        # Every simulated rank's connection is made first, in parallel: a c10d client's connect
-        # stalls for 5 s now and then on this machine (seen on loopback, torch 2.13, about one
-        # in 20), and while many are in flight the process's other store calls stall with
-        # them, which would make healthy nodes look silent. A real job connects each worker
-        # once, in its own process, before it trains.
-        from concurrent.futures import ThreadPoolExecutor
-        with ThreadPoolExecutor(256) as pool:
-            self.connections = list(pool.map(lambda _: connect(self.port, self.main_ops),
-                                             range((nodes + spare_nodes) * per_node + 4)))
-            self.nodes = list(pool.map(lambda k: SimNode(self, k, per_node),
-                                       range(nodes + spare_nodes)))
+        total = nodes + spare_nodes
+        shards = max(1, min(shards, total))
+        self.shard_of = {k: k % shards for k in range(total)}
+        self.shards = []
+        for i in range(shards):
+            mine, theirs = ctx.Pipe()
+            ids = [k for k in range(total) if self.shard_of[k] == i]
+            proc = ctx.Process(target=shard_main, daemon=True,
+                               args=(self.port, ids, per_node, step_s, node_timeout_s, theirs))
+            proc.start()
+            self.shards.append((proc, mine))
+        for proc, pipe in self.shards:
+            if not pipe.poll(600) or pipe.recv() != "ready":
+                raise RuntimeError(f"a shard of simulated nodes (pid {proc.pid}) did not start")
         self.store = connect(self.port, self.main_ops)
+        if os.environ.get("SCALE_DEBUG"):
+            threading.Thread(target=self._monitor, daemon=True).start()
+
+    def _monitor(self) -> None:
+        while True:
+            time.sleep(1.0)
+            print(f"[scale {time.strftime('%X')}] ranks alive, at generation: "
+                  f"{self._all('status', 0)}", file=sys.stderr, flush=True)
+
+    def _ask(self, i: int, op: str, arg=None):
+        with self._lock:  # a question and its answer, not interleaved with another's
+            pipe = self.shards[i][1]
+            pipe.send((op, arg))
+            return pipe.recv()
+
+    def _all(self, op: str, arg=None) -> list:
+        with self._lock:
+            for _, pipe in self.shards:  # every shard works on it at once
+                pipe.send((op, arg))
+            return [pipe.recv() for _, pipe in self.shards]
 
     def ask(self):
         """The coordinator's own count of store calls, and its failures so far."""
         self.pipe.send("?")
         return self.pipe.recv()
 
-    def ops(self) -> int:
-        """Every call made to the coordinator's store so far, from any client."""
-        return self.main_ops.n + self.ask()[0]
-
-    def active(self) -> list[SimRank]:
-        return [r for n in self.nodes for r in n.ranks if r.returncode is None and r.rank >= 0]
+    def ops(self) -> tuple[int, int]:
+        """Every call made to the coordinator's store so far, from any client; and every call
+        made to the node stores."""
+        counts = self._all("ops")
+        return (self.main_ops.n + self.ask()[0] + sum(m for m, _ in counts),
+                sum(n for _, n in counts))
 
     def wait_gen(self, gen: int, timeout_s: float) -> bool:
         deadline = time.time() + timeout_s
         while time.time() < deadline:
-            ranks = self.active()
-            if len(ranks) == self.nodes_n * self.per_node and all(r.gen >= gen for r in ranks):
+            status = self._all("status", gen)
+            alive, done = sum(a for a, _ in status), sum(d for _, d in status)
+            if alive == self.nodes_n * self.per_node and done == alive:
                 return True
             time.sleep(0.05)
         return False
 
     def cpu_s(self) -> float:
-        with open(f"/proc/{self.proc.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return _cpu_s(self.proc.pid)
+
+    def shards_cpu_s(self) -> float:
+        return sum(_cpu_s(proc.pid) for proc, _ in self.shards)
 
     def steady(self, window_s: float) -> dict:
-        ops0, cpu0, t0 = self.ops(), self.cpu_s(), time.time()
-        node0 = self.node_ops.n
+        (ops0, node0), cpu0, t0 = self.ops(), self.cpu_s(), time.time()
         time.sleep(window_s)
         dt = time.time() - t0
-        return {"store_ops_per_s": round((self.ops() - ops0) / dt, 1),
+        ops1, node1 = self.ops()
+        return {"store_ops_per_s": round((ops1 - ops0) / dt, 1),
                 "coordinator_cpu_share": round((self.cpu_s() - cpu0) / dt, 4),
-                "node_store_ops_per_s_each": round((self.node_ops.n - node0) / dt /
-                                                   len(self.nodes), 1)}
+                "node_store_ops_per_s_each": round((node1 - node0) / dt /
+                                                   (self.nodes_n + self.spare_nodes), 1)}
 
     def failure(self, kind: str, gen: int, timeout_s: float) -> dict:
         """Kill one rank (on node 1) or one node (node 2, or 1 with two nodes); time each phase
         of the generation that replaces it."""
-        node = self.nodes[min(1 if kind == "rank" else 2, self.nodes_n - 1)]
-        cpu0, own0 = self.cpu_s(), _own_cpu_s()
+        node = min(1 if kind == "rank" else 2, self.nodes_n - 1)
+        cpu0, own0 = self.cpu_s(), self.shards_cpu_s()
         t_fail = time.time()
-        if kind == "rank":
-            next(r for r in node.ranks if r.returncode is None and r.rank >= 0).die(-9)
-        else:
-            node.kill()
+        self._ask(self.shard_of[node], "kill_rank" if kind == "rank" else "kill_node", node)
         if not self.wait_gen(gen, timeout_s):
             return {"kind": kind, "error": f"generation {gen} not complete in {timeout_s} s"}
-        cpu, own = self.cpu_s() - cpu0, _own_cpu_s() - own0
+        cpu, own = self.cpu_s() - cpu0, self.shards_cpu_s() - own0
         failures = [f for f in self.ask()[1] if f["gen"] == gen]
         head = json.loads(self.store.get(protocol.plan_key(gen)))
-        ranks = self.active()
+        times = self._all("times", gen)
         t_detect = min(f["t_detect"] for f in failures)
-        t_plan = max(r.times[gen][0] for r in ranks)
-        t_barrier = max(r.times[gen][1] for r in ranks)
+        t_plan = max(p for p, _ in times)
+        t_barrier = max(b for _, b in times)
         return {"kind": kind, "lost_ranks": len(failures),
                 "detect_s": round(t_detect - t_fail, 4),
                 "decide_s": round(head["t"] - t_detect, 4),
@@ -163,13 +186,19 @@ class Harness:
                 "cpu_s": {"coordinator": round(cpu, 3), "simulated_nodes_and_ranks": round(own, 3)}}
 
     def close(self) -> None:
+        for proc, _ in self.shards:
+            proc.kill()
         self.proc.kill()
+        for proc, _ in self.shards:
+            proc.join(5)
         self.proc.join(5)
 
 
-def _own_cpu_s() -> float:
-    t = os.times()
-    return t.user + t.system
+def _cpu_s(pid: int) -> float:
+    """A process's CPU time so far (user and system; its threads' included)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _free_port() -> int:
@@ -191,10 +220,11 @@ def _wait_port(port: int, timeout_s: float = 60.0) -> None:
 
 def measure(nodes: int, per_node: int, spare_nodes: int = 2, step_s: float = 1.0,
             steady_s: float = 5.0, node_timeout_s: float = protocol.DEFAULTS.node_timeout_s,
-            start_timeout_s: float = 300.0) -> dict:
+            start_timeout_s: float = 300.0, shards: int = 0) -> dict:
     ranks = nodes * per_node
+    shards = shards or min(8, max(1, ranks // 256))
     t0 = time.time()
-    h = Harness(nodes, per_node, spare_nodes, step_s, node_timeout_s)
+    h = Harness(nodes, per_node, spare_nodes, step_s, node_timeout_s, shards)
     try:
         if not h.wait_gen(0, start_timeout_s):
             raise RuntimeError(f"{ranks} simulated ranks did not all start within "
@@ -203,6 +233,7 @@ def measure(nodes: int, per_node: int, spare_nodes: int = 2, step_s: float = 1.0
         time.sleep(2 * max(step_s, protocol.DEFAULTS.node_beat_s))  # every node reporting
         out = {"nodes": nodes, "ranks_per_node": per_node, "ranks": ranks,
                "spare_nodes": spare_nodes, "step_s": step_s, "start_s": round(started_s, 2),
+               "shards": len(h.shards),
                "steady": h.steady(steady_s)}
         out["rank_failure"] = h.failure("rank", 1, 60.0)
         time.sleep(1.0)
@@ -239,6 +270,16 @@ def _print(row: dict) -> None:
 
 
 def main(argv=None) -> int:
+    # Every c10d client looks up the name of its own socket as it connects. This machine's
+    # resolver has no local answer for a v4-mapped loopback address and its DNS server drops
+    # about one query in 20, which glibc waits 5 s for: thousands of connections then take
+    # minutes. One second and no retry (set before the first lookup; the children inherit it).
+    os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # that lookup's warning, thousands of times
+    if os.environ.get("SCALE_DEBUG"):  # kill -USR1 <pid>: every thread's stack on stderr
+        import faulthandler
+        import signal
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     p = argparse.ArgumentParser(prog="python -m launcher.bench.scale", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nodes", type=int, default=512)
@@ -246,6 +287,10 @@ def main(argv=None) -> int:
     p.add_argument("--spare-nodes", type=int, default=2)
     p.add_argument("--step-s", type=float, default=1.0, help="simulated step time")
     p.add_argument("--steady-s", type=float, default=5.0, help="steady-state window")
+    p.add_argument("--node-timeout-s", type=float, default=protocol.DEFAULTS.node_timeout_s,
+                   help="a node's silence before it is declared lost (the product's default)")
+    p.add_argument("--shards", type=int, default=0,
+                   help="processes holding the simulated nodes (0: one per 256 ranks, up to 8)")
     p.add_argument("--curve", action="store_true",
                    help="256, 1,024, 4,096 and 16,384 ranks at 8 per node, and 512 nodes x 1")
     p.add_argument("--out", help="write the figures as JSON here")
@@ -256,7 +301,8 @@ def main(argv=None) -> int:
     rows = []
     for nodes, per_node in sizes:
         try:
-            row = measure(nodes, per_node, a.spare_nodes, a.step_s, a.steady_s)
+            row = measure(nodes, per_node, a.spare_nodes, a.step_s, a.steady_s, a.node_timeout_s,
+                          shards=a.shards)
         except (RuntimeError, OSError) as exc:  # past what this machine can hold
             print(f"{nodes} nodes x {per_node}: {exc}", flush=True)
             break

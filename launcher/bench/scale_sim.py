@@ -71,8 +71,9 @@ class SimRank:
         self.rank, self.gen = -1, -1
         self.times: dict[int, tuple[float, float]] = {}  # gen -> (plan read, barrier done)
         self._fd = os.eventfd(0)
-        pool = node.harness.connections  # made before the job started (Harness)
+        pool = node.harness.connections  # made before the job started (Shard, SimNode)
         self.store = pool.pop() if pool else None
+        self.node_conn = node.connections.pop() if node.connections else None
         threading.Thread(target=self._run, daemon=True).start()
 
     # Popen's surface
@@ -102,21 +103,25 @@ class SimRank:
     def _run(self) -> None:
         try:
             self.store = self.store or connect(self.node.port, self.node.harness.main_ops)
+            node = self.node_conn or connect(self.node.agent.node_server.port,
+                                             self.node.harness.node_ops)
             self.store.set(protocol.ready_key(self.wid), f"{time.time():.6f}")
             seen = -1
             while self.returncode is None:
-                self.store.wait([protocol.plan_key(seen + 1)], timedelta(days=1))
+                # as a worker's watch does: the plans wait in the node's store (its agent
+                # copies them there)
+                node.wait([protocol.plan_key(seen + 1)], timedelta(days=1))
                 if self.returncode is not None:
                     return
                 g = seen + 1  # a newer one, if any, is read on the next turn
-                seat = membership.follow(self.store, self.wid, self.node.k, self.rank, seen, g)
+                seat = membership.follow(node, self.wid, self.node.k, self.rank, seen, g)
                 seen, t_plan = g, time.time()
                 if seat is None:
                     if self.rank >= 0:  # dropped from the plan
                         return self.die(1)
                     continue
                 self.rank = seat.rank
-                if membership.barrier(self.store, self.node.node_store, seat):
+                if membership.barrier(self.store, node, seat):
                     self.gen = g
                     self.times[g] = (t_plan, time.time())
         except Exception:  # noqa: BLE001  the coordinator is gone: the harness is over
@@ -130,19 +135,26 @@ class SimNode:
     """One node: a real NodeAgent in a thread, starting SimRanks, and a thread that writes its
     live ranks' heartbeats into the node store every step (what each worker's reporter does)."""
 
-    def __init__(self, harness, k: int, procs: int):  # harness: scale.Harness
+    def __init__(self, harness, k: int, procs: int):  # harness: the Shard it belongs to
         self.harness, self.k, self.port = harness, k, harness.port
         self.ranks: list[SimRank] = []
         self.dead = False
         self.agent_store = connect(self.port, harness.main_ops)
         self.agent = NodeAgent(Wrapped(self.agent_store, self._alive), k, ["sim"], {}, "127.0.0.1",
                                self.port, harness.node_timeout_s, log=lambda m: None,
-                               starter=self._start)
-        # one connection for the node's simulated ranks and their heartbeats, taken in turn
-        self.node_store = Wrapped(connect(self.agent.node_server.port, harness.node_ops),
-                                  lock=threading.Lock())
+                               starter=self._start, connect=self._connect)
+        # one connection for the heartbeats its ranks' reporters write, taken in turn; and one
+        # for each rank it will start (its own plans and barrier), made now
+        node_port = self.agent.node_server.port
+        self.node_store = Wrapped(connect(node_port, harness.node_ops), lock=threading.Lock())
+        self.connections = [connect(node_port, harness.node_ops) for _ in range(procs + 1)]
         threading.Thread(target=self.agent.run, args=(procs,), daemon=True).start()
         threading.Thread(target=self._beat, daemon=True).start()
+
+    def _connect(self, host: str, port: int):
+        """The agent's own threads' connections (commands, plans), counted with the rest."""
+        return connect(port, self.harness.main_ops if port == self.port else
+                       self.harness.node_ops)
 
     def _start(self, cmd, env):
         r = SimRank(env, self)
@@ -176,3 +188,59 @@ class SimNode:
         self.dead = True
         for r in self.ranks:
             r.die(-9)
+
+
+# ---- a shard: some of the simulated nodes, in a process of their own ------------------------
+class Shard:
+    """The simulated nodes `node_ids`, with every connection their ranks will use made first,
+    in parallel. One Python process holds a few hundred simulated ranks well; thousands of
+    threads in one process wait on one GIL (each store call's return takes its turn), so a big
+    job is split over several processes, each a shard."""
+
+    def __init__(self, port: int, node_ids: list[int], per_node: int, step_s: float,
+                 node_timeout_s: float):
+        from concurrent.futures import ThreadPoolExecutor
+        self.port, self.step_s, self.node_timeout_s = port, step_s, node_timeout_s
+        self.main_ops, self.node_ops = Counter(), Counter()
+        self.step_store = Wrapped(connect(port, self.main_ops), lock=threading.Lock())
+        with ThreadPoolExecutor(64) as pool:
+            self.connections = list(pool.map(lambda _: connect(port, self.main_ops),
+                                             range(len(node_ids) * per_node + 2)))
+            self.nodes = {k: n for k, n in zip(node_ids, pool.map(
+                lambda k: SimNode(self, k, per_node), node_ids))}
+
+    def ranks(self) -> list[SimRank]:
+        """The ranks alive and holding a rank."""
+        return [r for n in self.nodes.values() for r in n.ranks
+                if r.returncode is None and r.rank >= 0]
+
+    def answer(self, op: str, arg):
+        if op == "ops":
+            return self.main_ops.n, self.node_ops.n
+        if op == "status":  # ranks alive, and how many of them completed generation `arg`
+            ranks = self.ranks()
+            return len(ranks), sum(1 for r in ranks if r.gen >= arg)
+        if op == "times":  # the last plan read and the last barrier passed of generation `arg`
+            ranks = [r for r in self.ranks() if arg in r.times]
+            return (max((r.times[arg][0] for r in ranks), default=0.0),
+                    max((r.times[arg][1] for r in ranks), default=0.0))
+        if op == "kill_rank":
+            next(r for r in self.nodes[arg].ranks if r.returncode is None and r.rank >= 0).die(-9)
+            return True
+        if op == "kill_node":
+            self.nodes[arg].kill()
+            return True
+        raise ValueError(op)
+
+
+def shard_main(port: int, node_ids: list[int], per_node: int, step_s: float,
+               node_timeout_s: float, pipe) -> None:
+    """A shard's process: build it, say so, then answer the harness through the pipe."""
+    shard = Shard(port, node_ids, per_node, step_s, node_timeout_s)
+    pipe.send("ready")
+    while True:
+        try:
+            op, arg = pipe.recv()
+        except EOFError:  # the harness is gone
+            os._exit(0)
+        pipe.send(shard.answer(op, arg))
