@@ -16,6 +16,8 @@ import subprocess
 import threading
 import time
 
+from checkpointless.detection import process_stopped
+
 from .baseline import PLAIN_LOOP, RECIPE_LOOP, torchrun_cmd, tree_pids
 from .modes import mode_recipe
 from .records import read_records, run_digest, steps_in_turns
@@ -54,9 +56,10 @@ class Turns(threading.Thread):
             turn = 0
             while not self.stop.is_set() and not any(done() for _, _, done in self.jobs):
                 me = turn % len(self.jobs)
-                for j, (_, pids, _) in enumerate(self.jobs):  # stop the others first
-                    if j != me:
-                        self._signal(pids(), signal.SIGSTOP)
+                others = [pid for j, (_, pids, _) in enumerate(self.jobs) if j != me
+                          for pid in pids()]
+                self._signal(others, signal.SIGSTOP)  # stop the others first, and see them
+                _wait_stopped(others)                 # stopped: a signal lands a little later
                 self._signal(self.jobs[me][1](), signal.SIGCONT)
                 t0 = time.time()
                 self.stop.wait(self.turn_s)
@@ -65,6 +68,14 @@ class Turns(threading.Thread):
         finally:  # never leave a job stopped
             for _, pids, _ in self.jobs:
                 self._signal(pids(), signal.SIGCONT)
+
+
+def _wait_stopped(pids, timeout_s: float = 0.2) -> None:
+    """Until every live one of `pids` shows as stopped in /proc (or `timeout_s`)."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and not all(
+            process_stopped(pid) or not os.path.exists(f"/proc/{pid}") for pid in pids):
+        time.sleep(0.001)
 
 
 PAIRABLE = ("off", "flat", "plain", "on")  # the failure-free modes; on runs under the supervisor
