@@ -10,15 +10,16 @@ coordinator grows with nodes, or happens once per generation:
     ----------                                   ------
     spec             (job settings, JSON)  --->  read once in join()
                                            <---  ready/<wid>      warmed up, waiting for a rank
-    plan/<g>         (generation g: world  --->  a rank waits on it (one key, no polling), then
-      size, nodes with members)                  reads it with its node's part in one call:
-    plan/<g>/<k>     (node k's part: who            who joined, who left, members on node k
-      joined or left there, members)
+    plan/<g>         (generation g: world  --->  a rank waits on it (one key, no polling) in
+      size, nodes with members)                  its node store, where the node's agent copies
+    plan/<g>/<k>     (node k's part: who         it with the node's part; then reads both in one
+      joined or left there, members)             call: who joined, who left, members on node k
     gen              (newest generation)
                                            <---  barrier/<g>/<k>  node store: members arrived;
                                                  the node's last adds once to barrier/<g>, the
-                                                 job's last sets barrier/<g>/done, which every
-                                                 member waits on (a newer plan sets it stale)
+                                                 job's last sets barrier/<g>/done (a newer plan
+                                                 sets it stale); every member waits for it in
+                                                 its node store (the agent copies it there too)
                                            <---  hb/<wid>         node store, from a background
                                                  thread: heartbeat {t, step, gen, phase}
                                            <---  steps/<s>, last_step  rank 0, background: step
@@ -33,8 +34,9 @@ coordinator grows with nodes, or happens once per generation:
     shutdown                               --->  the job is over
 
 The node store: every node agent hosts a small TCPStore of its own for its workers (their
-heartbeats and the barrier's first gathering); on the coordinator's node, and on one machine, the
-supervisor's store is that node's store too.
+heartbeats, the plans and barrier outcomes the agent copies from the job's store, the barrier's
+first gathering), so a new generation wakes one waiter per node in the job's store, not one per
+rank; on the coordinator's node, and on one machine, the supervisor's store is that node's store.
 
 Many machines: every node but the coordinator's runs an agent (agent.py) that the coordinator
 (cluster.py) talks to through keys of its own, one set per node k. The agent judges its own

@@ -65,6 +65,7 @@ def _run(world):
     return got[0]
 
 
+@pytest.mark.slow  # processes of 4 workers: in make test, not make test-fast
 def test_validation_loss_is_the_same_with_1_2_and_4_workers():
     one, two, four = _run(1), _run(2), _run(4)
     assert one["eval_tokens"] == two["eval_tokens"] == four["eval_tokens"]
