@@ -5,11 +5,14 @@
 
 What runs is the product's own code: the coordinator is checkpointless's `Supervisor` (its
 `ClusterPool`, a stand-alone coordinator) in a process of its own, and every node is a real
-`NodeAgent` (health records, the node store, commands). Only the workers are simulated: a
-`SimRank` speaks the worker's side of the protocol with the library's own functions (ready, its
-plan part read with `membership.follow`, the per-node `membership.barrier`, heartbeats into its
-node store, rank 0's step records) but trains nothing and builds no process group, so thousands
-fit on one small machine. A thread each; one connection to the coordinator each, as a worker has.
+`NodeAgent` (health records, the node store, commands, the plan relay). Only the workers are
+simulated: a `SimRank` speaks the worker's side of the protocol with the library's own functions
+(ready, its plan part read with `membership.follow` in its node store, where its agent copies it,
+the per-node `membership.barrier`, heartbeats into its node store, rank 0's step records) but
+trains nothing and builds no process group, so thousands fit on one small machine. A thread each,
+with one connection to the coordinator and one to its node's store, as a worker has; the
+simulated nodes are split over a few processes (shards: one Python process cannot serve
+thousands of threads).
 
 It measures, for each size: the coordinator's store operations per second in steady state (every
 call any client makes to its store, its own included) and its process's CPU share; then for one
