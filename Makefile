@@ -3,7 +3,7 @@
 #   make train RECIPE=llama3-8b trainer.max_steps=100 optim.lr=3e-4
 #   make test                                    the whole suite (CPU, offline; what CI runs)
 #   make test-fast                               the suite without real training processes (< 3 min)
-#   make test-scale                              the 0.4B-parameter, 8-worker memory tests (not in make test)
+#   make test-scale                              the 0.4B-parameter, 8-worker memory tests, 8-process sharded init (not in make test)
 #   make test-sweep                              workers SIGKILLed at a grid of seeded moments (not in make test)
 #   make bench                                   goodput benchmark (checkpointless vs restart)
 # Every variable given on make's command line other than RECIPE is passed on as an override.

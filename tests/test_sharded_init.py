@@ -46,7 +46,7 @@ def _whole_digest(**overrides):
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow),
-                                   pytest.param(8, marks=pytest.mark.slow)])
+                                   pytest.param(8, marks=pytest.mark.scale)])
 def test_the_full_model_is_the_same_bits_for_any_world_size_and_strategy(world):
     ddp, n = _whole_digest()  # the whole model, filled as ddp fills it
     got = spawn_gloo(_sharded_digest, world, world, {}, timeout=300)
