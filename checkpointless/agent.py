@@ -145,8 +145,10 @@ class NodeAgent:
             while True:
                 membership.relay(store, node_store, self.node, gen)
                 gen += 1
-        except Exception:  # noqa: BLE001  the coordinator is gone: the loop sees it too
-            return
+        except Exception as exc:  # noqa: BLE001  mostly the coordinator gone (the loop sees it
+            # too); otherwise this node's workers stop learning of new generations, so say so
+            self.log(f"[node {self.node}] the plan relay stopped ({type(exc).__name__}: {exc}); "
+                     "this node's workers get no newer generation")
 
     def serve_commands(self) -> str | None:
         """Carry out the queued commands; "shutdown" when the job is over."""

@@ -51,9 +51,12 @@ def _coordinator(cfg_fields: dict, pipe) -> None:
     and its failures on request (through a pipe, not the store)."""
     from checkpointless.supervisor import JobFailed, Supervisor
     counter = Counter()
+    def say(m: str) -> None:  # SCALE_DEBUG: the coordinator's log, timed
+        print(time.strftime("%X"), m, file=sys.stderr, flush=True)
+
     quiet = not os.environ.get("SCALE_DEBUG")
     sup = Supervisor(["sim"], SupervisorConfig(**cfg_fields),
-                     log=(lambda m: None) if quiet else (lambda m: print(time.strftime("%X"), m, file=sys.stderr, flush=True)),
+                     log=(lambda m: None) if quiet else say,
                      wrap_store=lambda s: Wrapped(s, counter.add))
 
     def serve():
