@@ -103,16 +103,31 @@ def publish(store, plan: Plan, before: Plan | None = None) -> None:
     store.set(protocol.GEN, str(plan.gen))
 
 
-def follow(store, wid: int, node: int, rank: int, after_gen: int, gen: int) -> Seat | None:
-    """Worker `wid` of node `node`, holding `rank` (-1: none) as of generation `after_gen`,
-    reads generation `gen`: the plan and its node's parts of every generation in between, in one
-    call. Its seat in `gen`, or None when it holds no rank there (a spare not picked, or a rank
-    that was dropped)."""
+def run(steps, stores: dict):
+    """Carry out a protocol's steps against blocking store clients. `steps` is a generator that
+    yields each store call as (which store, method, *args) and is sent its result: the protocol
+    is written once, and the scale harness runs the same steps over thousands of connections
+    from one event loop (launcher/bench/scale_wire.py)."""
+    try:
+        call = next(steps)
+        while True:
+            where, name, *args = call
+            call = steps.send(getattr(stores[where], name)(*args))
+    except StopIteration as done:
+        return done.value
+
+
+def follow_steps(wid: int, node: int, rank: int, after_gen: int, gen: int):
+    """The store calls of `follow`, as steps (see `run`); all of them go to the node store."""
     gens = list(range(after_gen + 1, gen + 1))
     if rank < 0:  # a spare's node may have had no members (a spare node): no part of its own
-        gens = [g for g in gens if store.check([protocol.plan_node_key(g, node)])]
+        with_part = []
+        for g in gens:
+            if (yield ("node", "check", [protocol.plan_node_key(g, node)])):
+                with_part.append(g)
+        gens = with_part
     keys = [protocol.plan_key(gen)] + [protocol.plan_node_key(g, node) for g in gens]
-    head, *node_parts = (json.loads(v) for v in store.multi_get(keys))
+    head, *node_parts = (json.loads(v) for v in (yield ("node", "multi_get", keys)))
     for part in node_parts:
         if wid in part["left"]:
             rank = -1
@@ -125,8 +140,28 @@ def follow(store, wid: int, node: int, rank: int, after_gen: int, gen: int) -> S
                 t_published=head["t"])
 
 
+def follow(store, wid: int, node: int, rank: int, after_gen: int, gen: int) -> Seat | None:
+    """Worker `wid` of node `node`, holding `rank` (-1: none) as of generation `after_gen`,
+    reads generation `gen` in `store` (its node's): the plan and its node's parts of every
+    generation in between, in one call. Its seat in `gen`, or None when it holds no rank there
+    (a spare not picked, or a rank that was dropped)."""
+    return run(follow_steps(wid, node, rank, after_gen, gen), {"node": store})
+
+
 def counter(store, key: str) -> int:
     return store.add(key, 0)
+
+
+def barrier_steps(seat: Seat):
+    """The store calls of `barrier`, as steps (see `run`)."""
+    g = seat.gen
+    done = protocol.barrier_done_key(g)
+    if (yield ("node", "add", protocol.barrier_node_key(g, seat.node), 1)) == seat.members_here:
+        if (yield ("job", "add", protocol.barrier_key(g), 1)) == seat.nodes:
+            yield ("job", "compare_set", done, "", "go")
+    # the outcome is read where the plan was: the node store (its agent copies it there)
+    yield ("node", "wait", [done], timedelta(days=1))
+    return (yield ("node", "get", done)) == b"go"
 
 
 def barrier(store, node_store, seat: Seat) -> bool:
@@ -137,14 +172,7 @@ def barrier(store, node_store, seat: Seat) -> bool:
     key, woken by the store, with no polling. Done before the process group exists, so a member
     that died after the plan was published cannot block the others inside the group's
     constructor (the supervisor's next plan marks this barrier stale)."""
-    g = seat.gen
-    done = protocol.barrier_done_key(g)
-    if node_store.add(protocol.barrier_node_key(g, seat.node), 1) == seat.members_here:
-        if store.add(protocol.barrier_key(g), 1) == seat.nodes:
-            store.compare_set(done, "", "go")
-    # the outcome is read where the plan was: the node store (its agent copies it there)
-    node_store.wait([done], timedelta(days=1))
-    return node_store.get(done) == b"go"
+    return run(barrier_steps(seat), {"job": store, "node": node_store})
 
 
 def relay(store, node_store, node: int, gen: int) -> None:
@@ -160,6 +188,8 @@ def relay(store, node_store, node: int, gen: int) -> None:
     done = protocol.barrier_done_key(gen)
     store.wait([done], timedelta(days=1))
     node_store.set(done, store.get(done))
+
+
 def results_in(store, world_size: int) -> bool:
     """Every rank reported its result (job.finish): the end of the run is reached."""
     return all(store.check([protocol.result_key(r)]) for r in range(world_size))

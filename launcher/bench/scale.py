@@ -152,16 +152,23 @@ class Harness:
     def cpu_s(self) -> float:
         return _cpu_s(self.proc.pid)
 
+    def ranks_cpu_s(self) -> float:
+        """The simulated ranks' share of the shards' CPU (their event loops)."""
+        return sum(self._all("ranks_cpu"))
+
     def shards_cpu_s(self) -> float:
         return sum(_cpu_s(proc.pid) for proc, _ in self.shards)
 
     def steady(self, window_s: float) -> dict:
         (ops0, node0), cpu0, t0 = self.ops(), self.cpu_s(), time.time()
+        own0 = self.shards_cpu_s()
         time.sleep(window_s)
         dt = time.time() - t0
         ops1, node1 = self.ops()
         return {"store_ops_per_s": round((ops1 - ops0) / dt, 1),
                 "coordinator_cpu_share": round((self.cpu_s() - cpu0) / dt, 4),
+                # the simulated side: its agents, node stores and ranks, on this machine's cores
+                "simulated_cpu_share": round((self.shards_cpu_s() - own0) / dt, 4),
                 "node_store_ops_per_s_each": round((node1 - node0) / dt /
                                                    (self.nodes_n + self.spare_nodes), 1)}
 
@@ -169,12 +176,13 @@ class Harness:
         """Kill one rank (on node 1) or one node (node 2, or 1 with two nodes); time each phase
         of the generation that replaces it."""
         node = min(1 if kind == "rank" else 2, self.nodes_n - 1)
-        cpu0, own0 = self.cpu_s(), self.shards_cpu_s()
+        cpu0, own0, ranks0 = self.cpu_s(), self.shards_cpu_s(), self.ranks_cpu_s()
         t_fail = time.time()
         self._ask(self.shard_of[node], "kill_rank" if kind == "rank" else "kill_node", node)
         if not self.wait_gen(gen, timeout_s):
             return {"kind": kind, "error": f"generation {gen} not complete in {timeout_s} s"}
         cpu, own = self.cpu_s() - cpu0, self.shards_cpu_s() - own0
+        ranks_cpu = self.ranks_cpu_s() - ranks0
         failures = [f for f in self.ask()[1] if f["gen"] == gen]
         head = json.loads(self.store.get(protocol.plan_key(gen)))
         times = self._all("times", gen)
@@ -189,7 +197,8 @@ class Harness:
                 "decision_to_barrier_s": round(t_barrier - t_detect, 4),
                 # where the CPU went from the kill to every rank ready: the simulated ranks'
                 # own client work runs here on two cores, the coordinator's in its process
-                "cpu_s": {"coordinator": round(cpu, 3), "simulated_nodes_and_ranks": round(own, 3)}}
+                "cpu_s": {"coordinator": round(cpu, 3), "simulated_nodes_and_ranks": round(own, 3),
+                          "simulated_ranks": round(ranks_cpu, 3)}}
 
     def close(self) -> None:
         for proc, _ in self.shards:
@@ -258,7 +267,8 @@ def _print(row: dict) -> None:
     st = row["steady"]
     print(f"{row['nodes']:>6} nodes x {row['ranks_per_node']} = {row['ranks']:>6} ranks: "
           f"steady {st['store_ops_per_s']:>8.1f} store ops/s, coordinator CPU "
-          f"{100 * st['coordinator_cpu_share']:.1f}% of a core (started in {row['start_s']} s)")
+          f"{100 * st['coordinator_cpu_share']:.1f}% of a core, simulated side "
+          f"{100 * st['simulated_cpu_share']:.0f}% (started in {row['start_s']} s)")
     for key in ("rank_failure", "node_failure"):
         f = row[key]
         if "error" in f:
@@ -270,7 +280,8 @@ def _print(row: dict) -> None:
               f"{f['barrier_complete_s']:.3f} s after it (decision to barrier "
               f"{f['decision_to_barrier_s']:.3f} s); CPU meanwhile: coordinator "
               f"{f['cpu_s']['coordinator']:.2f} s, simulated nodes and ranks "
-              f"{f['cpu_s']['simulated_nodes_and_ranks']:.2f} s")
+              f"{f['cpu_s']['simulated_nodes_and_ranks']:.2f} s (the ranks "
+              f"{f['cpu_s']['simulated_ranks']:.2f} s of it)")
     print(f"    given, not measured: regroup {row['given']['regroup_s']} s "
           f"({row['given']['regroup_source']})", flush=True)
 

@@ -2,10 +2,12 @@
 without training, the nodes whose real agents start them, and the counted store clients.
 
 A `SimRank` is what a node agent takes for a worker process (Popen's surface, as far as the agent
-uses it). It runs the worker's side with the library's own functions: it writes `ready`, blocks
-on the next plan, reads its node's part with `membership.follow`, meets the others at
-`membership.barrier`. Its node beats for it into the node store once a step, as each worker's
-reporter thread does, and rank 0's node writes the step records.
+uses it). It runs the worker's side with the library's own steps: it writes `ready`, waits for
+the next plan, reads its node's part (`membership.follow_steps`, what `membership.follow` runs),
+meets the others at the per-node barrier (`membership.barrier_steps`). Its node beats for it
+into the node store once a step, as each worker's reporter thread does, and rank 0's node writes
+the step records. The ranks of a shard are programs of one event loop, over connections of their
+own (scale_wire.py): thousands of threads would measure the GIL, not the protocol.
 """
 from __future__ import annotations
 
@@ -14,10 +16,11 @@ import os
 import subprocess
 import threading
 import time
-from datetime import timedelta
 
 from checkpointless import membership, protocol
 from checkpointless.agent import NodeAgent
+
+from . import scale_wire as wire
 
 
 class Counter:
@@ -61,7 +64,9 @@ def connect(port: int, counter: Counter, timeout_s: float = 120.0):
 # ---- a simulated rank ----------------------------------------------------------------------
 class SimRank:
     """What a node agent takes for a worker process (Popen's surface, as far as the agent uses
-    it), running the worker's side of the protocol in a thread."""
+    it), running the worker's side of the protocol as a program of its shard's event loop
+    (scale_wire.Loop), over connections of its own: one to the coordinator's store, one to its
+    node's store, as a worker has."""
 
     def __init__(self, env: dict, node: "SimNode"):
         self.wid = int(env[protocol.ENV_WORKER_ID])
@@ -71,10 +76,9 @@ class SimRank:
         self.rank, self.gen = -1, -1
         self.times: dict[int, tuple[float, float]] = {}  # gen -> (plan read, barrier done)
         self._fd = os.eventfd(0)
-        pool = node.harness.connections  # made before the job started (Shard, SimNode)
-        self.store = pool.pop() if pool else None
-        self.node_conn = node.connections.pop() if node.connections else None
-        threading.Thread(target=self._run, daemon=True).start()
+        self._conns: list = []
+        self._program = self._run()
+        node.harness.loop.start(self._program, on_error=self._failed)
 
     # Popen's surface
     def poll(self):
@@ -95,45 +99,51 @@ class SimRank:
         return os.dup(self._fd)
 
     def die(self, code: int = -9) -> None:
+        """Killed (from any thread): its connections close, as a dead process's sockets do."""
         if self.returncode is None:
             self.returncode = code
             os.eventfd_write(self._fd, 1)  # the agent's poll wakes, as on a pidfd
+            self.node.harness.loop.stop(self._program, self._conns)
 
-    # the worker's side
-    def _run(self) -> None:
-        try:
-            self.store = self.store or connect(self.node.port, self.node.harness.main_ops)
-            node = self.node_conn or connect(self.node.agent.node_server.port,
-                                             self.node.harness.node_ops)
-            self.store.set(protocol.ready_key(self.wid), f"{time.time():.6f}")
-            seen = -1
-            while self.returncode is None:
-                # as a worker's watch does: the plans wait in the node's store (its agent
-                # copies them there)
-                node.wait([protocol.plan_key(seen + 1)], timedelta(days=1))
-                if self.returncode is not None:
-                    return
-                g = seen + 1  # a newer one, if any, is read on the next turn
-                seat = membership.follow(node, self.wid, self.node.k, self.rank, seen, g)
-                seen, t_plan = g, time.time()
-                if seat is None:
-                    if self.rank >= 0:  # dropped from the plan
-                        return self.die(1)
-                    continue
-                self.rank = seat.rank
-                if membership.barrier(self.store, node, seat):
-                    self.gen = g
-                    self.times[g] = (t_plan, time.time())
-        except Exception:  # noqa: BLE001  the coordinator is gone: the harness is over
-            if os.environ.get("SCALE_DEBUG"):
-                import traceback
-                traceback.print_exc()
-            self.die(1)
+    def _failed(self, exc: Exception) -> None:
+        """A store connection broke: the coordinator is gone, the harness is over."""
+        if os.environ.get("SCALE_DEBUG"):
+            print(f"[sim rank {self.wid}] {type(exc).__name__}: {exc}", flush=True)
+        self.die(1)
+
+    # the worker's side: a generator of store calls (scale_wire.Loop runs it)
+    def _run(self):
+        h = self.node.harness
+        job = yield ("open", self.node.port, h.main_ops.add)
+        self._conns.append(job)
+        node = yield ("open", self.node.agent.node_server.port, h.node_ops.add)
+        self._conns.append(node)
+        stores = {"job": job, "node": node}
+        yield (job, "set", protocol.ready_key(self.wid), f"{time.time():.6f}")
+        seen = -1
+        while True:
+            # as a worker's watch does: the plans wait in the node's store (its agent copies
+            # them there)
+            yield (node, "wait", [protocol.plan_key(seen + 1)])
+            g = seen + 1  # a newer one, if any, is read on the next turn
+            # the library's own steps: what membership.follow and membership.barrier run
+            seat = yield from wire.on(membership.follow_steps(
+                self.wid, self.node.k, self.rank, seen, g), stores)
+            seen, t_plan = g, time.time()
+            if seat is None:
+                if self.rank >= 0:  # dropped from the plan
+                    return self.die(1)
+                continue
+            self.rank = seat.rank
+            if (yield from wire.on(membership.barrier_steps(seat), stores)):
+                self.gen = g
+                self.times[g] = (t_plan, time.time())
 
 
 class SimNode:
-    """One node: a real NodeAgent in a thread, starting SimRanks, and a thread that writes its
-    live ranks' heartbeats into the node store every step (what each worker's reporter does)."""
+    """One node: a real NodeAgent in a thread, starting SimRanks, and a program that writes
+    its live ranks' heartbeats into the node store every step (what each worker's reporter
+    does), and rank 0's step records into the job's."""
 
     def __init__(self, harness, k: int, procs: int):  # harness: the Shard it belongs to
         self.harness, self.k, self.port = harness, k, harness.port
@@ -143,13 +153,8 @@ class SimNode:
         self.agent = NodeAgent(Wrapped(self.agent_store, self._alive), k, ["sim"], {}, "127.0.0.1",
                                self.port, harness.node_timeout_s, log=lambda m: None,
                                starter=self._start, connect=self._connect)
-        # one connection for the heartbeats its ranks' reporters write, taken in turn; and one
-        # for each rank it will start (its own plans and barrier), made now
-        node_port = self.agent.node_server.port
-        self.node_store = Wrapped(connect(node_port, harness.node_ops), lock=threading.Lock())
-        self.connections = [connect(node_port, harness.node_ops) for _ in range(procs + 1)]
+        harness.loop.start(self._beat())
         threading.Thread(target=self.agent.run, args=(procs,), daemon=True).start()
-        threading.Thread(target=self._beat, daemon=True).start()
 
     def _connect(self, host: str, port: int):
         """The agent's own threads' connections (commands, plans), counted with the rest."""
@@ -161,20 +166,22 @@ class SimNode:
         self.ranks.append(r)
         return r
 
-    def _beat(self) -> None:
+    def _beat(self):
+        h = self.harness
+        beats = yield ("open", self.agent.node_server.port, h.node_ops.add)
+        job = None  # for rank 0's step records, if this node holds it
         step = 0
         while not self.dead:
-            time.sleep(self.harness.step_s)
+            yield ("sleep", h.step_s)
             step += 1
             for r in list(self.ranks):
                 if r.returncode is None and r.gen >= 0:
-                    self.node_store.set(protocol.heartbeat_key(r.wid), json.dumps(
+                    yield (beats, "set", protocol.heartbeat_key(r.wid), json.dumps(
                         {"t": time.time(), "step": step, "gen": r.gen, "phase": "step"}))
                     if r.rank == 0:  # rank 0's step record, as its reporter writes it
-                        self.harness.step_store.multi_set(
-                            [protocol.step_key(step), protocol.LAST_STEP],
-                            [f"{time.time() - self.harness.step_s:.6f},{time.time():.6f}",
-                             str(step)])
+                        job = job or (yield ("open", self.port, h.main_ops.add))
+                        yield (job, "multi_set", [protocol.step_key(step), protocol.LAST_STEP],
+                               [f"{time.time() - h.step_s:.6f},{time.time():.6f}", str(step)])
 
     def _alive(self) -> None:
         """Before each of its agent's calls: once the node is killed, its launcher is gone and
@@ -192,20 +199,18 @@ class SimNode:
 
 # ---- a shard: some of the simulated nodes, in a process of their own ------------------------
 class Shard:
-    """The simulated nodes `node_ids`, with every connection their ranks will use made first,
-    in parallel. One Python process holds a few hundred simulated ranks well; thousands of
-    threads in one process wait on one GIL (each store call's return takes its turn), so a big
-    job is split over several processes, each a shard."""
+    """The simulated nodes `node_ids`: their agents' threads, and one event loop for all their
+    ranks. The agents are real (torch's store client, a thread per call in flight); a few
+    hundred agents with their threads fit one Python process, so a big job is split over
+    several processes, each a shard."""
 
     def __init__(self, port: int, node_ids: list[int], per_node: int, step_s: float,
                  node_timeout_s: float):
         from concurrent.futures import ThreadPoolExecutor
         self.port, self.step_s, self.node_timeout_s = port, step_s, node_timeout_s
         self.main_ops, self.node_ops = Counter(), Counter()
-        self.step_store = Wrapped(connect(port, self.main_ops), lock=threading.Lock())
+        self.loop = wire.Loop()  # every simulated rank of the shard, on one thread
         with ThreadPoolExecutor(64) as pool:
-            self.connections = list(pool.map(lambda _: connect(port, self.main_ops),
-                                             range(len(node_ids) * per_node + 2)))
             self.nodes = {k: n for k, n in zip(node_ids, pool.map(
                 lambda k: SimNode(self, k, per_node), node_ids))}
 
@@ -217,6 +222,10 @@ class Shard:
     def answer(self, op: str, arg):
         if op == "ops":
             return self.main_ops.n, self.node_ops.n
+        if op == "ranks_cpu":  # CPU seconds of the ranks' event loop (the rest: the agents)
+            with open(f"/proc/self/task/{self.loop.thread.native_id}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
         if op == "status":  # ranks alive, and how many of them completed generation `arg`
             ranks = self.ranks()
             return len(ranks), sum(1 for r in ranks if r.gen >= arg)
