@@ -32,27 +32,44 @@ class Reporter:
         self._thread: threading.Thread | None = None
         self._broken = False  # a store is gone: the job is over or this worker is lost
 
-    def beat(self, step: int, gen: int, phase: str) -> None:
-        self._put(beat=json.dumps({"t": time.time(), "step": step, "gen": gen, "phase": phase}))
+    def beat(self, step: int, gen: int, phase: str, write: bool = True) -> None:
+        """This worker's heartbeat, written at once; or, with `write=False`, at the next
+        `kick()` (the step loop's: its beat waits for the step's body, see `kick`)."""
+        self._put(beat=json.dumps({"t": time.time(), "step": step, "gen": gen, "phase": phase}),
+                  wake=write)
 
     def step_done(self, step: int, t0: float, t1: float) -> None:
-        """Rank 0: step `step` ran from t0 to t1 (report.py reads these for goodput)."""
-        self._put(step=(step, f"{t0:.6f},{t1:.6f}"))
+        """Rank 0: step `step` ran from t0 to t1 (report.py reads these for goodput). Written
+        with the next step's heartbeat, at its `kick()`."""
+        self._put(step=(step, f"{t0:.6f},{t1:.6f}"), wake=False)
+
+    def kick(self) -> None:
+        """Write what is queued now. The step loop calls it as a step's body starts: waking the
+        thread between two steps, where the loop runs Python and holds the interpreter lock,
+        made the loop wait for the thread's turn (on a busy machine, for a core), which is what
+        stood between the failure-free mode's gap between steps and plain torchrun's; in the
+        body, the thread's few calls overlap the step's compute."""
+        with self._cond:
+            if self._queued > self._written:
+                self._cond.notify_all()
 
     def flush(self, timeout_s: float = 5.0) -> None:
         """Wait until everything reported so far is written (or the stores are gone)."""
         with self._cond:
             target = self._queued
+            self._cond.notify_all()  # what waits for a kick goes now
             self._cond.wait_for(lambda: self._written >= target or self._broken, timeout_s)
 
-    def _put(self, beat: str | None = None, step: tuple[int, str] | None = None) -> None:
+    def _put(self, beat: str | None = None, step: tuple[int, str] | None = None,
+             wake: bool = True) -> None:
         with self._cond:
             if beat is not None:
                 self._beat = beat
             if step is not None:
                 self._steps.append(step)
             self._queued += 1
-            self._cond.notify_all()
+            if wake:
+                self._cond.notify_all()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, daemon=True,
                                                 name="checkpointless-reporter")

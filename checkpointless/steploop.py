@@ -98,7 +98,10 @@ class StepLoop:
     def ready(self, step: int) -> bool:
         """Before a step's body: heartbeat, due faults, replica exchange, consistency check.
         False when a peer failed meanwhile (the next turn recovers)."""
-        self.rec.reporter.beat(step, self.rec.gen, "step")
+        # written as the body starts (open), or before a collective here that may hang; at
+        # once if a fault is due here (a hang's beat says where it stopped)
+        self.rec.reporter.beat(step, self.rec.gen, "step",
+                               write=self.injector.scheduled("step", self.rec.rank, step))
         self.injector.before_step(self.rec.rank, step)
         self.step_started_at = time.time()  # the replica snapshot (and any wait) is in the step
         self.state.update_applied = False
@@ -110,6 +113,7 @@ class StepLoop:
         self.state.update_applied = False
         self.rec.enter_step()
         seed_all(step_seed(int(self.spec.seed), step, self.rec.rank, 0))
+        self.rec.reporter.kick()  # this step's heartbeat, the last one's record
         try:
             self.injector.raise_due(self.rec.rank, step)
         except InjectedFault as exc:
@@ -208,6 +212,7 @@ class StepLoop:
         replicas, rec = self.state.replicas, self.rec
         if replicas is None or not (replicas.due(step) or force and replicas.factor > 1):
             return True
+        self.rec.reporter.kick()  # the heartbeat out before a collective that may hang
         if replicas.on_exchange is None:
             replicas.on_exchange = self._exchange_fault
         gen, rank, world, watch = rec.gen, rec.rank, rec.world_size, rec.watch
@@ -236,6 +241,7 @@ class StepLoop:
         every, rec = self.spec.consistency_every, self.rec
         if every <= 0 or step % every or self.state.replicas is not None:
             return True  # sharded state has no replicas to compare
+        self.rec.reporter.kick()  # the heartbeat out before a collective that may hang
         try:
             sums = consistency.gather(self.state.modules(), rec.world_size)
         except Exception as exc:
