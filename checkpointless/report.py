@@ -16,6 +16,7 @@ the supervisor's report and the benchmark both call it.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from . import protocol
@@ -62,14 +63,21 @@ def recovery_entry(store, f: Failure, nproc: int, last_gen: int) -> dict | None:
     the next one that completed."""
     recs = []
     for g in range(f.gen, last_gen + 1):
-        recs = [dict(r, rank=rank) for rank in range(nproc)
-                for r in [protocol.read_json(store, protocol.entered_key(g, rank))]
-                if r is not None]
-        if len(recs) == nproc:
+        keys = [protocol.entered_key(g, rank) for rank in range(nproc)]
+        if store.check(keys):  # every member entered: all of them in one read
+            recs = [dict(json.loads(v), rank=rank)
+                    for rank, v in enumerate(store.multi_get(keys))]
             break
-    firsts = [float(store.get(k)) for g in range(f.gen, last_gen + 1) for r in range(nproc)
-              for k in [protocol.first_commit_key(g, r)] if store.check([k])]
-    if len(recs) < nproc or not firsts:
+    if not recs:
+        return None
+    firsts = []
+    for g in range(f.gen, last_gen + 1):
+        keys = [protocol.first_commit_key(g, r) for r in range(nproc)]
+        if store.check(keys):
+            firsts += [float(v) for v in store.multi_get(keys)]
+        else:  # some never committed there (lost meanwhile): the others one by one
+            firsts += [float(store.get(k)) for k in keys if store.check([k])]
+    if not firsts:
         return None
     t_plan = recs[0]["t_plan"]
     t_group = max(r["t_group"] for r in recs)
@@ -136,6 +144,13 @@ def new_recoveries(store, failures: list[Failure], said: set[int], nproc: int,
     out = []
     for i, f in enumerate(failures):
         if i in said or f.gen < 0:
+            continue
+        # asked every turn of the supervisor's loop while the recovery runs: one call per
+        # generation until rank 0 (there is one in each) has committed a step after it, then
+        # the O(ranks) read, once; reading every rank's keys each turn loaded the job's store
+        # with thousands of calls a turn at thousands of ranks, during the recovery itself
+        if not any(store.check([protocol.first_commit_key(g, 0)])
+                   for g in range(f.gen, last_gen + 1)):
             continue
         e = recovery_entry(store, f, nproc, last_gen)
         if e is not None:

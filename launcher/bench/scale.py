@@ -59,9 +59,17 @@ def _coordinator(cfg_fields: dict, pipe) -> None:
                      log=(lambda m: None) if quiet else say,
                      wrap_store=lambda s: Wrapped(s, counter.add))
 
+    prof = None
+    if os.environ.get("SCALE_PROFILE"):  # the coordinator's own Python, written at each ask
+        import cProfile
+        prof = cProfile.Profile()
+        prof.enable()
+
     def serve():
         while True:
             pipe.recv()
+            if prof is not None:
+                prof.dump_stats(os.environ["SCALE_PROFILE"])
             pipe.send((counter.n, [f.__dict__.copy() for f in sup.failures]))
 
     threading.Thread(target=serve, daemon=True).start()
