@@ -31,7 +31,7 @@ train: $(STAMP)
 	HF_HUB_DISABLE_TELEMETRY=1 $(PY) -m launcher train $(RECIPE) $(OVERRIDES)
 
 test: $(STAMP)
-	$(TEST_ENV) $(PY) -m pytest -q -m "not scale and not sweep" tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	$(TEST_ENV) $(PY) -m pytest -q --durations=30 -m "not scale and not sweep" tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 test-fast: $(STAMP)
 	$(TEST_ENV) $(PY) -m pytest -q -m "not slow and not scale and not sweep" tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
