@@ -53,6 +53,7 @@ class NodeAgent:
         # the node store: its workers' heartbeats and the barrier's first gathering
         self.node_server, self.node_store = membership.host("127.0.0.1")
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._leaving = False
         self._wake_r, self._wake_w = os.pipe()  # the command thread wakes the loop through it
         os.set_blocking(self._wake_r, False)
 
@@ -71,6 +72,7 @@ class NodeAgent:
         try:
             return self._serve(asked)
         finally:
+            self._leaving = True  # the relay's broken connection from here on is the end
             stop_all(list(self.workers.values()))
             try:  # the coordinator waits for these exits as the job ends
                 self.health(news=bool(self.new_exits()), final=True)
@@ -137,18 +139,27 @@ class NodeAgent:
 
     def _relay_plans(self) -> None:
         """Copy every generation's plan and barrier outcome into the node store, in order
-        (membership.relay), on connections of its own."""
-        try:
-            store = self.connect(self.host, self.port)
-            node_store = self.connect("127.0.0.1", self.node_server.port)
-            gen = 0
-            while True:
-                membership.relay(store, node_store, self.node, gen)
-                gen += 1
-        except Exception as exc:  # noqa: BLE001  mostly the coordinator gone (the loop sees it
-            # too); otherwise this node's workers stop learning of new generations, so say so
-            self.log(f"[node {self.node}] the plan relay stopped ({type(exc).__name__}: {exc}); "
-                     "this node's workers get no newer generation")
+        (membership.relay), on connections of its own. A broken connection is made again and
+        the generation in hand copied again (each copy is idempotent): a relay that stopped
+        would leave this node's workers waiting for a plan while the others form the group
+        without them. Once the coordinator is gone for good, the loop in `_serve` ends the
+        agent (this thread is a daemon)."""
+        gen, tries = 0, 0
+        while True:
+            try:
+                store = self.connect(self.host, self.port)
+                node_store = self.connect("127.0.0.1", self.node_server.port)
+                while True:
+                    membership.relay(store, node_store, self.node, gen)
+                    gen, tries = gen + 1, 0
+            except Exception as exc:  # noqa: BLE001
+                tries += 1
+                if self._leaving:
+                    return
+                if tries == 1:  # once per outage
+                    self.log(f"[node {self.node}] the plan relay broke at generation {gen} "
+                             f"({type(exc).__name__}: {exc}); connecting again")
+                time.sleep(min(1.0, 0.05 * tries))
 
     def serve_commands(self) -> str | None:
         """Carry out the queued commands; "shutdown" when the job is over."""

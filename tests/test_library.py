@@ -282,6 +282,48 @@ def test_a_nodes_agent_relays_each_plan_and_its_barrier_outcome_into_the_node_st
     assert relayed == [0, 1]
 
 
+def test_a_relay_whose_connection_breaks_connects_again_and_misses_no_generation():
+    """The agent's relay thread loses its connection to the job's store in the middle of a
+    generation (after its wait, before its read): it connects again, copies that generation
+    again, and its node's ranks see every plan and barrier outcome."""
+    from checkpointless.agent import NodeAgent
+    main = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    broken, said = [], []
+
+    class Breaks:  # the first connection to the job's store fails on its first read
+        def __init__(self, store):
+            self.store = store
+
+        def __getattr__(self, name):
+            attr = getattr(self.store, name)
+            if name == "multi_get" and not broken:
+                def fail(*a):
+                    broken.append(1)
+                    raise RuntimeError("connection reset by peer")
+                return fail
+            return attr
+
+    def connect(host, port):
+        store = membership.connect(host, port, 10.0)
+        return Breaks(store) if port == main.port else store
+
+    agent = NodeAgent(membership.connect("127.0.0.1", main.port), 1, ["true"], {}, "127.0.0.1",
+                      main.port, 3.0, log=said.append, connect=connect)
+    threading.Thread(target=agent._relay_plans, daemon=True).start()
+    gen0 = membership.Plan(gen=0, world_size=1, ranks={5: 0}, nodes={5: 1})
+    membership.publish(main, gen0)
+    rank_conn = dist.TCPStore("127.0.0.1", agent.node_server.port, is_master=False)
+    rank_conn.wait([protocol.plan_key(0)], timedelta(seconds=10))
+    seat = membership.follow(rank_conn, 5, 1, -1, -1, 0)
+    assert seat.rank == 0 and broken == [1]
+    assert membership.barrier(membership.connect("127.0.0.1", main.port), rank_conn, seat)
+    gen1 = membership.Plan(gen=1, world_size=1, ranks={5: 0}, nodes={5: 1})
+    membership.publish(main, gen1, gen0)
+    rank_conn.wait([protocol.plan_key(1)], timedelta(seconds=10))
+    assert membership.current_gen(rank_conn) == 1
+    assert any("relay broke at generation 0" in m for m in said), said
+
+
 def _reduce(rank, port, q):
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
