@@ -19,6 +19,9 @@ from . import protocol
 from .membership import connect
 
 
+HOLD_S = 0.5  # the longest a queued record waits for a kick
+
+
 class Reporter:
     """A worker's heartbeat and step records, written by a background thread."""
 
@@ -31,6 +34,8 @@ class Reporter:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._broken = False  # a store is gone: the job is over or this worker is lost
+        self._kicked = False  # what is queued is to be written now
+        self._held_since = 0.0  # when the oldest record not yet written was queued
 
     def beat(self, step: int, gen: int, phase: str, write: bool = True) -> None:
         """This worker's heartbeat, written at once; or, with `write=False`, at the next
@@ -40,24 +45,27 @@ class Reporter:
 
     def step_done(self, step: int, t0: float, t1: float) -> None:
         """Rank 0: step `step` ran from t0 to t1 (report.py reads these for goodput). Written
-        with the next step's heartbeat, at its `kick()`."""
+        with the next step's heartbeat, at its `kick()`, or after at most `HOLD_S` without one
+        (a script's long work between steps outside any body)."""
         self._put(step=(step, f"{t0:.6f},{t1:.6f}"), wake=False)
 
     def kick(self) -> None:
-        """Write what is queued now. The step loop calls it as a step's body starts: waking the
-        thread between two steps, where the loop runs Python and holds the interpreter lock,
-        made the loop wait for the thread's turn (on a busy machine, for a core), which is what
-        stood between the failure-free mode's gap between steps and plain torchrun's; in the
-        body, the thread's few calls overlap the step's compute."""
+        """Write what is queued now. The step loop calls it as a body starts (a step's, or one
+        outside the steps): waking the thread between two steps, where the loop runs Python
+        and holds the interpreter lock, made the loop wait for the thread's turn (on a busy
+        machine, for a core), which is what stood between the failure-free mode's gap between
+        steps and plain torchrun's; in a body, the thread's few calls overlap the compute."""
         with self._cond:
             if self._queued > self._written:
+                self._kicked = True
                 self._cond.notify_all()
 
     def flush(self, timeout_s: float = 5.0) -> None:
         """Wait until everything reported so far is written (or the stores are gone)."""
         with self._cond:
             target = self._queued
-            self._cond.notify_all()  # what waits for a kick goes now
+            self._kicked = True
+            self._cond.notify_all()
             self._cond.wait_for(lambda: self._written >= target or self._broken, timeout_s)
 
     def _put(self, beat: str | None = None, step: tuple[int, str] | None = None,
@@ -67,8 +75,11 @@ class Reporter:
                 self._beat = beat
             if step is not None:
                 self._steps.append(step)
+            if self._queued == self._written:
+                self._held_since = time.monotonic()
             self._queued += 1
             if wake:
+                self._kicked = True
                 self._cond.notify_all()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, daemon=True,
@@ -82,7 +93,15 @@ class Reporter:
             main = None
             while True:
                 with self._cond:
-                    self._cond.wait_for(lambda: self._queued > self._written)
+                    while True:  # until kicked, or something has waited HOLD_S
+                        if self._queued > self._written:
+                            held = time.monotonic() - self._held_since
+                            if self._kicked or held >= HOLD_S:
+                                break
+                            self._cond.wait(HOLD_S - held)
+                        else:
+                            self._cond.wait()
+                    self._kicked = False
                     beat, steps, upto = self._beat, self._steps, self._queued
                     self._beat, self._steps = None, []
                 if beat is not None:

@@ -98,10 +98,12 @@ class StepLoop:
     def ready(self, step: int) -> bool:
         """Before a step's body: heartbeat, due faults, replica exchange, consistency check.
         False when a peer failed meanwhile (the next turn recovers)."""
-        # written as the body starts (open), or before a collective here that may hang; at
-        # once if a fault is due here (a hang's beat says where it stopped)
-        self.rec.reporter.beat(step, self.rec.gen, "step",
-                               write=self.injector.scheduled("step", self.rec.rank, step))
+        # written as the body starts (open), or before a collective here that may hang
+        self.rec.reporter.beat(step, self.rec.gen, "step", write=False)
+        if self.injector.scheduled("step", self.rec.rank, step):
+            # a fault due here finds every record out (a hang's beat says where it stopped,
+            # and the last step's record is not lost with a kill)
+            self.rec.reporter.flush()
         self.injector.before_step(self.rec.rank, step)
         self.step_started_at = time.time()  # the replica snapshot (and any wait) is in the step
         self.state.update_applied = False
@@ -126,6 +128,7 @@ class StepLoop:
         such as an evaluation between an epoch's steps: a hung peer is caught there too."""
         if inside:
             self.rec.enter_step()
+            self.rec.reporter.kick()  # the last step's record, before the body's work
         else:
             self.rec.leave_step()
 
