@@ -3,7 +3,7 @@
 #   make train RECIPE=llama3-8b trainer.max_steps=100 optim.lr=3e-4
 #   make test                                    the whole suite (CPU, offline; what CI runs)
 #   make test-fast                               the suite without real training processes (< 3 min)
-#   make test-scale                              the 0.4B-parameter, 8-worker memory tests, 8-process sharded init (not in make test)
+#   make test-scale                              the 0.4B-parameter, 8-worker memory tests, 8-process sharded init, the extended end-to-end checks (not in make test)
 #   make test-sweep                              workers SIGKILLed at a grid of seeded moments (not in make test)
 #   make bench                                   goodput benchmark (checkpointless vs restart)
 # Every variable given on make's command line other than RECIPE is passed on as an override.
@@ -31,13 +31,13 @@ train: $(STAMP)
 	HF_HUB_DISABLE_TELEMETRY=1 $(PY) -m launcher train $(RECIPE) $(OVERRIDES)
 
 test: $(STAMP)
-	$(TEST_ENV) $(PY) -m pytest -q --durations=30 -m "not scale and not sweep" tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	$(TEST_ENV) $(PY) -m pytest -q --durations=30 -m "not scale and not sweep and not extended" tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 test-fast: $(STAMP)
-	$(TEST_ENV) $(PY) -m pytest -q -m "not slow and not scale and not sweep" tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	$(TEST_ENV) $(PY) -m pytest -q -m "not slow and not scale and not sweep and not extended" tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 test-scale: $(STAMP)
-	$(TEST_ENV) $(PY) -m pytest -q -m scale tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	$(TEST_ENV) $(PY) -m pytest -q -m "scale or extended" tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 test-sweep: $(STAMP)
 	$(TEST_ENV) $(PY) -m pytest -q -m sweep tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc

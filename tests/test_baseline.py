@@ -69,7 +69,7 @@ def newest_checkpoint(out) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("rank", [0, pytest.param(1, marks=pytest.mark.extended)])  # rank 1: make test-scale
 def test_restart_resumes_from_the_newest_checkpoint_and_ends_with_the_failure_free_bits(
         tmp_path, reference, rank):
     cfg, overrides = bench_cfg(tmp_path)

@@ -286,6 +286,7 @@ def test_three_jobs_take_turns_in_rotation_each_alone(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # in make test-scale, not make test (its time budget)
 def test_plain_loop_trains_the_recipe_loops_bits_with_torch_ddp(tmp_path):
     """2 workers, 3 steps of 2 micro-batches, a 1-layer tiny Llama: the plain loop writes the
     records the bench reads and every rank ends with the same parameters; the recipe loop (off)

@@ -61,6 +61,7 @@ def test_tiny_lora_survives_a_kill_in_validation_moving_only_the_adapters(tmp_pa
     assert gen.shape[1] > ids.shape[1]
 
 
+@pytest.mark.extended  # in make test-scale, not make test (its time budget)
 def test_lora_under_fsdp_with_padded_examples_recovers_and_exports_merged(tmp_path, references):
     args = ("distributed.num_processes=2", "distributed.strategy=fsdp", "trainer.max_steps=16",
             "data.packing=false", "eval.every=8", "eval.max_batches=2", "peft.merge=true")

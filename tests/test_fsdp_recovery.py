@@ -88,6 +88,7 @@ def test_the_sharded_export_reloads_with_from_pretrained_and_is_the_final_state(
     assert model_sha256(model) == reference[1]["params_sha256"]
 
 
+@pytest.mark.extended  # in make test-scale, not make test (its time budget)
 def test_a_stopped_job_resumes_with_checkpoint_resume_auto(tmp_path, reference):
     out = tmp_path / "stopped"
     ckpts = stopped_at_step_8(reference, out)
@@ -118,6 +119,7 @@ def test_a_job_stopped_at_4_workers_resumes_at_2_and_trains_on(tmp_path, referen
         [".metadata", "__0_0.distcp", "__1_0.distcp"]  # now written by 2 ranks
 
 
+@pytest.mark.extended  # in make test-scale, not make test (its time budget)
 def test_with_checkpointless_off_a_failure_stops_the_run_and_its_checkpoints_stay(tmp_path,
                                                                                   reference):
     out, _, r = train(tmp_path, "off", "tiny-llama", *BASE, "checkpointless.enabled=false",
