@@ -101,6 +101,7 @@ def test_a_stopped_job_resumes_with_checkpoint_resume_auto(tmp_path, reference):
     assert (ckpts / "step-00000012" / ".metadata").exists()
 
 
+@pytest.mark.extended  # in make test-scale, not make test (its time budget)
 def test_a_job_stopped_at_4_workers_resumes_at_2_and_trains_on(tmp_path, reference):
     """DCP reshards the 4 ranks' slices into 2. Twice the rows per worker keep the global batch
     (and so the rows of each step), so the loss curve is the uninterrupted one to float noise."""

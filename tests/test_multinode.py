@@ -116,6 +116,7 @@ def test_losing_the_coordinator_stops_every_node_with_a_message(tmp_path):
     assert not _job_processes(tmp_path)
 
 
+@pytest.mark.extended  # in make test-scale, not make test (its time budget)
 def test_sigterm_to_one_nodes_launcher_stops_the_whole_job_at_one_boundary(tmp_path):
     port = _port()
     # two nodes, no spare node: what is tested is the stop, not a replacement
