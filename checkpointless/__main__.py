@@ -36,14 +36,23 @@ def main(argv=None) -> int:
     p.add_argument("--consistency-every", type=int, default=DEFAULTS.consistency_every,
                    help="steps between checks that all replicas hold the same parameters "
                         "(0: only at the end)")
+    p.add_argument("--straggler-action", default=DEFAULTS.straggler_action,
+                   choices=["evict", "report", "off"],
+                   help="a rank slower than its peers: a ready spare takes it (evict), it is "
+                        "only said (report), or nothing is judged (off)")
+    p.add_argument("--straggler-factor", type=float, default=DEFAULTS.straggler_factor,
+                   help="own time per step above this times the peers' median is slow")
+    p.add_argument("--straggler-window", type=int, default=DEFAULTS.straggler_window,
+                   help="consecutive slow steps before a rank is a straggler")
     p.add_argument("--backend", default=DEFAULTS.backend, choices=["gloo", "nccl"])
     p.add_argument("--host", default="127.0.0.1", help="address of the coordination store")
     p.add_argument("--port", type=int, default=0, help="port of the store (0: any free one)")
     p.add_argument("--seed", type=int, default=0, help="base of the per-step seeds")
     p.add_argument("--fault", action="append", default=[], metavar="KIND:RANK:STEP[@PHASE]",
                    help="inject a fault (kill, hang, raise, corrupt) at a phase of the step "
-                        "(step, backward, optimizer, random[:SEED], exchange, regroup, receive); "
-                        "repeatable")
+                        "(step, backward, optimizer, random[:SEED], exchange, regroup, receive), "
+                        "or slow:RANK:STEP[:FACTOR] (that rank's steps take FACTOR times as "
+                        "long from STEP on); repeatable")
     p.add_argument("--report", default=None, help="write the JSON report here")
     p.add_argument("script")
     p.add_argument("args", nargs=argparse.REMAINDER)
@@ -52,6 +61,9 @@ def main(argv=None) -> int:
         faults = [f.__dict__ for f in parse_faults(a.fault)]
     except ValueError as exc:
         p.error(str(exc))
+    if a.straggler_factor <= 1 or a.straggler_window < 1:
+        p.error(f"--straggler-factor={a.straggler_factor:g} must be > 1 and "
+                f"--straggler-window={a.straggler_window} >= 1")
     if a.nproc < 1 or a.spares < 0:
         p.error(f"--nproc={a.nproc} must be >= 1 and --spares={a.spares} >= 0")
     # every option under its field's name (nproc, spares, heartbeat_timeout_s, backend, ...)

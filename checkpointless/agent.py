@@ -195,7 +195,7 @@ class NodeAgent:
 
     def health(self, news: bool, final: bool = False) -> str:
         """Write this node's record: each live worker's last heartbeat (its step, how long ago,
-        its generation and phase), which are stopped (SIGSTOP, a frozen container: only this
+        its generation and phase, its newest steps' own times for the straggler check), which are stopped (SIGSTOP, a frozen container: only this
         node can see it) and every exit so far. With news (an exit), the job's event counter
         moves so the coordinator reads the records at once. Returns the coordinator's word for
         this node ("run", "fenced: ...", "shutdown"), read in the same call. `final`: the
@@ -205,7 +205,8 @@ class NodeAgent:
         now = time.time()
         self.seq += 1
         record = {"seq": self.seq, "t": now,
-                  "beats": {str(w): [b["step"], round(now - b["t"], 3), b["gen"], b["phase"]]
+                  "beats": {str(w): [b["step"], round(now - b["t"], 3), b["gen"], b["phase"],
+                                    b.get("pace", [])]
                             for w, b in beats.items() if b},
                   "stopped": [w for w in live
                               if detection.process_stopped(self.workers[w].proc.pid)],

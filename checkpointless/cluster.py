@@ -203,8 +203,9 @@ class ClusterPool(WorkerPool):
         if record["seq"] != n.seq:
             n.seq, n.beat_seen_at = record["seq"], now
         # a heartbeat's age as the agent saw it, on the coordinator's clock
-        n.beats = {int(w): {"t": now - age, "step": step, "gen": gen, "phase": phase}
-                   for w, (step, age, gen, phase) in record["beats"].items()}
+        n.beats = {int(w): {"t": now - b[1], "step": b[0], "gen": b[2], "phase": b[3],
+                            "pace": b[4] if len(b) > 4 else []}
+                   for w, b in record["beats"].items()}
         n.stopped = frozenset(record["stopped"])
         n.left = record.get("final", False)
         for wid, code in record["exited"].items():
@@ -233,12 +234,10 @@ class ClusterPool(WorkerPool):
         for k, n in self.nodes.items():
             if not self.remote(k) or n.lost or now - n.beat_seen_at <= self.node_timeout_s:
                 continue
-            n.lost = True
             self.log(f"[checkpointless] node {k} lost: its launcher has been silent for "
                      f"{self.node_timeout_s:g} s; its workers fail together and the node is "
                      "fenced")
-            self.store.set(protocol.node_state_key(k),
-                           f"fenced: silent for {now - n.beat_seen_at:.1f} s")
+            self.fence(k, f"silent for {now - n.beat_seen_at:.1f} s")
             for w in self.workers.values():
                 if w.node == k and w.proc.returncode is None:
                     w.proc.returncode = -9
@@ -246,6 +245,12 @@ class ClusterPool(WorkerPool):
                     w.lost_at = n.beat_seen_at  # its last sign of life
             found.append(k)
         return found
+
+    def fence(self, k: int, why: str) -> None:
+        """Node `k` takes no further part: lost to the spare choice, and its agent, told at its
+        next record, stops its processes."""
+        self.nodes[k].lost = True
+        self.store.set(protocol.node_state_key(k), f"fenced: {why}")
 
     def lost_node_ids(self) -> set[int]:
         return {k for k, n in self.nodes.items() if n.lost}

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .failures import communicating
+from .pace import waiting
 
 
 class DistributedDataParallel(torch.nn.Module):
@@ -158,7 +159,8 @@ class _Sender:
 
     def finish(self) -> None:
         self._items.put(None)
-        self._thread.join()
+        with waiting():  # the training thread waits for the peers' share of the sums
+            self._thread.join()
         if self._error is not None:
             raise self._error
 

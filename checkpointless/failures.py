@@ -23,6 +23,7 @@ import time
 import traceback
 
 from . import protocol
+from .pace import waiting
 
 
 class PeerFailure(RuntimeError):
@@ -50,9 +51,11 @@ def communicating(what: str):
     """Around this library's own calls to peers: any error of theirs is a `PeerLost`.
 
     Inside, the only thing that can fail is the communication itself (buffers are allocated and
-    checked before), so the call site, not the message, says what kind of failure it is."""
+    checked before), so the call site, not the message, says what kind of failure it is. The
+    time inside is the thread's waiting on peers, not its own work (pace.py)."""
     try:
-        yield
+        with waiting():
+            yield
     except PeerFailure:
         raise
     except RuntimeError as exc:

@@ -6,6 +6,9 @@ A fault is data, `{kind, rank, step, phase}`, or `kind:rank:step[@phase]` on a c
   raise  an exception, as a bug or a bad batch would raise
   corrupt  one bit of one parameter flips, silently (a memory or device fault): only the
            consistency check (consistency.py) can catch it
+  slow     from that step on, the worker holding that rank then takes FACTOR times as long over
+           each step's own work (`slow:RANK:STEP[:FACTOR]`, 3 by default): a straggler, alive and
+           correct, that the straggler check (policy.find_stragglers) must find
 and the phase says when it strikes:
   step     at the start of that step (the default; `raise` inside the step's scope)
   backward in that step's backward, once the later half of the model's blocks have their
@@ -39,12 +42,15 @@ import torch
 
 from . import protocol
 
-KINDS = ("kill", "hang", "raise", "corrupt")
+KINDS = ("kill", "hang", "raise", "corrupt", "slow")
+SLOW_FACTOR = 3.0  # a slow fault's factor when none is given
 PHASES = ("step", "regroup", "receive", "exchange", "backward", "optimizer", "random")
 # the kinds each phase can fire: a thread can only kill or stop its process, and a bit flipped
 # anywhere but between steps would be a different fault from the one the consistency check sees
 _KINDS_AT = {"exchange": ("kill", "hang"), "random": ("kill", "hang"),
-             "backward": ("kill", "hang", "raise"), "optimizer": ("kill", "hang", "raise")}
+             "backward": ("kill", "hang", "raise"), "optimizer": ("kill", "hang", "raise"),
+             "regroup": ("kill", "hang", "raise", "corrupt"),
+             "receive": ("kill", "hang", "raise", "corrupt")}
 
 
 def kinds_at(phase: str) -> tuple:
@@ -75,6 +81,7 @@ class Fault:
     step: int = 0  # step in which it fails
     phase: str = "step"  # when in it (PHASES; the module's docstring says what each means)
     seed: int = 0  # phase=random: the seed of the moment (kill:2:5@random:7)
+    factor: float = 0.0  # kind=slow: how many times as long its steps take (0: SLOW_FACTOR)
 
     def __post_init__(self):
         problem = _problem(self)
@@ -98,6 +105,12 @@ def _problem(f: Fault) -> FaultError | None:
     if f.seed != 0 and f.phase != "random":
         return FaultError(f"faults: seed={f.seed} is for phase=random only (@random:SEED)", "seed",
                           f.seed, "only phase=random takes a seed (kill:2:5@random:7); delete it")
+    if f.factor and f.kind != "slow":
+        return FaultError(f"faults: factor={f.factor:g} is for kind=slow only (slow:2:5:3)",
+                          "factor", f.factor, "only kind=slow takes a factor; delete it")
+    if f.kind == "slow" and f.factor and f.factor <= 1:
+        return FaultError(f"faults: factor={f.factor:g} must be > 1 (a slow rank's steps take "
+                          "that many times as long)", "factor", f.factor, "must be > 1, e.g. 3")
     if f.rank < 0 or f.step < 0:
         field = "rank" if f.rank < 0 else "step"
         return FaultError(f"faults: rank={f.rank} and step={f.step} must be >= 0", field,
@@ -107,10 +120,14 @@ def _problem(f: Fault) -> FaultError | None:
 
 def split_fault(text: str) -> dict:
     """The fields of a 'kind:rank:step[@phase]' string (the random phase takes its seed as
-    '@random:SEED'), checked for form only: Fault checks the values."""
+    '@random:SEED', a slow fault its factor as 'slow:RANK:STEP:FACTOR'), checked for form only:
+    Fault checks the values."""
     spec, _, phase = text.partition("@")
     phase, _, seed = phase.partition(":")
     parts = spec.split(":")
+    factor = "0"
+    if len(parts) == 4 and parts[0] == "slow":
+        factor = parts.pop()
     if len(parts) != 3:
         raise ValueError(f"fault {text!r}: expected kind:rank:step[@phase], e.g. kill:2:5 or "
                          "kill:2:5@backward")
@@ -118,10 +135,11 @@ def split_fault(text: str) -> dict:
         raise ValueError(f"fault {text!r}: only @random takes a seed (@random:SEED)")
     try:
         return {"kind": parts[0], "rank": int(parts[1]), "step": int(parts[2]),
-                "phase": phase or "step", "seed": int(seed or 0)}
+                "phase": phase or "step", "seed": int(seed or 0), "factor": float(factor)}
     except ValueError:
-        raise ValueError(f"fault {text!r}: rank, step and seed must be integers, e.g. "
-                         "kill:2:5@random:7") from None
+        raise ValueError(f"fault {text!r}: rank, step and seed must be integers and a slow "
+                         "fault's factor a number, e.g. kill:2:5@random:7 or slow:1:20:3") \
+            from None
 
 
 def parse_fault(item) -> Fault:
@@ -129,7 +147,8 @@ def parse_fault(item) -> Fault:
     if isinstance(item, str):
         item = split_fault(item)
     return Fault(kind=str(item["kind"]), rank=int(item["rank"]), step=int(item["step"]),
-                 phase=str(item.get("phase", "step")), seed=int(item.get("seed", 0) or 0))
+                 phase=str(item.get("phase", "step")), seed=int(item.get("seed", 0) or 0),
+                 factor=float(item.get("factor", 0) or 0))
 
 
 def parse_faults(items) -> list[Fault]:
@@ -150,6 +169,7 @@ class FaultInjector:
         self._armed_backward: set = set()  # (id(module), step) whose output hook is placed
         self._last_start = None  # when the previous step began, and how long it took:
         self._step_s = None  # a random moment is a fraction of that
+        self._slow: float | None = None  # this worker's slowness factor, once it claimed one
 
     def _claim(self, index: int, store=None) -> bool:
         return (store or self.store).add(protocol.fault_claim_key(index), 1) == 1
@@ -221,6 +241,30 @@ class FaultInjector:
             return
         self._armed_backward.add((id(block), step))
         tensor.register_hook(lambda grad: (self.at("backward", rank, step), grad)[1])
+
+    def slow_down(self, rank: int, step: int, own_s: list[float]) -> float:
+        """As a step's body opens: a worker that claimed a slow fault (the first to hold its
+        rank at or after its step: the spare that takes the rank over later is not slow) sleeps
+        (FACTOR - 1) times its own recent time per step. The seconds slept."""
+        if self._slow is None:
+            for i, f in enumerate(self.faults):
+                if f.kind == "slow" and f.rank == rank and step >= f.step and \
+                        self._claim(i):
+                    self._slow = f.factor or SLOW_FACTOR
+                    self._record(f)
+                    print(f"[fault] injecting slow x{self._slow:g} at rank {rank}, step {step}",
+                          flush=True)
+                    break
+            else:
+                if not any(f.kind == "slow" and f.rank == rank and step >= f.step
+                           for f in self.faults):
+                    return 0.0
+                self._slow = 1.0  # claimed by another worker: this one stays as it is
+        if self._slow <= 1.0 or not own_s:
+            return 0.0
+        s = sorted(own_s)[len(own_s) // 2] * (self._slow - 1.0)
+        time.sleep(s)
+        return s
 
     def raise_due(self, rank: int, step: int) -> None:
         self.at("step", rank, step, kinds=("raise",))

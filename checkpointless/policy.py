@@ -104,9 +104,9 @@ def killed_after_done(codes: dict[int, int | None]) -> list[int]:
     return sorted(wid for wid, c in codes.items() if c is not None and c < 0)
 
 
-def cause(node_lost: bool, hung: bool, diverged: bool, error) -> str:
-    return "node_lost" if node_lost else "hang" if hung else "diverged" if diverged \
-        else "error" if error else "exit"
+def cause(node_lost: bool, hung: bool, diverged: bool, error, slow: bool = False) -> str:
+    return "node_lost" if node_lost else "hang" if hung else "slow" if slow \
+        else "diverged" if diverged else "error" if error else "exit"
 
 
 def job_step(beats) -> int:
@@ -182,3 +182,75 @@ def choose_spares(ready: list, failed: list[tuple[int, int]], lost_nodes: set[in
         chosen[i] = pick
         used.add(pick.wid)
     return chosen
+
+
+# ---- stragglers ------------------------------------------------------------------------------
+def _median(values) -> float:
+    v = sorted(values)
+    n = len(v)
+    return (v[(n - 1) // 2] + v[n // 2]) / 2
+
+
+def _median_without(v: list[float], x: float) -> float:
+    """The median of sorted `v` less one instance of `x` (in it): O(log n), for thousands of
+    ranks a step."""
+    from bisect import bisect_left
+    i, m = bisect_left(v, x), len(v) - 1
+    at = lambda k: v[k] if k < i else v[k + 1]  # noqa: E731  the k-th of the rest
+    return (at((m - 1) // 2) + at(m // 2)) / 2
+
+
+def find_stragglers(paces: dict[int, dict[int, float]], factor: float,
+                    window: int) -> dict[int, tuple[float, int]]:
+    """Workers whose own time per step (pace.py) stayed above `factor` times their peers'
+    median for the last `window` steps judged: wid -> (their median ratio over those steps, the
+    first step of the run of slow steps).
+
+    `paces` maps worker id to {step: its own time}. A step is judged for a worker when at least
+    one peer has a figure for it too; a step judged not slow breaks the run, and so does a gap
+    of more than `window` steps without figures (heartbeats read less often than the steps
+    go by); a shorter gap (the first steps of a generation) does not."""
+    by_step: dict[int, list[float]] = {}
+    for mine in paces.values():
+        for s, x in mine.items():
+            by_step.setdefault(s, []).append(x)
+    for v in by_step.values():
+        v.sort()
+    out = {}
+    for w, mine in paces.items():
+        run: list[tuple[int, float]] = []  # the newest run of slow steps, oldest first
+        for s in sorted(mine):
+            if run and s - run[-1][0] > window:
+                run = []
+            v = by_step[s]
+            if len(v) < 2:
+                continue
+            peers = _median_without(v, mine[s])
+            if peers <= 0:
+                continue
+            ratio = mine[s] / peers
+            run = run + [(s, ratio)] if ratio > factor else []
+        if len(run) >= window:
+            out[w] = (round(_median([r for _, r in run[-window:]]), 2), run[0][0])
+    return out
+
+
+def slow_nodes(stragglers, active_by_node: dict[int, list[int]]) -> list[int]:
+    """Nodes with more than one active worker, every one of them a straggler: a slow node (a
+    throttled machine, a bad link) whose ranks move together to a spare node."""
+    return sorted(k for k, wids in active_by_node.items()
+                  if len(wids) > 1 and all(w in stragglers for w in wids))
+
+
+def straggler_action(action: str, spare_ready: bool, evicted_at: int | None, step: int,
+                     window: int) -> str:
+    """What to do with a straggler of a rank slot: "evict" (a ready spare takes its rank) or
+    "report". `evicted_at`: the step at which this rank slot's last straggler was evicted, if
+    one was. A slot slow again within 10 windows of an eviction is a slow place (its device,
+    its link, its data), which another eviction would not cure: reported, not evicted over and
+    over."""
+    if action != "evict" or not spare_ready:
+        return "report"
+    if evicted_at is not None and step - evicted_at < 10 * window:
+        return "report"
+    return "evict"

@@ -27,7 +27,7 @@ class Failure:
     """One lost worker, as the supervisor saw it."""
     wid: int
     rank: int
-    cause: str  # exit, error, hang, diverged, node_lost (policy.cause)
+    cause: str  # exit, error, hang, slow, diverged, node_lost (policy.cause)
     t_fail: float
     t_detect: float
     step: int
@@ -40,21 +40,40 @@ class Failure:
 
 
 def goodput_from_steps(steps: dict[int, tuple[float, float]], *,
-                       first_start: float | None = None) -> float | None:
+                       first_start: float | None = None, slow_s: float = 0.0) -> float | None:
     """`steps`: step -> (start, end) of its final attempt.
 
     `first_start`: when the earliest attempt of any step began, if earlier than every final
     attempt. That happens when the first steps themselves were redone (a restart that found no
     checkpoint): the time since then was spent, so the span must start there, not at the redo.
+    `slow_s`: the part of those steps a straggler cost (slow_time), not useful either.
     """
     if not steps:
         return None
-    useful = sum(t1 - t0 for t0, t1 in steps.values())
+    useful = sum(t1 - t0 for t0, t1 in steps.values()) - slow_s
     start = min(t0 for t0, _ in steps.values())
     if first_start is not None:
         start = min(start, first_start)
     end = max(t1 for _, t1 in steps.values())
     return round(useful / (end - start), 4) if end > start else 1.0
+
+
+def slow_time(steps: dict[int, tuple[float, float]], stragglers: list[dict]):
+    """(seconds lost to slow steps, the healthy step time): over the steps a straggler was in
+    (from the first of its slow steps to its eviction, or to the end), each step's time above
+    the healthy one, which is the median of the other steps. (0, None) without stragglers or
+    without steps to measure the healthy time on."""
+    slow = set()
+    last = max(steps, default=-1)
+    for e in stragglers:
+        until = e.get("until_step")
+        slow.update(range(e["from_step"], last + 1 if until is None else until))
+    healthy = sorted(t1 - t0 for s, (t0, t1) in steps.items() if s not in slow)
+    if not slow or not healthy:
+        return 0.0, None
+    mid = healthy[len(healthy) // 2]
+    lost = sum(max(0.0, t1 - t0 - mid) for s, (t0, t1) in steps.items() if s in slow)
+    return round(lost, 4), round(mid, 4)
 
 
 def recovery_entry(store, f: Failure, nproc: int, last_gen: int) -> dict | None:
@@ -160,8 +179,11 @@ def new_recoveries(store, failures: list[Failure], said: set[int], nproc: int,
 
 
 def run_report(store, nproc: int, spares: int, wall_s: float, failures: list[Failure],
-               last_gen: int, workers, pids_at_start: dict, killed_after_done: list) -> dict:
+               last_gen: int, workers, pids_at_start: dict, killed_after_done: list,
+               stragglers: list[dict] | None = None) -> dict:
     steps = step_records(store)
+    stragglers = stragglers or []
+    slow_s, healthy_s = slow_time(steps, stragglers)
     results = {r: v for r in range(nproc)
                for v in [protocol.read_json(store, protocol.result_key(r))] if v is not None}
     recoveries = [e for f in failures if f.gen >= 0
@@ -171,7 +193,11 @@ def run_report(store, nproc: int, spares: int, wall_s: float, failures: list[Fai
         "spares": spares,
         "steps_completed": len(steps),
         "wall_s": round(wall_s, 3),
-        "goodput": goodput_from_steps(steps),
+        "goodput": goodput_from_steps(steps, slow_s=slow_s),
+        # the time stragglers cost, against the healthy step time; goodput leaves it out
+        "slow_s": slow_s,
+        "healthy_step_s": healthy_s,
+        "stragglers": stragglers,
         "recoveries": recoveries,
         "failures": [{"rank": f.rank, "worker": f.wid, "cause": f.cause, "step": f.step,
                       "error": f.error} for f in failures],

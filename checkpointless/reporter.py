@@ -37,11 +37,15 @@ class Reporter:
         self._kicked = False  # what is queued is to be written now
         self._held_since = 0.0  # when the oldest record not yet written was queued
 
-    def beat(self, step: int, gen: int, phase: str, write: bool = True) -> None:
+    def beat(self, step: int, gen: int, phase: str, write: bool = True,
+             pace: list | None = None) -> None:
         """This worker's heartbeat, written at once; or, with `write=False`, at the next
-        `kick()` (the step loop's: its beat waits for the step's body, see `kick`)."""
-        self._put(beat=json.dumps({"t": time.time(), "step": step, "gen": gen, "phase": phase}),
-                  wake=write)
+        `kick()` (the step loop's: its beat waits for the step's body, see `kick`). `pace`: its
+        newest steps' own times ([[step, ms], ...], pace.py), for the straggler check."""
+        beat = {"t": time.time(), "step": step, "gen": gen, "phase": phase}
+        if pace:
+            beat["pace"] = pace
+        self._put(beat=json.dumps(beat), wake=write)
 
     def step_done(self, step: int, t0: float, t1: float) -> None:
         """Rank 0: step `step` ran from t0 to t1 (report.py reads these for goodput). Written

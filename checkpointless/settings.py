@@ -46,6 +46,11 @@ class Defaults:
     # a worker that died after reporting its result is lost only if another rank's result is
     # still missing this long after (below confirm_s, for the same reason as node_timeout_s)
     result_grace_s: float = 1.0
+    # a straggler: a worker whose own time per step (pace.py) stays above factor x its peers'
+    # median for window consecutive steps; evict (a ready spare takes its rank), report or off
+    straggler_factor: float = 1.5
+    straggler_window: int = 10
+    straggler_action: str = "evict"
 
 
 DEFAULTS = Defaults()
@@ -118,6 +123,9 @@ class SupervisorConfig:
     standalone: bool = False  # no workers here: every node, 0 included, has its own agent
     node_timeout_s: float = DEFAULTS.node_timeout_s
     replication: dict = field(default_factory=default_replication)
+    straggler_factor: float = DEFAULTS.straggler_factor
+    straggler_window: int = DEFAULTS.straggler_window
+    straggler_action: str = DEFAULTS.straggler_action  # evict, report or off
 
     @classmethod
     def of(cls, settings, **given) -> "SupervisorConfig":

@@ -33,6 +33,7 @@ from . import consistency, membership, protocol
 from .failures import communicating, report_error
 from .faults import FaultInjector, InjectedFault
 from .group import side_group
+from .pace import Pace
 from .recovery import Phase, Recovery
 from .seeding import seed_all, step_seed
 from .state import ProtectedState
@@ -50,6 +51,7 @@ class StepLoop:
         self.started = False  # start() ran: the state is agreed
         self.step_started_at = 0.0
         self._secured: tuple[int, int] | None = None  # (gen, step) whose state peers hold whole
+        self.pace = Pace()  # this worker's own time per step, for the straggler check
 
     # ---- where the loop stands ---------------------------------------------------------------
     @property
@@ -99,7 +101,7 @@ class StepLoop:
         """Before a step's body: heartbeat, due faults, replica exchange, consistency check.
         False when a peer failed meanwhile (the next turn recovers)."""
         # written as the body starts (open), or before a collective here that may hang
-        self.rec.reporter.beat(step, self.rec.gen, "step", write=False)
+        self.rec.reporter.beat(step, self.rec.gen, "step", write=False, pace=self.pace.recent())
         if self.injector.scheduled("step", self.rec.rank, step):
             # a fault due here finds every record out (a hang's beat says where it stopped,
             # and the last step's record is not lost with a kill)
@@ -116,6 +118,8 @@ class StepLoop:
         self.rec.enter_step()
         seed_all(step_seed(int(self.spec.seed), step, self.rec.rank, 0))
         self.rec.reporter.kick()  # this step's heartbeat, the last one's record
+        self.pace.begin()
+        self.pace.injected_s = self.injector.slow_down(self.rec.rank, step, self.pace.own_s)
         try:
             self.injector.raise_due(self.rec.rank, step)
         except InjectedFault as exc:
@@ -149,7 +153,9 @@ class StepLoop:
         committed."""
         self.rec.leave_step()
         if self.rec.failed and not self.state.update_applied:
+            self.pace.drop()  # not a step's figure: it is redone
             return False
+        self.pace.end(self.rec.completed, self.rec.gen)
         self.rec.commit(self.step_started_at)
         return True
 

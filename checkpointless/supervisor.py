@@ -10,7 +10,9 @@ it survives the loss of any worker. Its loop:
   4. on failure, the loss is recorded in the store first (survivors' collectives have already
      failed and wait for that record, failures.py), then each lost rank goes to a warm spare and a
      new membership generation is published; the workers regroup and move state themselves;
-  5. a used spare is replaced in the background (`refill`).
+  5. a used spare is replaced in the background (`refill`);
+  6. a rank whose own time per step stays well above its peers' (a straggler, stragglers.py) is
+     said, and evicted like a failure (cause `slow`) when a spare is ready.
 What to make of what it sees (when to stop, which spare, who is hung) is decided in policy.py; the
 processes are its pool's (processes.py on one machine, cluster.py over many).
 """
@@ -24,6 +26,7 @@ from .cluster import ClusterPool, pool_for
 from .processes import Worker
 from .protocol import SupervisorConfig
 from .report import Failure, new_recoveries, run_report
+from .stragglers import Stragglers
 
 D = protocol.DEFAULTS
 
@@ -64,6 +67,7 @@ class Supervisor:
         self.pids_at_start: dict[int, int] = {}
         self.stop_asked: str | None = None  # why the job was asked to stop (a signal)
         self.preempted_at: int | None = None  # the step before which every rank stopped
+        self.stragglers = Stragglers(cfg, log)
 
     def active_pids(self) -> dict[int, int]:
         """rank -> pid of the worker holding it now."""
@@ -112,6 +116,8 @@ class Supervisor:
                 lost += self._reported_errors(lost)
                 if not lost and beat_reads.due(now):
                     lost += self._hung()
+                    if not lost:
+                        lost += self._slow()
                 lost += self._silent_nodes(lost)
             if lost:
                 self._handle(lost)
@@ -157,9 +163,22 @@ class Supervisor:
         """Judged from the heartbeats of every active worker (a node's agent reports its own,
         and which of its processes are stopped: only that node's /proc shows it)."""
         active = {wid: self.workers[wid] for wid in self.ranks}
-        hung = policy.find_hung(self.pool.beats(list(active)), self.cfg.heartbeat_timeout_s,
+        beats = self.pool.beats(list(active))
+        self.stragglers.note(beats)
+        hung = policy.find_hung(beats, self.cfg.heartbeat_timeout_s,
                                 time.time(), stopped=lambda wid: self.pool.stopped(active[wid]))
         return [(active[wid], True) for wid in hung]
+
+    def _slow(self) -> list[tuple[Worker, bool]]:
+        """Stragglers to evict now (stragglers.py judges them from the beats `_hung` read); a
+        slow node is fenced, so that its ranks move together to a spare node."""
+        active = {wid: self.workers[wid] for wid in self.ranks}
+        ready = len(self.pool.spares(self.store, ready=True))
+        evict, nodes = self.stragglers.judge(active, self._job_step(), ready,
+                                             self.pool.remote if self.cluster else None)
+        for k in nodes:
+            self.pool.fence(k, "slow: every rank of the node is a straggler")
+        return [(w, False) for w in evict]
 
     def _silent_nodes(self, lost) -> list[tuple[Worker, bool]]:
         out = []
@@ -227,7 +246,9 @@ class Supervisor:
         # reporter thread had not yet written it), so the others' progress counts too
         beat = self.pool.beats([w.wid]).get(w.wid)
         diverged = self.store.check([protocol.diverged_key(w.wid)])
-        f = Failure(wid=w.wid, rank=w.rank, cause=policy.cause(w.node_lost, hung, diverged, err),
+        slow = self.stragglers.evicted(w.wid)
+        f = Failure(wid=w.wid, rank=w.rank,
+                    cause=policy.cause(w.node_lost, hung, diverged, err, slow),
                     t_fail=fault["t"] if fault else w.lost_at or now, t_detect=now,
                     step=max(beat["step"] if beat else 0, self._job_step()),
                     error=err["error"] if err else None, node=w.node)
@@ -344,7 +365,7 @@ class Supervisor:
         return run_report(self.store, self.cfg.nproc, self.cfg.spares,
                           time.time() - self.t_start, self.failures, self.gen,
                           list(self.workers.values()), self.pids_at_start,
-                          self.killed_after_done)
+                          self.killed_after_done, self.stragglers.entries)
 
 
 __all__ = ["Supervisor", "SupervisorConfig", "JobFailed", "Failure"]

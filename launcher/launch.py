@@ -46,6 +46,8 @@ def supervisor_config(cfg) -> SupervisorConfig:
         standalone=d.standalone_coordinator,
         replication={"factor": c.replication.factor, "interval": c.replication.interval,
                      "offset": replica_offset(placement, per_node)},
+        straggler_factor=c.straggler.factor, straggler_window=c.straggler.window,
+        straggler_action=c.straggler.action if c.enabled else "report",
         faults=[dict(f) for f in OmegaConf.to_container(cfg.faults)])
 
 

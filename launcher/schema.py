@@ -139,6 +139,13 @@ class ReplicationConfig:
 
 
 @dataclass
+class StragglerConfig:
+    action: str = one_of("evict", "report", "off")  # evict: a ready spare takes a straggler's rank (only reported while none is ready); report: say it only; off: do not judge
+    factor: float = ranged(CL.straggler_factor, "> 1", " (a rank this many times slower than its peers' median is slow)")  # own time per step above this times the peers' median is slow
+    window: int = ranged(CL.straggler_window, ">= 1", " steps")  # consecutive slow steps before a rank is a straggler
+
+
+@dataclass
 class CheckpointlessConfig:
     enabled: bool = True  # recover in-process from worker failures (off: a failure stops the run)
     spares: int = ranged(CL.spares, ">= 0")  # warm spare workers waiting to take over a failed rank
@@ -152,6 +159,7 @@ class CheckpointlessConfig:
     spare_nodes: int = ranged(0, ">= 0")  # extra nodes whose launchers start nproc_per_node warm spares each: a lost node's ranks move to one of them together
     node_timeout_s: float = ranged(CL.node_timeout_s, "> 0", " seconds")  # silence of a node's launcher after which the node is lost, failed whole and fenced
     replication: ReplicationConfig = field(default_factory=ReplicationConfig)
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
 
 
 @dataclass

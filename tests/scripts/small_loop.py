@@ -13,6 +13,8 @@
                          along (its children inherit the process group's sockets)
     KILL_BEFORE_FINISH=r that rank SIGKILLs itself after its loop, before job.finish() (once)
     KILL_AFTER_FINISH=r  that rank SIGKILLs itself once job.finish() returned (its result is in)
+    WORK=n               each step also multiplies n 128x128 matrices (a fixed amount of compute,
+                         so that a rank slowed from outside takes longer over it)
 """
 import hashlib
 import os
@@ -26,6 +28,8 @@ import torch.nn.functional as F
 import checkpointless
 
 STEPS = int(os.environ.get("MAX_STEPS", "16"))
+WORK = int(os.environ.get("WORK", "0"))
+busy = torch.ones(128, 128)
 wid = os.environ.get("CL_WORKER_ID")
 if wid is not None and os.environ.get("CRASH_WORKER") == wid:
     print(f"worker {wid}: crashing before join", flush=True)
@@ -61,6 +65,8 @@ for step in job.steps(STEPS):
                 raise RuntimeError("timed out reading shard 7 of my own dataset")
         if loader is not None:
             next(loader)  # the data below stays a function of (step, rank)
+        for _ in range(WORK):  # compute that touches no state
+            torch.mm(busy, busy)
         g = torch.Generator().manual_seed(step * 1000 + job.rank)
         x = torch.randn(32, 16, generator=g)
         if dropin is not None and job.grads_kept:  # a survivor redoing the step: no recompute

@@ -1,0 +1,122 @@
+"""The supervisor's straggler check: ranks that slow down without failing.
+
+Under data parallelism one slow rank makes every rank wait, and nothing fails: no exit, no
+silence. Each worker measures its own time per step, less its waiting on peers (pace.py), and its
+heartbeat carries the newest figures; the supervisor keeps them per worker (`note`) and compares
+each worker's with its peers' median step by step (policy.find_stragglers). A worker above
+`straggler_factor` times that median for `straggler_window` consecutive steps is a straggler; a
+node all of whose ranks are stragglers is a slow node.
+
+What is done (`straggler_action`): `evict` hands the straggler's rank to a ready spare through the
+path of any failure (cause `slow`: the worker is killed, the survivors redo the step in flight and
+the spare receives the state, so the run keeps the failure-free bits); a slow node is fenced and
+its ranks move together to a spare node. With no spare ready it is reported, and evicted once one
+is. A rank slot slow again soon after an eviction is reported only (policy.straggler_action).
+`report` only says it; `off` judges nothing. Every straggler is an entry of `report.json`'s
+`stragglers`, with the step its slowness began and, once it ended, the step it ended at.
+"""
+from __future__ import annotations
+
+from . import policy
+
+KEEP_STEPS = 64  # steps of figures kept per worker
+
+
+class Stragglers:
+    def __init__(self, cfg, log=print):
+        self.factor, self.window = cfg.straggler_factor, cfg.straggler_window
+        self.action = cfg.straggler_action
+        self.log = log
+        self.paces: dict[int, dict[int, float]] = {}  # wid -> {step: own ms}
+        self.entries: list[dict] = []  # what report.json's `stragglers` holds
+        self._open: dict[int, dict] = {}  # wid -> its entry, while it is a straggler
+        self._evicted: set[int] = set()  # workers evicted for slowness
+        self._evicted_at: dict[int, int] = {}  # rank -> the step of its last eviction
+        self._said: set[int] = set()  # stragglers whose staying was said
+
+    def note(self, beats: dict) -> None:
+        """Keep the figures the newest heartbeats carry ({wid: beat or None})."""
+        if self.action == "off":
+            return
+        for wid, b in beats.items():
+            if not b or not b.get("pace"):
+                continue
+            mine = self.paces.setdefault(wid, {})
+            for step, ms in b["pace"]:
+                mine[int(step)] = float(ms)
+            if len(mine) > KEEP_STEPS:
+                for s in sorted(mine)[:-KEEP_STEPS]:
+                    del mine[s]
+
+    def evicted(self, wid: int) -> bool:
+        return wid in self._evicted
+
+    def judge(self, active: dict, step: int, ready_spares: int, remote=None):
+        """(workers to evict now, nodes to fence as slow) among `active` ({wid: Worker}), at
+        job step `step`; `remote(node)`: whether a node has an agent of its own (slow nodes are
+        only judged there: a coordinator's node cannot move)."""
+        if self.action == "off":
+            return [], []
+        for wid in [w for w in self.paces if w not in active]:  # left the job meanwhile
+            del self.paces[wid]
+        found = policy.find_stragglers(self.paces, self.factor, self.window)
+        for wid, entry in list(self._open.items()):  # no longer slow, or gone
+            if wid not in found or wid not in active:
+                if wid in active:
+                    entry["until_step"] = step
+                    self.log(f"[checkpointless] rank {entry['rank']} is no longer slow at step "
+                             f"{step}")
+                del self._open[wid]
+        by_node: dict[int, list[int]] = {}
+        for wid, w in active.items():
+            by_node.setdefault(w.node, []).append(wid)
+        slow_nodes = [k for k in policy.slow_nodes(found, by_node) if remote and remote(k)]
+        for wid, (ratio, since) in sorted(found.items(), key=lambda x: active[x[0]].rank):
+            if wid not in self._open:
+                self._say(active[wid], ratio, since, step, active[wid].node in slow_nodes)
+        evict, fence, spares_left = [], [], ready_spares
+        # a slow node's ranks go together (to a spare node), or stay together
+        groups = [by_node[k] for k in slow_nodes] + \
+            [[wid] for wid in sorted(found, key=lambda x: active[x].rank)
+             if active[wid].node not in slow_nodes]
+        for group in groups:
+            entries = [self._open[wid] for wid in group]
+            if any(e["action"] != "reported" for e in entries):
+                continue
+            do = [policy.straggler_action(self.action, spares_left >= len(group),
+                                          self._evicted_at.get(e["rank"]), step, self.window)
+                  for e in entries]
+            if all(d == "evict" for d in do):
+                spares_left -= len(group)
+                for wid, e in zip(group, entries):
+                    e.update(action="evicted", evicted_at_step=step, until_step=step)
+                    self._evicted.add(wid)
+                    self._evicted_at[e["rank"]] = step
+                    del self._open[wid]
+                    self.paces.pop(wid, None)
+                    evict.append(active[wid])
+                if len(group) > 1:
+                    fence.append(active[group[0]].node)
+                self.log(f"[checkpointless] evicting rank(s) {[e['rank'] for e in entries]} "
+                         "for slowness: ready spares take their ranks" +
+                         (f" (node {active[group[0]].node} is fenced)" if len(group) > 1 else ""))
+            elif group[0] not in self._said:
+                self._said.add(group[0])
+                e = entries[0]
+                why = (f"checkpointless.straggler.action={self.action}" if self.action != "evict"
+                       else "no spare is ready" if spares_left < len(group) else
+                       f"its rank was evicted for slowness at step {self._evicted_at[e['rank']]}"
+                       ", and a slot slow again so soon is a slow place, not a slow worker")
+                self.log(f"[checkpointless] rank(s) {[x['rank'] for x in entries]} stay: {why}")
+        return evict, fence
+
+    def _say(self, w, ratio: float, since: int, step: int, slow_node: bool) -> None:
+        entry = {"rank": w.rank, "node": w.node, "worker": w.wid, "factor": ratio,
+                 "from_step": since, "detected_at_step": step, "action": "reported",
+                 "until_step": None, "slow_node": slow_node}
+        self.entries.append(entry)
+        self._open[w.wid] = entry
+        self.log(f"[checkpointless] rank {w.rank} (worker {w.wid}, node {w.node}) is a straggler: "
+                 f"its own time per step has been {ratio:.2f}x its peers' median since step "
+                 f"{since} ({self.window} steps in a row above {self.factor:g}x)" +
+                 (f"; every rank of node {w.node} is slow" if slow_node else ""))
