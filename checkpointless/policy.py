@@ -201,7 +201,7 @@ def _median_without(v: list[float], x: float) -> float:
 
 
 def find_stragglers(paces: dict[int, dict[int, float]], factor: float,
-                    window: int) -> dict[int, tuple[float, int]]:
+                    window: int, sustained: dict | None = None) -> dict[int, tuple[float, int]]:
     """Workers whose own time per step (pace.py) stayed above `factor` times their peers'
     median for the last `window` steps judged: wid -> (their median ratio over those steps, the
     first step of the run of slow steps).
@@ -209,7 +209,11 @@ def find_stragglers(paces: dict[int, dict[int, float]], factor: float,
     `paces` maps worker id to {step: its own time}. A step is judged for a worker when at least
     one peer has a figure for it too; a step judged not slow breaks the run, and so does a gap
     of more than `window` steps without figures (heartbeats read less often than the steps
-    go by); a shorter gap (the first steps of a generation) does not."""
+    go by); a shorter gap (the first steps of a generation) does not.
+
+    `sustained`, if given, is filled with each worker's lowest ratio over its newest `window`
+    steps judged: the slowness it has kept up, which a failure-free run's figures say how high
+    noise alone goes (the straggler check's report)."""
     by_step: dict[int, list[float]] = {}
     for mine in paces.values():
         for s, x in mine.items():
@@ -219,6 +223,7 @@ def find_stragglers(paces: dict[int, dict[int, float]], factor: float,
     out = {}
     for w, mine in paces.items():
         run: list[tuple[int, float]] = []  # the newest run of slow steps, oldest first
+        newest: list[float] = []  # the ratios of the newest steps judged
         for s in sorted(mine):
             if run and s - run[-1][0] > window:
                 run = []
@@ -230,6 +235,9 @@ def find_stragglers(paces: dict[int, dict[int, float]], factor: float,
                 continue
             ratio = mine[s] / peers
             run = run + [(s, ratio)] if ratio > factor else []
+            newest = (newest + [ratio])[-window:]
+        if sustained is not None and len(newest) == window:
+            sustained[w] = min(newest)
         if len(run) >= window:
             out[w] = (round(_median([r for _, r in run[-window:]]), 2), run[0][0])
     return out

@@ -180,7 +180,7 @@ def new_recoveries(store, failures: list[Failure], said: set[int], nproc: int,
 
 def run_report(store, nproc: int, spares: int, wall_s: float, failures: list[Failure],
                last_gen: int, workers, pids_at_start: dict, killed_after_done: list,
-               stragglers: list[dict] | None = None) -> dict:
+               stragglers: list[dict] | None = None, check: dict | None = None) -> dict:
     steps = step_records(store)
     stragglers = stragglers or []
     slow_s, healthy_s = slow_time(steps, stragglers)
@@ -198,6 +198,7 @@ def run_report(store, nproc: int, spares: int, wall_s: float, failures: list[Fai
         "slow_s": slow_s,
         "healthy_step_s": healthy_s,
         "stragglers": stragglers,
+        "straggler_check": check or {},
         "recoveries": recoveries,
         "failures": [{"rank": f.rank, "worker": f.wid, "cause": f.cause, "step": f.step,
                       "error": f.error} for f in failures],

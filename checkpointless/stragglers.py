@@ -23,16 +23,20 @@ KEEP_STEPS = 64  # steps of figures kept per worker
 
 
 class Stragglers:
-    def __init__(self, cfg, log=print):
+    def __init__(self, cfg, log=print, on_entry=None):
         self.factor, self.window = cfg.straggler_factor, cfg.straggler_window
         self.action = cfg.straggler_action
         self.log = log
+        self.on_entry = on_entry or (lambda entry: None)  # an entry found or dealt with
         self.paces: dict[int, dict[int, float]] = {}  # wid -> {step: own ms}
         self.entries: list[dict] = []  # what report.json's `stragglers` holds
         self._open: dict[int, dict] = {}  # wid -> its entry, while it is a straggler
         self._evicted: set[int] = set()  # workers evicted for slowness
         self._evicted_at: dict[int, int] = {}  # rank -> the step of its last eviction
         self._said: set[int] = set()  # stragglers whose staying was said
+        # the highest slowness any worker kept up over a window (ratio to its peers' median):
+        # in a failure-free run, how far noise alone goes
+        self.worst_sustained = 0.0
 
     def note(self, beats: dict) -> None:
         """Keep the figures the newest heartbeats carry ({wid: beat or None})."""
@@ -48,6 +52,11 @@ class Stragglers:
                 for s in sorted(mine)[:-KEEP_STEPS]:
                     del mine[s]
 
+    def summary(self) -> dict:
+        """The check's settings and the highest slowness a worker kept up over a window."""
+        return {"action": self.action, "factor": self.factor, "window": self.window,
+                "worst_sustained_ratio": self.worst_sustained}
+
     def evicted(self, wid: int) -> bool:
         return wid in self._evicted
 
@@ -59,11 +68,14 @@ class Stragglers:
             return [], []
         for wid in [w for w in self.paces if w not in active]:  # left the job meanwhile
             del self.paces[wid]
-        found = policy.find_stragglers(self.paces, self.factor, self.window)
+        sustained: dict[int, float] = {}
+        found = policy.find_stragglers(self.paces, self.factor, self.window, sustained)
+        self.worst_sustained = round(max([self.worst_sustained, *sustained.values()]), 3)
         for wid, entry in list(self._open.items()):  # no longer slow, or gone
             if wid not in found or wid not in active:
                 if wid in active:
                     entry["until_step"] = step
+                    self.on_entry(dict(entry))
                     self.log(f"[checkpointless] rank {entry['rank']} is no longer slow at step "
                              f"{step}")
                 del self._open[wid]
@@ -95,6 +107,7 @@ class Stragglers:
                     del self._open[wid]
                     self.paces.pop(wid, None)
                     evict.append(active[wid])
+                    self.on_entry(dict(e))
                 if len(group) > 1:
                     fence.append(active[group[0]].node)
                 self.log(f"[checkpointless] evicting rank(s) {[e['rank'] for e in entries]} "
@@ -116,6 +129,7 @@ class Stragglers:
                  "until_step": None, "slow_node": slow_node}
         self.entries.append(entry)
         self._open[w.wid] = entry
+        self.on_entry(dict(entry))
         self.log(f"[checkpointless] rank {w.rank} (worker {w.wid}, node {w.node}) is a straggler: "
                  f"its own time per step has been {ratio:.2f}x its peers' median since step "
                  f"{since} ({self.window} steps in a row above {self.factor:g}x)" +

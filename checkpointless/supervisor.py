@@ -44,7 +44,7 @@ class Supervisor:
     and the failure records; the processes themselves belong to its pool."""
 
     def __init__(self, cmd: list[str], cfg: SupervisorConfig, env: dict | None = None, log=print,
-                 on_start=None, wrap_store=None):
+                 on_start=None, wrap_store=None, on_straggler=None):
         self.cfg = cfg
         self.log = log
         self.on_start = on_start
@@ -67,7 +67,7 @@ class Supervisor:
         self.pids_at_start: dict[int, int] = {}
         self.stop_asked: str | None = None  # why the job was asked to stop (a signal)
         self.preempted_at: int | None = None  # the step before which every rank stopped
-        self.stragglers = Stragglers(cfg, log)
+        self.stragglers = Stragglers(cfg, log, on_straggler)  # on_straggler(entry): said
 
     def active_pids(self) -> dict[int, int]:
         """rank -> pid of the worker holding it now."""
@@ -365,7 +365,8 @@ class Supervisor:
         return run_report(self.store, self.cfg.nproc, self.cfg.spares,
                           time.time() - self.t_start, self.failures, self.gen,
                           list(self.workers.values()), self.pids_at_start,
-                          self.killed_after_done, self.stragglers.entries)
+                          self.killed_after_done, self.stragglers.entries,
+                          self.stragglers.summary())
 
 
 __all__ = ["Supervisor", "SupervisorConfig", "JobFailed", "Failure"]

@@ -51,6 +51,16 @@ def supervisor_config(cfg) -> SupervisorConfig:
         faults=[dict(f) for f in OmegaConf.to_container(cfg.faults)])
 
 
+def _metrics_line(out: Path):
+    """A straggler's entry, as it is found and as it is dealt with, as a line of metrics.jsonl
+    (appended beside rank 0's step lines: one write of one line each)."""
+    def write(entry: dict) -> None:
+        with open(out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"event": "straggler", "t": round(time.time(), 6), **entry}) +
+                    "\n")
+    return write
+
+
 def _log(message: str) -> None:
     # on a terminal, step off the progress bar's line first
     print(("\n" if sys.stdout.isatty() else "") + message, flush=True)
@@ -86,7 +96,7 @@ def train(cfg, on_start=None, coordinator: bool = False) -> dict | None:
         print(f"[launcher] node 0 of {d.num_nodes} (+{cfg.checkpointless.spare_nodes} spare): "
               f"coordinator on {d.master_addr}:{d.master_port}", flush=True)
     sup = Supervisor([sys.executable, "-m", "launcher.loop", str(recipe_file)], sup_cfg,
-                     log=_log, on_start=on_start)
+                     log=_log, on_start=on_start, on_straggler=_metrics_line(out))
     t0 = time.time()
     before = _stop_on_signals(sup)
     try:
@@ -193,6 +203,11 @@ def _report(cfg, run: dict, t0: float, **extra) -> dict:
         "params_sha256": r0.get("params_sha256"),
         "params_sha256_by_rank": {str(r): v.get("params_sha256") for r, v in results.items()},
         "goodput": run["goodput"],
+        # stragglers (rank, node, factor, from_step, what was done) and what they cost
+        "stragglers": run.get("stragglers", []),
+        "slow_s": run.get("slow_s", 0.0),
+        "healthy_step_s": run.get("healthy_step_s"),
+        "straggler_check": run.get("straggler_check", {}),
         "recoveries": run["recoveries"],
         "failures": run["failures"],
         # workers killed once every result was in (on their way out): nothing was lost

@@ -1,0 +1,201 @@
+"""Stragglers, in-process and fast: a rank's own time per step (less its waiting on peers), the
+rule that finds a rank slower than its peers for a window of steps, what the supervisor does
+with one (evict, report, a slot slow again), a slow node, the time slowness costs in goodput,
+and the `slow` fault's grammar and effect."""
+import time
+from types import SimpleNamespace as NS
+
+import pytest
+import torch.distributed as dist
+
+from checkpointless import faults, pace, policy
+from checkpointless.report import goodput_from_steps, slow_time
+from checkpointless.settings import SupervisorConfig
+from checkpointless.stragglers import Stragglers
+
+
+def paces(n_ranks, steps, slow=None, factor=3.0, base=100.0, jitter=0.1):
+    """{wid: {step: ms}}: every rank at about `base` ms, rank `slow` at factor x from step
+    slow[1] on (slow = (wid, from_step))."""
+    out = {}
+    for w in range(n_ranks):
+        out[w] = {}
+        for s in steps:
+            x = base * (1 + jitter * ((w * 7 + s * 3) % 5 - 2) / 2)
+            if slow and w == slow[0] and s >= slow[1]:
+                x *= factor
+            out[w][s] = x
+    return out
+
+
+# ---- the measure -------------------------------------------------------------------------------
+def test_a_ranks_own_time_leaves_out_its_waiting_on_peers_and_its_first_steps_in_a_generation():
+    p = pace.Pace()
+    for step in range(pace.WARMUP + 2):
+        p.begin()
+        time.sleep(0.02)  # its own work
+        with pace.waiting():
+            time.sleep(0.05)  # blocked on a slower peer
+        busy = p.end(step, gen=0)
+        assert 0.015 < busy < 0.045
+    assert [s for s, _ in p.recent()] == [pace.WARMUP, pace.WARMUP + 1]  # warm-up not judged
+    p.begin()
+    p.end(10, gen=1)  # a new generation (a recovery): its first steps are not judged either
+    assert [s for s, _ in p.recent()] == [pace.WARMUP, pace.WARMUP + 1]
+    p.begin()
+    p.drop()  # a step cut short and redone has no figure
+    assert p.end(11, gen=1) is None
+
+
+def test_waiting_is_counted_per_thread():
+    def other():
+        with pace.waiting():
+            time.sleep(0.05)
+    import threading
+    before = pace.waited()
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert pace.waited() == before  # the sender thread's collectives are not this thread's
+
+
+# ---- the rule ----------------------------------------------------------------------------------
+def test_a_rank_three_times_slower_for_a_window_is_found_from_the_step_its_slowness_began():
+    steps = range(3, 40)
+    assert policy.find_stragglers(paces(4, steps), 1.5, 10) == {}
+    found = policy.find_stragglers(paces(4, steps, slow=(2, 20)), 1.5, 10)
+    assert list(found) == [2] and found[2][1] == 20 and 2.5 < found[2][0] < 3.5
+    # nine slow steps are not yet a window
+    assert policy.find_stragglers(paces(4, range(3, 29), slow=(2, 20)), 1.5, 10) == {}
+
+
+def test_one_fast_step_breaks_the_run_and_a_long_gap_does_too_but_a_short_one_does_not():
+    p = paces(4, range(3, 40), slow=(1, 10))
+    p[1][25] = 100.0  # a normal step in the middle of the slow ones
+    assert policy.find_stragglers(p, 1.5, 10)[1][1] == 26
+    gap = {w: {s: x for s, x in m.items() if not 12 <= s < 30} for w, m in
+           paces(4, range(3, 40), slow=(1, 10)).items()}  # 18 steps without figures
+    found = policy.find_stragglers(gap, 1.5, 10)
+    assert found[1][1] == 30  # the run starts again after the gap
+    short = {w: {s: x for s, x in m.items() if s not in (15, 16)} for w, m in
+             paces(4, range(3, 40), slow=(1, 10)).items()}
+    assert policy.find_stragglers(short, 1.5, 10)[1][1] == 10
+
+
+def test_two_ranks_compare_with_each_other_and_noise_below_the_factor_is_no_straggler():
+    assert list(policy.find_stragglers(paces(2, range(3, 30), slow=(0, 5)), 1.5, 10)) == [0]
+    assert policy.find_stragglers(paces(8, range(3, 60), slow=(3, 5), factor=1.3), 1.5, 10) == {}
+
+
+def test_a_node_whose_ranks_are_all_slow_is_a_slow_node():
+    found = {4: (3.0, 10), 5: (3.0, 10), 1: (2.0, 12)}
+    assert policy.slow_nodes(found, {0: [0, 1], 1: [2, 3], 2: [4, 5]}) == [2]
+    assert policy.slow_nodes(found, {0: [0, 1, 4]}) == []
+
+
+def test_a_slot_slow_again_soon_after_an_eviction_is_reported_not_evicted_again():
+    assert policy.straggler_action("evict", True, None, 30, 10) == "evict"
+    assert policy.straggler_action("evict", False, None, 30, 10) == "report"
+    assert policy.straggler_action("report", True, None, 30, 10) == "report"
+    assert policy.straggler_action("evict", True, 25, 60, 10) == "report"
+    assert policy.straggler_action("evict", True, 25, 200, 10) == "evict"
+
+
+# ---- the supervisor's side ---------------------------------------------------------------------
+def worker(wid, rank, node=0):
+    return NS(wid=wid, rank=rank, node=node)
+
+
+def beats_from(p, upto):
+    return {w: {"t": 0, "step": upto, "pace": [[s, x] for s, x in sorted(m.items())
+                                               if upto - pace.KEEP < s <= upto]}
+            for w, m in p.items()}
+
+
+def test_the_supervisors_check_evicts_once_a_spare_is_ready_and_says_why_it_waited():
+    cfg = SupervisorConfig(nproc=4)
+    lines, said = [], []
+    st = Stragglers(cfg, lines.append, said.append)
+    active = {w: worker(w, w) for w in range(4)}
+    p = paces(4, range(3, 60), slow=(2, 20))
+    for upto in range(10, 36, 4):  # heartbeats read every few steps
+        st.note(beats_from(p, upto))
+        evict, fence = st.judge(active, upto, ready_spares=0)
+        assert evict == [] and fence == []
+    assert st.entries[0]["action"] == "reported" and st.entries[0]["from_step"] == 20
+    assert any("no spare is ready" in x for x in lines)
+    st.note(beats_from(p, 40))
+    evict, _ = st.judge(active, 40, ready_spares=1)
+    assert [w.wid for w in evict] == [2] and st.evicted(2)
+    assert st.entries == [dict(st.entries[0], action="evicted", until_step=40,
+                               evicted_at_step=40)]
+    assert [e["action"] for e in said] == ["reported", "evicted"]  # metrics.jsonl's lines
+    assert st.summary()["worst_sustained_ratio"] > 2.5
+
+
+def test_report_only_and_off_never_evict():
+    for action in ("report", "off"):
+        st = Stragglers(SupervisorConfig(nproc=4, straggler_action=action), lambda m: None)
+        active = {w: worker(w, w) for w in range(4)}
+        p = paces(4, range(3, 60), slow=(1, 5))
+        st.note(beats_from(p, 50))
+        assert st.judge(active, 50, ready_spares=2) == ([], [])
+        assert len(st.entries) == (1 if action == "report" else 0)
+
+
+def test_a_slow_node_is_evicted_whole_and_fenced_only_with_spares_for_all_its_ranks():
+    st = Stragglers(SupervisorConfig(nproc=6, nodes=3), lambda m: None)
+    active = {w: worker(w, w, node=w // 2) for w in range(6)}
+    p = paces(6, range(3, 40))
+    for w in (4, 5):
+        for s in range(10, 40):
+            p[w][s] *= 3
+    st.note(beats_from(p, 39))
+    assert st.judge(active, 39, ready_spares=1, remote=lambda k: k > 0) == ([], [])
+    evict, fence = st.judge(active, 39, ready_spares=2, remote=lambda k: k > 0)
+    assert sorted(w.wid for w in evict) == [4, 5] and fence == [2]
+    assert all(e["slow_node"] for e in st.entries)
+
+
+# ---- what slowness costs -----------------------------------------------------------------------
+def test_slow_steps_cost_their_time_above_the_healthy_step_in_goodput():
+    steps, t = {}, 0.0
+    for s in range(40):
+        d = 0.3 if 20 <= s < 30 else 0.1
+        steps[s] = (t, t + d)
+        t += d
+    assert goodput_from_steps(steps) == 1.0  # slowness alone reads as useful time
+    lost, healthy = slow_time(steps, [{"from_step": 20, "until_step": 30}])
+    assert healthy == pytest.approx(0.1) and lost == pytest.approx(2.0)
+    assert goodput_from_steps(steps, slow_s=lost) == pytest.approx(4.0 / 6.0, abs=1e-3)
+    assert slow_time(steps, []) == (0.0, None)
+    lost_open, _ = slow_time(steps, [{"from_step": 20, "until_step": None}])  # never evicted
+    assert lost_open == pytest.approx(2.0)
+
+
+# ---- the fault --------------------------------------------------------------------------------
+def test_the_slow_fault_parses_with_and_without_a_factor_and_refuses_what_makes_no_sense():
+    assert faults.parse_fault("slow:2:20") == faults.Fault("slow", 2, 20)
+    assert faults.parse_fault("slow:2:20:2.5").factor == 2.5
+    assert faults.parse_fault({"kind": "slow", "rank": 1, "step": 3, "factor": 4}).factor == 4
+    for bad, match in [("slow:2:20:1", "must be > 1"), ("kill:2:20:3", "kind:rank:step"),
+                       ("slow:2:20@backward", "cannot strike @backward"),
+                       ("slow:2:20:x", "factor a number")]:
+        with pytest.raises(ValueError, match=match):
+            faults.parse_fault(bad)
+    with pytest.raises(ValueError, match="for kind=slow only"):
+        faults.parse_fault({"kind": "kill", "rank": 1, "step": 3, "factor": 4})
+
+
+def test_the_slow_fault_slows_the_worker_that_claims_it_and_not_the_one_after_it():
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    sched = [faults.Fault("slow", 1, 5, factor=3)]
+    first = faults.FaultInjector(sched, store, worker_id=1)
+    assert first.slow_down(1, 4, [0.02]) == 0.0  # before its step
+    t0 = time.perf_counter()
+    assert first.slow_down(1, 5, [0.02, 0.02, 0.02]) == pytest.approx(0.04)
+    assert time.perf_counter() - t0 >= 0.04
+    assert first.slow_down(1, 9, [0.01]) == pytest.approx(0.02)  # for the rest of its life
+    spare = faults.FaultInjector(sched, store, worker_id=5)  # takes rank 1 over later
+    assert spare.slow_down(1, 12, [0.02]) == 0.0
+    assert faults.FaultInjector(sched, store, 0).slow_down(0, 12, [0.02]) == 0.0
