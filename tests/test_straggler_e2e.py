@@ -1,0 +1,113 @@
+"""Stragglers on real processes: a rank slowed from outside the project (SIGSTOP and SIGCONT in
+turn, as a throttled device or a noisy neighbour would) and a rank slowed by the `slow` fault are
+found within the window, a ready spare takes the rank and the run ends with the failure-free
+bits; with no spare ready the straggler is reported and the run completes."""
+import json
+import os
+import signal
+import statistics
+import threading
+import time
+
+import pytest
+
+from tests.conftest import ROOT, assert_same_bits, final_digest, supervised, train
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = ROOT / "tests/scripts/small_loop.py"
+# steps of about 50 ms of compute each (less than a heartbeat read apart: every step is judged)
+LOOP = {"MAX_STEPS": "100", "WORK": "600"}
+OPTIONS = ("--heartbeat-timeout", "5")
+
+
+@pytest.fixture
+def loop_digest(references):
+    return final_digest(references.supervised([SCRIPT], *OPTIONS, env=LOOP))
+
+
+def worker_pid(wid: int, marker: str, timeout_s: float = 60) -> int:
+    """The pid of the process started as worker `wid` of the job whose environment holds
+    MARKER_DIR=`marker` (other jobs may run on this machine)."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            if f"CL_WORKER_ID={wid}".encode() in env and f"MARKER_DIR={marker}".encode() in env:
+                return int(pid)
+        time.sleep(0.2)
+    raise AssertionError(f"worker {wid} never started")
+
+
+def test_a_rank_slowed_from_outside_is_evicted_and_the_run_keeps_the_bits(tmp_path,
+                                                                          loop_digest):
+    stop = threading.Event()
+
+    def throttle():  # from outside the project: worker 2 runs 40% of the time
+        pid = worker_pid(2, str(tmp_path))
+        time.sleep(1.0)  # past start-up
+        while not stop.is_set():
+            try:
+                os.kill(pid, signal.SIGSTOP)
+                time.sleep(0.15)
+                os.kill(pid, signal.SIGCONT)
+                time.sleep(0.10)
+            except ProcessLookupError:  # evicted
+                return
+
+    t = threading.Thread(target=throttle, daemon=True)
+    t.start()
+    try:
+        rep = supervised(tmp_path, "outside", [SCRIPT], *OPTIONS, "--spares", "1",
+                         env=dict(LOOP, MARKER_DIR=str(tmp_path)), timeout=240)
+    finally:
+        stop.set()
+    assert_same_bits(rep, loop_digest)
+    (s,) = rep["stragglers"]
+    assert s["rank"] == 2 and s["action"] == "evicted" and s["factor"] > 1.5
+    assert s["evicted_at_step"] - s["from_step"] <= 10 + 5  # within the window, and a few
+    (rec,) = rep["recoveries"]
+    assert rec["cause"] == "slow" and rec["failed_rank"] == 2
+    assert "is a straggler" in rep["stdout"] and "evicting rank(s) [2]" in rep["stdout"]
+    assert rep["slow_s"] > 0 and rep["goodput"] < 0.99  # the slowness is not useful time
+
+
+def test_with_no_spare_ready_a_straggler_is_reported_and_the_run_completes(tmp_path,
+                                                                           loop_digest):
+    rep = supervised(tmp_path, "nospare", [SCRIPT], *OPTIONS, "--spares", "0",
+                     "--fault", "slow:1:8:3", env=dict(LOOP, MARKER_DIR=str(tmp_path)))
+    assert_same_bits(rep, loop_digest)
+    (s,) = rep["stragglers"]
+    assert (s["rank"], s["action"], s["until_step"]) == (1, "reported", None)
+    assert s["from_step"] >= 8 and s["detected_at_step"] <= 8 + 10 + 5
+    assert 1.5 < s["factor"] < 4.0
+    assert rep["recoveries"] == [] and "no spare is ready" in rep["stdout"]
+    assert rep["slow_s"] > 0 and rep["healthy_step_s"] > 0
+
+
+def test_an_injected_3x_straggler_on_tiny_llama_is_evicted_and_the_step_time_recovers(
+        tmp_path, tiny_llama_30_steps):
+    ref_out, ref, _ = tiny_llama_30_steps  # the same recipe, 30 steps, without spares or faults
+    # no refill: the new spare's start-up would take CPU from the steps measured after
+    out, rep, r = train(tmp_path, "slow", "tiny-llama", "trainer.max_steps=30",
+                        "checkpointless.spares=1", "checkpointless.refill=false",
+                        "faults=[slow:2:5:3]")
+    assert_same_bits(rep, ref)
+    (s,) = rep["stragglers"]
+    assert s["rank"] == 2 and s["action"] == "evicted" and s["from_step"] == 5
+    assert s["evicted_at_step"] <= 5 + 10 + 5
+    assert [x["cause"] for x in rep["recoveries"]] == ["slow"]
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["action"] for x in lines if x.get("event") == "straggler"] == ["reported",
+                                                                             "evicted"]
+
+    def step_s(folder, lo):
+        recs = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+        return statistics.median(x["t_end"] - x["t_start"] for x in recs
+                                 if x.get("step", -1) >= lo)
+    after = s["evicted_at_step"] + 3
+    assert step_s(out, after) <= 1.10 * step_s(ref_out, after)
+    assert rep["slow_s"] > 0 and rep["goodput"] < ref["goodput"]
