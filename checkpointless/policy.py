@@ -200,46 +200,62 @@ def _median_without(v: list[float], x: float) -> float:
     return (at((m - 1) // 2) + at(m // 2)) / 2
 
 
+def _kept_up(ratios: list[float]) -> float:
+    """The slowness a window of per-step ratios kept up: their mean without the highest one (a
+    rank descheduled once is not a straggler)."""
+    if len(ratios) < 2:
+        return ratios[0] if ratios else 0.0
+    return (sum(ratios) - max(ratios)) / (len(ratios) - 1)
+
+
 def find_stragglers(paces: dict[int, dict[int, float]], factor: float,
                     window: int, sustained: dict | None = None) -> dict[int, tuple[float, int]]:
-    """Workers whose own time per step (pace.py) stayed above `factor` times their peers'
-    median for the last `window` steps judged: wid -> (their median ratio over those steps, the
-    first step of the run of slow steps).
+    """Workers that kept a slowness above `factor` over their newest `window` steps and have
+    been slow for at least `window` steps: wid -> (the slowness kept up, the step it began).
 
-    `paces` maps worker id to {step: its own time}. A step is judged for a worker when at least
-    one peer has a figure for it too; a step judged not slow breaks the run, and so does a gap
-    of more than `window` steps without figures (heartbeats read less often than the steps
-    go by); a shorter gap (the first steps of a generation) does not.
+    `paces` maps worker id to {step: its own time} (pace.py). A step's ratio is the worker's
+    time over its peers' median at that step (judged when one peer at least has a figure),
+    capped at 2 x factor; the slowness kept up over a window is the mean of its ratios without
+    the highest. Averaged, not step by step: slowness that comes and goes faster than a step (a
+    device throttled in bursts, a process stopped and continued in turns) makes every other step
+    slow, and is as costly. The slowness begins at the first step above `factor` in the first
+    window that kept it up. A gap of more than `window` steps without figures (heartbeats read
+    less often than the steps go by) starts the count again.
 
-    `sustained`, if given, is filled with each worker's lowest ratio over its newest `window`
-    steps judged: the slowness it has kept up, which a failure-free run's figures say how high
-    noise alone goes (the straggler check's report)."""
+    `sustained`, if given, is filled with each worker's slowness kept up over its newest window:
+    in a failure-free run, the figure that says how high noise alone goes (report.json's
+    straggler_check)."""
     by_step: dict[int, list[float]] = {}
     for mine in paces.values():
         for s, x in mine.items():
             by_step.setdefault(s, []).append(x)
     for v in by_step.values():
         v.sort()
-    out = {}
+    cap, out = 2 * factor, {}
     for w, mine in paces.items():
-        run: list[tuple[int, float]] = []  # the newest run of slow steps, oldest first
-        newest: list[float] = []  # the ratios of the newest steps judged
+        judged: list[tuple[int, float]] = []  # (step, ratio), oldest first
+        since, kept = None, 0.0
         for s in sorted(mine):
-            if run and s - run[-1][0] > window:
-                run = []
+            if judged and s - judged[-1][0] > window:
+                judged, since = [], None
             v = by_step[s]
             if len(v) < 2:
                 continue
             peers = _median_without(v, mine[s])
             if peers <= 0:
                 continue
-            ratio = mine[s] / peers
-            run = run + [(s, ratio)] if ratio > factor else []
-            newest = (newest + [ratio])[-window:]
-        if sustained is not None and len(newest) == window:
-            sustained[w] = min(newest)
-        if len(run) >= window:
-            out[w] = (round(_median([r for _, r in run[-window:]]), 2), run[0][0])
+            judged.append((s, min(cap, mine[s] / peers)))
+            recent = judged[-window:]
+            kept = _kept_up([r for _, r in recent]) if len(recent) == window else 0.0
+            if kept > factor:
+                if since is None:
+                    since = next(t for t, r in recent if r > factor)
+            else:
+                since = None
+        if sustained is not None and kept:
+            sustained[w] = kept
+        if since is not None and judged[-1][0] - since + 1 >= window:
+            out[w] = (round(kept, 2), since)
     return out
 
 

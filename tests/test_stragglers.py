@@ -69,14 +69,27 @@ def test_a_rank_three_times_slower_for_a_window_is_found_from_the_step_its_slown
     assert policy.find_stragglers(paces(4, range(3, 29), slow=(2, 20)), 1.5, 10) == {}
 
 
-def test_one_fast_step_breaks_the_run_and_a_long_gap_does_too_but_a_short_one_does_not():
+def test_slowness_that_comes_and_goes_is_averaged_and_one_outlier_is_not_a_straggler():
     p = paces(4, range(3, 40), slow=(1, 10))
-    p[1][25] = 100.0  # a normal step in the middle of the slow ones
-    assert policy.find_stragglers(p, 1.5, 10)[1][1] == 26
+    for s in range(11, 40, 2):
+        p[1][s] = 100.0  # every other step normal: stopped and continued in turns
+    found = policy.find_stragglers(p, 1.5, 10)
+    assert found[1][1] == 10 and found[1][0] > 1.5
+    p = paces(4, range(3, 40))
+    p[2][20] = 100.0 * 50  # descheduled once for a long time
+    p[3][30] = p[3][31] = 100.0 * 1.9  # two slowish steps
+    assert policy.find_stragglers(p, 1.5, 10) == {}
+    ended = paces(4, range(3, 40), slow=(1, 10))
+    for s in range(25, 40):
+        ended[1][s] = 100.0  # its slowness ended
+    assert policy.find_stragglers(ended, 1.5, 10) == {}
+
+
+def test_a_long_gap_in_the_figures_starts_the_count_again_and_a_short_one_does_not():
     gap = {w: {s: x for s, x in m.items() if not 12 <= s < 30} for w, m in
-           paces(4, range(3, 40), slow=(1, 10)).items()}  # 18 steps without figures
+           paces(4, range(3, 45), slow=(1, 10)).items()}  # 18 steps without figures
     found = policy.find_stragglers(gap, 1.5, 10)
-    assert found[1][1] == 30  # the run starts again after the gap
+    assert found[1][1] == 30  # the count starts again after the gap
     short = {w: {s: x for s, x in m.items() if s not in (15, 16)} for w, m in
              paces(4, range(3, 40), slow=(1, 10)).items()}
     assert policy.find_stragglers(short, 1.5, 10)[1][1] == 10
