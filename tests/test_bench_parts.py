@@ -320,3 +320,33 @@ def test_regroup_is_timed_as_the_workers_do_it():
     r = measure(2, 2)
     assert r["processes"] == 2 and len(r["regroup_s_all"]) == 2
     assert 0 < r["regroup_s_median"] < 30
+
+
+# ---- the slow modes: a straggler evicted or only reported, beside on ---------------------------
+
+def test_slow_modes_inject_a_straggler_and_evict_it_or_only_report_it(tmp_path):
+    cfg = parse([f"bench.output_dir={tmp_path}", "bench.steps=40", "bench.slow_step=12"])[0]
+    assert {"slow-evict", "slow-report"} <= set(cfg.modes.split(","))  # in make bench
+    for mode, action in (("slow-evict", "evict"), ("slow-report", "report")):
+        rc, _ = mode_recipe(cfg, [], mode)
+        assert rc.checkpointless.straggler.action == action and rc.checkpointless.spares == 1
+        assert [(f.kind, f.rank, f.step, f.factor) for f in rc.faults] == [("slow", 1, 12, 3.0)]
+    assert list(mode_recipe(cfg, [], "on")[0].faults) == []
+    with pytest.raises(RecipeError, match="bench.slow_rank=4"):
+        parse(["bench.slow_rank=4"])
+
+
+def test_the_straggler_table_puts_goodput_step_times_and_bits_side_by_side():
+    from launcher.bench.report import straggler_table
+    on = {"goodput": 0.99, "step_s_median": 0.25, "params_sha256": "ab"}
+    s = {"on": on,
+         "slow-report": dict(on, goodput=0.55, slow_s=20.0, straggler_action="reported",
+                             straggler_from_step=20, step_s_median=0.5),
+         "slow-evict": dict(on, goodput=0.9, slow_s=2.5, straggler_action="evicted",
+                            straggler_from_step=20, straggler_until_step=30,
+                            step_s_median_after=0.26, params_sha256="cd")}
+    lines = straggler_table(s).splitlines()
+    assert lines[3].split()[:2] == ["on", "99.0%"]
+    assert lines[4].split()[:4] == ["slow-report", "55.0%", "20.0", "reported"]
+    assert lines[5].split() == ["slow-evict", "90.0%", "2.5", "evicted", "20", "30", "250",
+                                "260", "DIFFER"]

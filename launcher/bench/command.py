@@ -50,9 +50,11 @@ def bench(args: list[str]) -> int:
         elif mode == "plain":
             rc, kills, elapsed = run_torchrun(cfg, out, None, cfg.steps, module=PLAIN_LOOP)
         else:
-            rc, kills, elapsed, _ = run_supervised(rc_cfg, out, cfg, killer_plan, cfg.steps)
+            rc, kills, elapsed, run = run_supervised(rc_cfg, out, cfg, killer_plan, cfg.steps)
         records = read_records(out)
         summary = summarize(records, kills)
+        if mode.startswith("slow-"):
+            summary.update(slow_figures(run, records))
         summary["replica_host_bytes"] = replica_host_bytes(out)
         summary["replica_critical_ms"] = replica_critical_ms(out)
         summary.update(params_sha256=run_digest(out), exit_code=rc,
@@ -77,6 +79,23 @@ def bench(args: list[str]) -> int:
         print(f"[bench] paired fsdp: {json.dumps(fsdp_pair)}", flush=True)
         paired = dict(paired, **fsdp_pair)
     return report(cfg, results, save_cost, out_root, paired, grad_copy, consistency)
+
+
+def slow_figures(run: dict | None, records: list[dict]) -> dict:
+    """A slow-* mode's figures: goodput counting the straggler's cost (the supervisor's, from
+    the step records and the straggler's steps), what was done and when, the median step time
+    after it was dealt with."""
+    if not run:
+        return {}
+    s = (run.get("stragglers") or [{}])[0]
+    until = s.get("until_step")
+    after = [r["t_end"] - r["t_start"] for r in records
+             if until is not None and r["step"] >= until + 3]
+    import statistics
+    return {"goodput": run["goodput"], "slow_s": run.get("slow_s"),
+            "straggler_action": s.get("action"), "straggler_from_step": s.get("from_step"),
+            "straggler_until_step": until, "straggler_factor": s.get("factor"),
+            "step_s_median_after": round(statistics.median(after), 5) if after else None}
 
 
 def replica_host_bytes(out: Path):

@@ -10,7 +10,10 @@ from ..recipes import RecipeError
 # plain: the recipe's model, data and optimizer in a torch-only loop (torch's DDP, or FSDP2 under
 # distributed.strategy=fsdp) under torchrun, the speed a user would get without this project
 # flat: off with distributed.grad_sync=flat (one all-reduce after backward, no overlap)
-MODES = ("off", "on", "plain", "flat", "checkpointless", "restart", "fsdp", "fsdp-replicated")
+# slow-evict and slow-report: on with a straggler (rank slow_rank slow_factor times as slow from
+# step slow_step on), evicted to a spare or only reported; beside on, the failure-free run
+MODES = ("off", "on", "plain", "flat", "checkpointless", "restart", "fsdp", "fsdp-replicated",
+         "slow-evict", "slow-report")
 
 
 @dataclass
@@ -26,7 +29,7 @@ class BenchConfig:
     max_restarts: int = 100  # torchrun --max-restarts for the restart mode
     output_dir: str = "bench_out"  # bench.json, timeline.png and one folder per mode
     # modes to run, comma-separated; add plain for its own run and row (bench.modes=off,on,plain)
-    modes: str = "off,on,checkpointless,restart"
+    modes: str = "off,on,checkpointless,restart,slow-evict,slow-report"
     # steps of the off/on pair run side by side, taking turns every turn_s seconds, from which
     # the steady-state overhead is measured (0: overhead from the sequential off and on runs)
     paired_steps: int = 80
@@ -37,6 +40,9 @@ class BenchConfig:
     # overlapped buckets (ddp only)
     paired_flat: bool = True
     turn_s: float = 3.0
+    slow_rank: int = 1  # the straggler of the slow-* modes
+    slow_step: int = 20  # the step it slows down from
+    slow_factor: float = 3.0  # how many times as long its steps take
     mode_timeout_s: float = 900.0  # a mode still running after this is stopped and reported
 
 
@@ -64,13 +70,19 @@ def parse(args: list[str]) -> tuple[BenchConfig, list[str]]:
         raise RecipeError(f"bench.modes: {bad} not among {', '.join(MODES)}")
     if cfg.mtbf_s <= 0 or cfg.workers < 1:
         raise RecipeError("bench.mtbf_s must be > 0 and bench.workers >= 1")
+    if not (0 <= cfg.slow_rank < cfg.workers and cfg.slow_step >= 0 and cfg.slow_factor > 1):
+        raise RecipeError(f"bench.slow_rank={cfg.slow_rank}, bench.slow_step={cfg.slow_step}, "
+                          f"bench.slow_factor={cfg.slow_factor:g}: the rank must be below "
+                          f"bench.workers={cfg.workers}, the step >= 0 and the factor > 1")
     if cfg.steps is None:
-        # off and on take ~1x each, the failure modes ~1.2x and ~2x, plus start-up per run and
-        # the paired run (off, on and plain taking turns)
+        # off and on take ~1x each, the failure modes ~1.2x and ~2x, the slow ones ~1.3x and
+        # ~2x, plus start-up per run and the paired run (off, on and plain taking turns)
         jobs = 2 + cfg.paired_plain + cfg.paired_flat
         spare_s = 100 + (30 + jobs * cfg.paired_steps * cfg.step_s_estimate
                          if cfg.paired_steps else 0)
-        cfg.steps = max(40, int((cfg.duration_s - spare_s) / (4.2 * cfg.step_s_estimate)))
+        runs = 4.2 + sum(x for m, x in (("slow-evict", 1.3), ("slow-report", 2.0))
+                         if m in cfg.modes.split(","))
+        cfg.steps = max(40, int((cfg.duration_s - spare_s) / (runs * cfg.step_s_estimate)))
         # a failure run lasts at least the longest first gap of the schedule (1.5 x MTBF), so
         # it sees at least one failure
         cfg.steps = max(cfg.steps, math.ceil(1.7 * cfg.mtbf_s / cfg.step_s_estimate))

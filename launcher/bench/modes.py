@@ -27,6 +27,10 @@ def mode_recipe(cfg, overrides: list[str], mode: str, tau_steps: int = 0,
             extra += ["checkpointless.replication.factor=1"]
     else:
         extra += [f"checkpointless.spares={cfg.spares}"]
+    if mode.startswith("slow-"):  # a straggler (in place of any other fault), evicted or not
+        extra[extra.index("~faults")] = \
+            f"faults=[slow:{cfg.slow_rank}:{cfg.slow_step}:{cfg.slow_factor:g}]"
+        extra += [f"checkpointless.straggler.action={mode[len('slow-'):]}"]
     if mode == "restart":
         extra += [f"checkpoint.interval={tau_steps}", "checkpoint.resume=auto",
                   "checkpoint.keep=2"]

@@ -165,6 +165,9 @@ def report(cfg, results: dict, save_cost: float, out_root: Path,
     if "checkpointless" in s and "restart" in s and s["restart"]["goodput"]:
         print(f"goodput: checkpointless {s['checkpointless']['goodput']:.1%} vs restart "
               f"{s['restart']['goodput']:.1%}")
+    if "on" in s and any(m.startswith("slow-") for m in s):
+        print()
+        print(straggler_table(s))
     same = None
     if "fsdp" in s and "fsdp-replicated" in s:
         print(replication_line(s, paired))
@@ -184,6 +187,8 @@ def report(cfg, results: dict, save_cost: float, out_root: Path,
         "against_plain": plain_fig, "grad_copy_saved": grad_copy,
         "consistency_check": consistency,
         "same_bits_as_off": same,
+        "slow_same_bits_as_on": {m: s[m]["params_sha256"] == s["on"]["params_sha256"]
+                                 for m in s if m.startswith("slow-") and "on" in s},
         "failures": {m: r["kills"] for m, r in results.items() if r["kills"]},
         "checkpoint_save_s": round(save_cost, 4),
         "model": projected,
@@ -191,7 +196,30 @@ def report(cfg, results: dict, save_cost: float, out_root: Path,
     (out_root / "bench.json").write_text(json.dumps(bench_json, indent=2) + "\n")
     plot(results, out_root / "timeline.png")
     print(f"\n[bench] wrote {out_root / 'bench.json'} and {out_root / 'timeline.png'}")
-    return 0 if same in (None, True) else 1
+    slow_same = all(s[m]["params_sha256"] == s["on"]["params_sha256"]
+                    for m in s if m.startswith("slow-") and "on" in s)
+    return 0 if same in (None, True) and slow_same else 1
+
+
+def straggler_table(s: dict) -> str:
+    """A straggler evicted, only reported, and no straggler (on): goodput with its cost counted,
+    step times, the bits."""
+    rows = []
+    for m in ("on", "slow-report", "slow-evict"):
+        if m not in s:
+            continue
+        x = s[m]
+        after = x.get("step_s_median_after")
+        rows.append([m, None if x["goodput"] is None else f"{x['goodput']:.1%}",
+                     x.get("slow_s"), x.get("straggler_action") or "-",
+                     x.get("straggler_from_step"), x.get("straggler_until_step"),
+                     f"{x['step_s_median'] * 1000:.0f}",
+                     "-" if after is None else f"{after * 1000:.0f}",
+                     "EQUAL" if x["params_sha256"] == s["on"]["params_sha256"] else "DIFFER"])
+    return ("a straggler (slow-*: one rank slowed by the `slow` fault), evicted or only reported, "
+            "beside the failure-free run (on):\n" +
+            table(rows, ["mode", "goodput", "slow_s", "straggler", "from_step", "until_step",
+                         "step_ms", "step_ms_after", "bits_vs_on"]))
 
 
 def replication_line(s: dict, paired: dict) -> str:
