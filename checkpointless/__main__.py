@@ -44,6 +44,9 @@ def main(argv=None) -> int:
                    help="own time per step above this times the peers' median is slow")
     p.add_argument("--straggler-window", type=int, default=DEFAULTS.straggler_window,
                    help="consecutive slow steps before a rank is a straggler")
+    p.add_argument("--health-command", default=None, metavar="COMMAND",
+                   help="a node check run in each spare before it takes a rank (and every 10 s "
+                        "while it waits): a non-zero exit keeps the spare from being promoted")
     p.add_argument("--backend", default=DEFAULTS.backend, choices=["gloo", "nccl"])
     p.add_argument("--host", default="127.0.0.1", help="address of the coordination store")
     p.add_argument("--port", type=int, default=0, help="port of the store (0: any free one)")
@@ -67,7 +70,8 @@ def main(argv=None) -> int:
     if a.nproc < 1 or a.spares < 0:
         p.error(f"--nproc={a.nproc} must be >= 1 and --spares={a.spares} >= 0")
     # every option under its field's name (nproc, spares, heartbeat_timeout_s, backend, ...)
-    cfg = SupervisorConfig.of(vars(a), refill=not a.no_refill, faults=faults)
+    cfg = SupervisorConfig.of(vars(a), refill=not a.no_refill, faults=faults,
+                              health={"command": a.health_command} if a.health_command else {})
     try:
         report = Supervisor([sys.executable, a.script, *a.args], cfg).run()
     except JobFailed as exc:

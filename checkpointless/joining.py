@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from . import membership, protocol
+from . import health, membership, protocol
 from .failures import report_uncaught
 from .job import Job
 from .plain import PlainJob
@@ -44,6 +44,15 @@ def join(seed: int | None = None, backend: str | None = None):
         spec.seed = seed
     job = Job(store, worker_id, spec, host, port)
     report_uncaught(store, worker_id)
+    watch = None
+    if protocol.started_as_spare() and health.enabled(spec.health):
+        # checked before it says it is ready, and again while it waits: the supervisor hands a
+        # rank only to a spare whose newest check passed
+        watch = health.HealthWatch(lambda: membership.connect(host, port), worker_id,
+                                   spec.health, int(os.environ.get(protocol.ENV_DEVICE_SLOT, 0)))
+        watch.first(store)
     store.set(protocol.ready_key(worker_id), f"{time.time():.6f}")
     job.take_rank()
+    if watch is not None:
+        watch.stop()
     return job

@@ -149,6 +149,19 @@ class Every:
 
 
 # ---- spares ----------------------------------------------------------------------------------
+def healthy_spares(ready: list, records: dict) -> tuple[list, dict]:
+    """(the ready spares fit to take a rank, {wid: why not} for the others). `records`: wid ->
+    its newest health check (health.py), None where it has none (no check is configured)."""
+    fit, unfit = [], {}
+    for w in ready:
+        r = records.get(w.wid)
+        if r is None or r["ok"]:
+            fit.append(w)
+        else:
+            unfit[w.wid] = "; ".join(r["problems"])
+    return fit, unfit
+
+
 def choose_spares(ready: list, failed: list[tuple[int, int]], lost_nodes: set[int],
                   spare_nodes: set[int]) -> list | None:
     """Ready spares (objects with wid, node, slot, in order of preference) for the failed

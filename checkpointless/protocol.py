@@ -124,6 +124,11 @@ def ready_key(wid: int) -> str:
     return f"ready/{wid}"
 
 
+def health_key(wid: int) -> str:
+    """A spare's newest health check (health.py): {ok, problems, t}."""
+    return f"health/{wid}"
+
+
 def heartbeat_key(wid: int) -> str:
     return f"hb/{wid}"
 

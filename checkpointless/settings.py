@@ -80,6 +80,7 @@ class Spec:
     replication: dict = field(default_factory=default_replication)
     workers_per_node: int = 1  # processes sharing this node's memory (active + spares)
     ranks_per_node: int = 1  # active ranks per node: ranks k*n .. k*n+n-1 train on one node
+    health: dict = field(default_factory=dict)  # node checks of every spare (health.py)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -126,6 +127,7 @@ class SupervisorConfig:
     straggler_factor: float = DEFAULTS.straggler_factor
     straggler_window: int = DEFAULTS.straggler_window
     straggler_action: str = DEFAULTS.straggler_action  # evict, report or off
+    health: dict = field(default_factory=dict)  # node checks (health.py; {}: its defaults)
 
     @classmethod
     def of(cls, settings, **given) -> "SupervisorConfig":

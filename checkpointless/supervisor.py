@@ -18,6 +18,7 @@ processes are its pool's (processes.py on one machine, cluster.py over many).
 """
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -68,6 +69,7 @@ class Supervisor:
         self.stop_asked: str | None = None  # why the job was asked to stop (a signal)
         self.preempted_at: int | None = None  # the step before which every rank stopped
         self.stragglers = Stragglers(cfg, log, on_straggler)  # on_straggler(entry): said
+        self._unhealthy_said: dict[int, str] = {}  # spare -> why it was last said unfit
 
     def active_pids(self) -> dict[int, int]:
         """rank -> pid of the worker holding it now."""
@@ -173,7 +175,7 @@ class Supervisor:
         """Stragglers to evict now (stragglers.py judges them from the beats `_hung` read); a
         slow node is fenced, so that its ranks move together to a spare node."""
         active = {wid: self.workers[wid] for wid in self.ranks}
-        ready = len(self.pool.spares(self.store, ready=True))
+        ready = len(self._healthy(self.pool.spares(self.store, ready=True)))
         evict, nodes = self.stragglers.judge(active, self._job_step(), ready,
                                              self.pool.remote if self.cluster else None)
         for k in nodes:
@@ -321,9 +323,26 @@ class Supervisor:
 
     def _choose_spares(self, pending: list[Failure]) -> list[Worker] | None:
         lost = [self.workers[f.wid] for f in pending]
-        return policy.choose_spares(self.pool.spares(self.store, ready=True),
+        return policy.choose_spares(self._healthy(self.pool.spares(self.store, ready=True)),
                                     [(w.node, w.slot) for w in lost],
                                     self.pool.lost_node_ids(), self.pool.spare_node_ids())
+
+    def _healthy(self, ready: list[Worker]) -> list[Worker]:
+        """The ready spares whose newest health check passed; each one skipped is said once
+        (health.py: a spare checks its node as it warms up and while it waits)."""
+        keys = [protocol.health_key(w.wid) for w in ready]
+        found = [k for k in keys if self.store.check([k])]
+        records = dict(zip([w.wid for w in ready if protocol.health_key(w.wid) in found],
+                           (json.loads(v) for v in self.store.multi_get(found)))) \
+            if found else {}
+        fit, unfit = policy.healthy_spares(ready, records)
+        for wid, why in unfit.items():
+            if self._unhealthy_said.get(wid) != why:
+                self._unhealthy_said[wid] = why
+                self.log(f"[checkpointless] spare worker {wid} (node {self.workers[wid].node}) "
+                         f"is not promoted: its node is unhealthy ({why}); the next spare "
+                         "is taken")
+        return fit
 
     def _publish(self) -> None:
         """The next generation's plan: what changed since the last one, node by node."""

@@ -17,6 +17,30 @@ from .preflight import preflight
 from .recipes import RecipeError
 
 
+def health_settings(cfg) -> dict:
+    """The node checks (checkpointless/health.py), their disk where checkpoints go."""
+    h = OmegaConf.to_container(cfg.checkpointless.health)
+    h["disk_path"] = str(cfg.checkpoint.dir if cfg.checkpoint.interval else cfg.run.output_dir)
+    if cfg.distributed.device == "cpu":
+        h["gpu"] = False  # said once, as the launcher starts
+    return h
+
+
+def check_node_health(cfg) -> None:
+    """As a launcher starts: its node is checked; an unhealthy one is refused with its reasons."""
+    from checkpointless import health
+    problems, notes = health.check(health_settings(cfg))
+    if cfg.checkpointless.health.gpu and cfg.distributed.device == "cpu":
+        notes.append("health: a CPU run: the GPU checks (ECC, XID, throttling, device memory) "
+                     "are skipped")
+    for n in notes:
+        print(f"[launcher] {n}", flush=True)
+    if problems:
+        raise RecipeError(f"node {cfg.distributed.node_rank} is unhealthy: " +
+                          "; ".join(problems) + ". Fix the node (or the checkpointless.health.* "
+                          "settings) and launch again")
+
+
 def supervisor_config(cfg) -> SupervisorConfig:
     d, c = cfg.distributed, cfg.checkpointless
     backend = d.backend
@@ -47,6 +71,7 @@ def supervisor_config(cfg) -> SupervisorConfig:
         replication={"factor": c.replication.factor, "interval": c.replication.interval,
                      "offset": replica_offset(placement, per_node)},
         straggler_factor=c.straggler.factor, straggler_window=c.straggler.window,
+        health=health_settings(cfg),
         straggler_action=c.straggler.action if c.enabled else "report",
         faults=[dict(f) for f in OmegaConf.to_container(cfg.faults)])
 
@@ -73,6 +98,8 @@ def train(cfg, on_start=None, coordinator: bool = False) -> dict | None:
     agent."""
     sup_cfg = supervisor_config(cfg)  # refuses bad settings before anything is written
     preflight(cfg)  # devices, model, tokenizer, data, memory: once, here, not in every worker
+    if not coordinator:
+        check_node_health(cfg)  # this node trains: is it fit to?
     if not coordinator:  # this node's workers and spares will only memory-map the data cache
         from .data import prepare_node
         prepare_node(cfg)

@@ -146,6 +146,17 @@ class StragglerConfig:
 
 
 @dataclass
+class HealthConfig:
+    command: Optional[str] = None  # a script run on each node as a launcher starts and in each spare before it takes a rank; a non-zero exit is an unhealthy node (its last output line says why)
+    timeout_s: float = ranged(30.0, "> 0", " seconds")  # longest the command may run
+    every_s: float = ranged(10.0, "> 0", " seconds")  # how often a waiting spare checks its node again
+    min_free_memory_gb: float = ranged(0.0, ">= 0", " GB (0: not checked)")  # host memory available (MemAvailable) below which a node is unhealthy
+    min_free_disk_gb: float = ranged(0.0, ">= 0", " GB (0: not checked)")  # free disk, where checkpoints (or the run's output) go, below which a node is unhealthy
+    gpu: bool = True  # on GPU nodes, NVML's checks (nvidia-ml-py): uncorrected ECC errors, XID errors, hardware or thermal throttling; skipped on CPU
+    min_free_device_memory_gb: float = ranged(0.0, ">= 0", " GB (0: not checked)")  # free device memory below which a GPU node is unhealthy
+
+
+@dataclass
 class CheckpointlessConfig:
     enabled: bool = True  # recover in-process from worker failures (off: a failure stops the run)
     spares: int = ranged(CL.spares, ">= 0")  # warm spare workers waiting to take over a failed rank
@@ -160,6 +171,7 @@ class CheckpointlessConfig:
     node_timeout_s: float = ranged(CL.node_timeout_s, "> 0", " seconds")  # silence of a node's launcher after which the node is lost, failed whole and fenced
     replication: ReplicationConfig = field(default_factory=ReplicationConfig)
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
 
 
 @dataclass

@@ -44,6 +44,17 @@ def test_own_error_again_at_the_same_step_stops_the_run_with_its_message(tmp_pat
     assert rep["took_s"] < 90  # stopped promptly, not after a process-group timeout
 
 
+def test_a_spare_whose_node_check_fails_is_skipped_for_the_next(tmp_path, clean_digest):
+    bad = '[ "$CL_WORKER_ID" != 4 ] || { echo "GPU 0: uncorrected ECC errors"; exit 1; }'
+    rep = run(tmp_path, "--spares", "2", "--health-command", bad, "--fault", "kill:1:5")
+    assert_same_bits(rep, clean_digest)
+    (rec,) = rep["recoveries"]
+    assert rec["failed_rank"] == 1 and rec["replacement_worker"] == 5  # not 4
+    assert "spare worker 4 is unhealthy" in rep["stdout"]
+    assert "spare worker 4 (node 0) is not promoted: its node is unhealthy (health command" \
+        in rep["stdout"] and "uncorrected ECC errors" in rep["stdout"]
+
+
 def test_the_replacement_killed_while_it_receives_the_state(tmp_path, clean_digest):
     rep = run(tmp_path, "--spares", "1", "--fault", "kill:2:5", "--fault", "kill:2:5@receive")
     assert_same_bits(rep, clean_digest)

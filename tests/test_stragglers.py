@@ -212,3 +212,36 @@ def test_the_slow_fault_slows_the_worker_that_claims_it_and_not_the_one_after_it
     spare = faults.FaultInjector(sched, store, worker_id=5)  # takes rank 1 over later
     assert spare.slow_down(1, 12, [0.02]) == 0.0
     assert faults.FaultInjector(sched, store, 0).slow_down(0, 12, [0.02]) == 0.0
+
+
+# ---- node health ------------------------------------------------------------------------------
+def test_a_failing_health_command_a_memory_and_a_disk_floor_make_a_node_unhealthy(tmp_path):
+    from checkpointless import health
+    assert health.check({"gpu": False}) == ([], [])
+    assert not health.enabled({"gpu": False})  # nothing to check: no thread in the spares
+    cmd = 'echo checking; [ "$CL_DEVICE_SLOT" != 3 ] || { echo "GPU 3: XID 79 seen"; exit 2; }'
+    assert health.check({"command": cmd, "gpu": False}, slot=1) == ([], [])
+    problems, _ = health.check({"command": cmd, "gpu": False}, slot=3)
+    assert problems == [f"health command {cmd!r} exited 2: GPU 3: XID 79 seen"]
+    problems, _ = health.check({"min_free_memory_gb": 1e6, "min_free_disk_gb": 1e6,
+                                "disk_path": str(tmp_path), "gpu": False})
+    assert [p.split(":")[0] for p in problems] == ["host memory", "disk"]
+    assert "min_free_disk_gb=1e+06" in problems[1] and str(tmp_path) in problems[1]
+    slow, _ = health.check({"command": "sleep 5", "timeout_s": 0.2, "gpu": False})
+    assert "did not finish within 0.2 s" in slow[0]
+
+
+def test_only_spares_whose_newest_check_passed_are_fit_to_take_a_rank():
+    spares = [NS(wid=4), NS(wid=5), NS(wid=6)]
+    fit, unfit = policy.healthy_spares(spares, {4: {"ok": False, "problems": ["disk: full"]},
+                                                5: {"ok": True, "problems": []}})
+    assert [w.wid for w in fit] == [5, 6] and unfit == {4: "disk: full"}
+
+
+def test_a_launcher_on_an_unhealthy_node_is_refused_with_the_reason():
+    from launcher.launch import check_node_health
+    from launcher.recipes import RecipeError, load
+    check_node_health(load("tiny-llama", []))
+    with pytest.raises(RecipeError, match=r"node 0 is unhealthy: health command 'exit 3' "
+                                          r"exited 3\. Fix the node"):
+        check_node_health(load("tiny-llama", ["checkpointless.health.command='exit 3'"]))
