@@ -124,6 +124,12 @@ def ready_key(wid: int) -> str:
     return f"ready/{wid}"
 
 
+def straggler_key(i: int) -> str:
+    """The supervisor's i-th straggler line (stragglers.py): an entry as it is found or dealt
+    with, JSON with its time `t`; a loop's own trackers may follow them."""
+    return f"straggler/{i}"
+
+
 def health_key(wid: int) -> str:
     """A spare's newest health check (health.py): {ok, problems, t}."""
     return f"health/{wid}"

@@ -68,7 +68,8 @@ class Supervisor:
         self.pids_at_start: dict[int, int] = {}
         self.stop_asked: str | None = None  # why the job was asked to stop (a signal)
         self.preempted_at: int | None = None  # the step before which every rank stopped
-        self.stragglers = Stragglers(cfg, log, on_straggler)  # on_straggler(entry): said
+        self._on_straggler, self._stragglers_said = on_straggler, 0
+        self.stragglers = Stragglers(cfg, log, self._straggler_said)
         self._unhealthy_said: dict[int, str] = {}  # spare -> why it was last said unfit
 
     def active_pids(self) -> dict[int, int]:
@@ -326,6 +327,15 @@ class Supervisor:
         return policy.choose_spares(self._healthy(self.pool.spares(self.store, ready=True)),
                                     [(w.node, w.slot) for w in lost],
                                     self.pool.lost_node_ids(), self.pool.spare_node_ids())
+
+    def _straggler_said(self, entry: dict) -> None:
+        """A straggler found or dealt with: into the store, where a loop's trackers follow
+        them (protocol.straggler_key), and to the launcher's hook (its metrics.jsonl)."""
+        self.store.set(protocol.straggler_key(self._stragglers_said),
+                       json.dumps(dict(entry, t=time.time())))
+        self._stragglers_said += 1
+        if self._on_straggler:
+            self._on_straggler(entry)
 
     def _healthy(self, ready: list[Worker]) -> list[Worker]:
         """The ready spares whose newest health check passed; each one skipped is said once

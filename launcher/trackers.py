@@ -9,6 +9,13 @@ launcher/accelerator.py) and goes on from the agreed step.
 """
 from __future__ import annotations
 
+import json
+import os
+import queue
+import threading
+import time
+from datetime import timedelta
+
 from .accelerator import tracker_kwargs
 
 
@@ -20,14 +27,42 @@ class Trackers:
         # the Accelerator was built with log_with=logging.trackers, logging_dir=logging.dir
         accelerator.init_trackers(cfg.run.name, init_kwargs=tracker_kwargs(cfg))
         self.gen_seen: int | None = None
+        self.stragglers: queue.SimpleQueue = queue.SimpleQueue()  # entries not yet logged
+        if os.environ.get("CL_STORE_PORT"):  # under the supervisor: follow its stragglers
+            threading.Thread(target=self._follow_stragglers, args=(time.time(),), daemon=True,
+                             name="trackers-stragglers").start()
 
     def log(self, values: dict, step: int) -> None:
         self.accelerator.log(values, step=step)
 
+    def _follow_stragglers(self, since: float) -> None:
+        """Block on the supervisor's next straggler line (no store call per step) and queue
+        it for the training thread; a replacement rank 0 skips those logged before it came."""
+        from checkpointless import membership, protocol
+        try:
+            store = membership.connect(os.environ["CL_STORE_HOST"],
+                                       int(os.environ["CL_STORE_PORT"]))
+            i = 0
+            while True:
+                key = protocol.straggler_key(i)
+                store.wait([key], timedelta(days=1))
+                entry = json.loads(store.get(key))
+                if entry["t"] >= since:
+                    self.stragglers.put(entry)
+                i += 1
+        except Exception:  # noqa: BLE001  the store is gone: the job is over
+            return
+
     def recovery(self, job, step: int) -> None:
         """After the first step committed in a new generation (past the first), log how that
         generation was entered: the step it resumed at, the time to regroup and to move the
-        state, the bytes this rank received."""
+        state, the bytes this rank received. Any straggler found or dealt with since the last
+        step is logged too."""
+        while not self.stragglers.empty():
+            e = self.stragglers.get()
+            self.log({"straggler/rank": e["rank"], "straggler/factor": e["factor"],
+                      "straggler/from_step": e["from_step"],
+                      "straggler/evicted": int(e["action"] == "evicted")}, step)
         if self.gen_seen is None:
             self.gen_seen = job.gen  # a replacement rank 0 logs the recovery that made it
             if job.gen == 0:

@@ -95,7 +95,7 @@ def test_an_injected_3x_straggler_on_tiny_llama_is_evicted_and_the_step_time_rec
     # no refill: the new spare's start-up would take CPU from the steps measured after
     out, rep, r = train(tmp_path, "slow", "tiny-llama", "trainer.max_steps=30",
                         "checkpointless.spares=1", "checkpointless.refill=false",
-                        "faults=[slow:2:5:3]")
+                        "faults=[slow:2:5:3]", "logging.trackers=[tensorboard]")
     assert_same_bits(rep, ref)
     (s,) = rep["stragglers"]
     assert s["rank"] == 2 and s["action"] == "evicted" and abs(s["from_step"] - 5) <= 2
@@ -112,3 +112,8 @@ def test_an_injected_3x_straggler_on_tiny_llama_is_evicted_and_the_step_time_rec
     after = s["evicted_at_step"] + 3
     assert step_s(out, after) <= 1.10 * step_s(ref_out, after)
     assert rep["slow_s"] > 0 and rep["goodput"] < ref["goodput"]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(out / "logs" / "tiny-llama"))
+    events.Reload()
+    assert [e.value for e in events.Scalars("straggler/rank")] == [2, 2]  # found, evicted
+    assert [e.value for e in events.Scalars("straggler/evicted")] == [0, 1]
