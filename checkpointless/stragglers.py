@@ -57,6 +57,11 @@ class Stragglers:
         return {"action": self.action, "factor": self.factor, "window": self.window,
                 "worst_sustained_ratio": self.worst_sustained}
 
+    def since(self, wid: int) -> int | None:
+        """The first slow step of worker `wid`'s newest straggler entry."""
+        found = [e for e in self.entries if e["worker"] == wid]
+        return found[-1]["from_step"] if found else None
+
     def evicted(self, wid: int) -> bool:
         return wid in self._evicted
 
@@ -131,6 +136,7 @@ class Stragglers:
         self._open[w.wid] = entry
         self.on_entry(dict(entry))
         self.log(f"[checkpointless] rank {w.rank} (worker {w.wid}, node {w.node}) is a straggler: "
-                 f"its own time per step has been {ratio:.2f}x its peers' median since step "
-                 f"{since} ({self.window} steps in a row above {self.factor:g}x)" +
+                 f"its own time per step has kept up {ratio:.2f}x its peers' median over "
+                 f"its last {self.window} steps (above {self.factor:g}x), slow since step "
+                 f"{since}" +
                  (f"; every rank of node {w.node} is slow" if slow_node else ""))

@@ -250,6 +250,8 @@ class Supervisor:
         beat = self.pool.beats([w.wid]).get(w.wid)
         diverged = self.store.check([protocol.diverged_key(w.wid)])
         slow = self.stragglers.evicted(w.wid)
+        if slow and not fault:  # slowed from outside: it began with its first slow step
+            fault = self._step_start(self.stragglers.since(w.wid))
         f = Failure(wid=w.wid, rank=w.rank,
                     cause=policy.cause(w.node_lost, hung, diverged, err, slow),
                     t_fail=fault["t"] if fault else w.lost_at or now, t_detect=now,
@@ -260,7 +262,8 @@ class Supervisor:
         code = w.proc.returncode
         self.log(f"[checkpointless] rank {w.rank} lost ({f.cause}, worker {w.wid}{where}, "
                  f"exit code {code}) at step {f.step}; detected "
-                 f"{f.t_detect - f.t_fail:.2f} s after the failure")
+                 f"{f.t_detect - f.t_fail:.2f} s after the " +
+                 ("slowdown began" if slow and fault else "failure"))
         if f.error:
             self.log(f"[checkpointless] rank {w.rank} raised:\n{f.error.rstrip()}")
         del self.ranks[w.wid]
@@ -327,6 +330,13 @@ class Supervisor:
         return policy.choose_spares(self._healthy(self.pool.spares(self.store, ready=True)),
                                     [(w.node, w.slot) for w in lost],
                                     self.pool.lost_node_ids(), self.pool.spare_node_ids())
+
+    def _step_start(self, step: int | None) -> dict | None:
+        """{"t": when step `step` began}, from rank 0's step record, if there is one."""
+        key = protocol.step_key(step) if step is not None else None
+        if key is None or not self.store.check([key]):
+            return None
+        return {"t": float(self.store.get(key).decode().split(",")[0])}
 
     def _straggler_said(self, entry: dict) -> None:
         """A straggler found or dealt with: into the store, where a loop's trackers follow

@@ -95,6 +95,31 @@ def test_a_lost_node_moves_whole_to_the_spare_node_with_the_one_node_bits(tmp_pa
     assert not _job_processes(tmp_path)  # nothing of the job is left on any node
 
 
+@pytest.mark.extended  # in make test-scale, not make test (its time budget)
+def test_a_slow_node_is_fenced_and_its_ranks_move_to_the_spare_node_with_the_one_node_bits(
+        tmp_path, one_node_digest):
+    port = _port()
+    slow = "faults=[slow:2:5:3,slow:3:5:3]"  # both of node 1's ranks, from step 5
+    procs = [_launch(tmp_path, k, port, slow) for k in range(3)]
+    try:
+        assert procs[0].wait(timeout=400) == 0, (tmp_path / "node0.log").read_text()[-3000:]
+        assert procs[2].wait(timeout=30) == 0
+        assert procs[1].wait(timeout=30) == 3  # fenced: its agent stopped its workers
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert rep["params_sha256"] == one_node_digest
+    assert sorted((s["rank"], s["action"], s["slow_node"]) for s in rep["stragglers"]) == [
+        (2, "evicted", True), (3, "evicted", True)]
+    assert {(r["cause"], r["failed_node"], r["replacement_node"]) for r in rep["recoveries"]} \
+        == {("slow", 1, 2)}
+    assert len({r["generation"] for r in rep["recoveries"]}) == 1  # moved together
+    assert "every rank of node 1 is slow" in (tmp_path / "node0.log").read_text()
+    assert not _job_processes(tmp_path)
+
+
 def test_losing_the_coordinator_stops_every_node_with_a_message(tmp_path):
     port = _port()
     procs = [_launch(tmp_path, k, port) for k in range(3)]

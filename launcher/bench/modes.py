@@ -30,7 +30,10 @@ def mode_recipe(cfg, overrides: list[str], mode: str, tau_steps: int = 0,
     if mode.startswith("slow-"):  # a straggler (in place of any other fault), evicted or not
         extra[extra.index("~faults")] = \
             f"faults=[slow:{cfg.slow_rank}:{cfg.slow_step}:{cfg.slow_factor:g}]"
-        extra += [f"checkpointless.straggler.action={mode[len('slow-'):]}"]
+        # no refill: a new spare's start-up beside the workers on a small machine would slow
+        # the very steps that show the run back at speed (the checkpointless mode has refills)
+        extra += [f"checkpointless.straggler.action={mode[len('slow-'):]}",
+                  "checkpointless.refill=false"]
     if mode == "restart":
         extra += [f"checkpoint.interval={tau_steps}", "checkpoint.resume=auto",
                   "checkpoint.keep=2"]
