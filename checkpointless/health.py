@@ -170,6 +170,24 @@ def _xids(pynvml, handle, i: int, state: dict) -> list[str]:
         return []
 
 
+def fit_spares(store, ready: list, said: dict, log=print) -> list:
+    """The ready spares whose newest check in the store passed (policy.healthy_spares); each
+    one set aside is said once per reason (`said`: wid -> the reason last said)."""
+    from . import policy
+    found = [w for w in ready if store.check([protocol.health_key(w.wid)])]
+    records = dict(zip([w.wid for w in found],
+                       (json.loads(v) for v in store.multi_get(
+                           [protocol.health_key(w.wid) for w in found])))) if found else {}
+    fit, unfit = policy.healthy_spares(ready, records)
+    nodes = {w.wid: w.node for w in ready}
+    for wid, why in unfit.items():
+        if said.get(wid) != why:
+            said[wid] = why
+            log(f"[checkpointless] spare worker {wid} (node {nodes[wid]}) is not promoted: its "
+                f"node is unhealthy ({why}); the next spare is taken")
+    return fit
+
+
 def record(store, wid: int, problems: list[str]) -> None:
     store.set(protocol.health_key(wid),
               json.dumps({"ok": not problems, "problems": problems, "t": time.time()}))

@@ -17,23 +17,28 @@ is. A rank slot slow again soon after an eviction is reported only (policy.strag
 """
 from __future__ import annotations
 
-from . import policy
+import json
+import time
+
+from . import policy, protocol
 
 KEEP_STEPS = 64  # steps of figures kept per worker
 
 
 class Stragglers:
-    def __init__(self, cfg, log=print, on_entry=None):
+    def __init__(self, cfg, log=print, on_entry=None, store=None):
         self.factor, self.window = cfg.straggler_factor, cfg.straggler_window
         self.action = cfg.straggler_action
         self.log = log
         self.on_entry = on_entry or (lambda entry: None)  # an entry found or dealt with
+        self.store = store  # each entry said goes there too (protocol.straggler_key)
+        self._lines = 0
         self.paces: dict[int, dict[int, float]] = {}  # wid -> {step: own ms}
         self.entries: list[dict] = []  # what report.json's `stragglers` holds
         self._open: dict[int, dict] = {}  # wid -> its entry, while it is a straggler
         self._evicted: set[int] = set()  # workers evicted for slowness
         self._evicted_at: dict[int, int] = {}  # rank -> the step of its last eviction
-        self._said: set[int] = set()  # stragglers whose staying was said
+        self._stay_said: set[int] = set()  # stragglers whose staying was said
         # the highest slowness any worker kept up over a window (ratio to its peers' median):
         # in a failure-free run, how far noise alone goes
         self.worst_sustained = 0.0
@@ -57,10 +62,23 @@ class Stragglers:
         return {"action": self.action, "factor": self.factor, "window": self.window,
                 "worst_sustained_ratio": self.worst_sustained}
 
-    def since(self, wid: int) -> int | None:
-        """The first slow step of worker `wid`'s newest straggler entry."""
+    def began(self, store, wid: int) -> dict | None:
+        """{"t": when worker `wid`'s newest slowness began}: the start of its first slow step,
+        from rank 0's step record (None without one)."""
         found = [e for e in self.entries if e["worker"] == wid]
-        return found[-1]["from_step"] if found else None
+        key = protocol.step_key(found[-1]["from_step"]) if found else None
+        if key is None or not store.check([key]):
+            return None
+        return {"t": float(store.get(key).decode().split(",")[0])}
+
+    def _said(self, entry: dict) -> None:
+        """An entry found or dealt with: into the store, where a loop's trackers follow them,
+        and to the caller's hook (the launcher's metrics.jsonl)."""
+        if self.store is not None:
+            self.store.set(protocol.straggler_key(self._lines),
+                           json.dumps(dict(entry, t=time.time())))
+            self._lines += 1
+        self.on_entry(dict(entry))
 
     def evicted(self, wid: int) -> bool:
         return wid in self._evicted
@@ -80,7 +98,7 @@ class Stragglers:
             if wid not in found or wid not in active:
                 if wid in active:
                     entry["until_step"] = step
-                    self.on_entry(dict(entry))
+                    self._said(entry)
                     self.log(f"[checkpointless] rank {entry['rank']} is no longer slow at step "
                              f"{step}")
                 del self._open[wid]
@@ -112,14 +130,14 @@ class Stragglers:
                     del self._open[wid]
                     self.paces.pop(wid, None)
                     evict.append(active[wid])
-                    self.on_entry(dict(e))
+                    self._said(e)
                 if len(group) > 1:
                     fence.append(active[group[0]].node)
                 self.log(f"[checkpointless] evicting rank(s) {[e['rank'] for e in entries]} "
                          "for slowness: ready spares take their ranks" +
                          (f" (node {active[group[0]].node} is fenced)" if len(group) > 1 else ""))
-            elif group[0] not in self._said:
-                self._said.add(group[0])
+            elif group[0] not in self._stay_said:
+                self._stay_said.add(group[0])
                 e = entries[0]
                 why = (f"checkpointless.straggler.action={self.action}" if self.action != "evict"
                        else "no spare is ready" if spares_left < len(group) else
@@ -134,7 +152,7 @@ class Stragglers:
                  "until_step": None, "slow_node": slow_node}
         self.entries.append(entry)
         self._open[w.wid] = entry
-        self.on_entry(dict(entry))
+        self._said(entry)
         self.log(f"[checkpointless] rank {w.rank} (worker {w.wid}, node {w.node}) is a straggler: "
                  f"its own time per step has kept up {ratio:.2f}x its peers' median over "
                  f"its last {self.window} steps (above {self.factor:g}x), slow since step "

@@ -18,7 +18,6 @@ processes are its pool's (processes.py on one machine, cluster.py over many).
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -26,6 +25,7 @@ from . import membership, policy, protocol
 from .cluster import ClusterPool, pool_for
 from .processes import Worker
 from .protocol import SupervisorConfig
+from .health import fit_spares
 from .report import Failure, new_recoveries, run_report
 from .stragglers import Stragglers
 
@@ -68,8 +68,7 @@ class Supervisor:
         self.pids_at_start: dict[int, int] = {}
         self.stop_asked: str | None = None  # why the job was asked to stop (a signal)
         self.preempted_at: int | None = None  # the step before which every rank stopped
-        self._on_straggler, self._stragglers_said = on_straggler, 0
-        self.stragglers = Stragglers(cfg, log, self._straggler_said)
+        self.stragglers = Stragglers(cfg, log, on_straggler)
         self._unhealthy_said: dict[int, str] = {}  # spare -> why it was last said unfit
 
     def active_pids(self) -> dict[int, int]:
@@ -89,6 +88,7 @@ class Supervisor:
         self.port = self.server.port
         if self.wrap_store:
             self.store = self.wrap_store(self.store)
+        self.stragglers.store = self.store  # where its lines go (a loop's trackers follow)
         self.store.set(protocol.SPEC, cfg.spec().to_json())
         self.t_start = time.time()
         for w in self.pool.start(self.store):
@@ -251,7 +251,7 @@ class Supervisor:
         diverged = self.store.check([protocol.diverged_key(w.wid)])
         slow = self.stragglers.evicted(w.wid)
         if slow and not fault:  # slowed from outside: it began with its first slow step
-            fault = self._step_start(self.stragglers.since(w.wid))
+            fault = self.stragglers.began(self.store, w.wid)
         f = Failure(wid=w.wid, rank=w.rank,
                     cause=policy.cause(w.node_lost, hung, diverged, err, slow),
                     t_fail=fault["t"] if fault else w.lost_at or now, t_detect=now,
@@ -331,38 +331,9 @@ class Supervisor:
                                     [(w.node, w.slot) for w in lost],
                                     self.pool.lost_node_ids(), self.pool.spare_node_ids())
 
-    def _step_start(self, step: int | None) -> dict | None:
-        """{"t": when step `step` began}, from rank 0's step record, if there is one."""
-        key = protocol.step_key(step) if step is not None else None
-        if key is None or not self.store.check([key]):
-            return None
-        return {"t": float(self.store.get(key).decode().split(",")[0])}
-
-    def _straggler_said(self, entry: dict) -> None:
-        """A straggler found or dealt with: into the store, where a loop's trackers follow
-        them (protocol.straggler_key), and to the launcher's hook (its metrics.jsonl)."""
-        self.store.set(protocol.straggler_key(self._stragglers_said),
-                       json.dumps(dict(entry, t=time.time())))
-        self._stragglers_said += 1
-        if self._on_straggler:
-            self._on_straggler(entry)
-
     def _healthy(self, ready: list[Worker]) -> list[Worker]:
-        """The ready spares whose newest health check passed; each one skipped is said once
-        (health.py: a spare checks its node as it warms up and while it waits)."""
-        keys = [protocol.health_key(w.wid) for w in ready]
-        found = [k for k in keys if self.store.check([k])]
-        records = dict(zip([w.wid for w in ready if protocol.health_key(w.wid) in found],
-                           (json.loads(v) for v in self.store.multi_get(found)))) \
-            if found else {}
-        fit, unfit = policy.healthy_spares(ready, records)
-        for wid, why in unfit.items():
-            if self._unhealthy_said.get(wid) != why:
-                self._unhealthy_said[wid] = why
-                self.log(f"[checkpointless] spare worker {wid} (node {self.workers[wid].node}) "
-                         f"is not promoted: its node is unhealthy ({why}); the next spare "
-                         "is taken")
-        return fit
+        """The ready spares whose newest health check passed (health.fit_spares)."""
+        return fit_spares(self.store, ready, self._unhealthy_said, self.log)
 
     def _publish(self) -> None:
         """The next generation's plan: what changed since the last one, node by node."""

@@ -178,7 +178,18 @@ def report(cfg, results: dict, save_cost: float, out_root: Path,
     projected, model_text = model_table(s, overhead, save_cost)
     print()
     print(model_text)
-    bench_json = {
+    bench_json = _bench_json(cfg, results, s, save_cost, overhead, sequential, paired, speedup,
+                             plain_fig, grad_copy, consistency, same, projected)
+    (out_root / "bench.json").write_text(json.dumps(bench_json, indent=2) + "\n")
+    plot(results, out_root / "timeline.png")
+    print(f"\n[bench] wrote {out_root / 'bench.json'} and {out_root / 'timeline.png'}")
+    return 0 if same in (None, True) and all(bench_json["slow_same_bits_as_on"].values()) else 1
+
+
+def _bench_json(cfg, results, s, save_cost, overhead, sequential, paired, speedup, plain_fig,
+                grad_copy, consistency, same, projected) -> dict:
+    """What bench.json holds: every mode's figures and every comparison printed."""
+    return {
         "machine": f"{os.cpu_count()} CPU cores, {sys.platform}",
         "config": asdict(cfg),
         "modes": {m: {k: v for k, v in x.items() if k != "t0"} for m, x in s.items()},
@@ -193,12 +204,6 @@ def report(cfg, results: dict, save_cost: float, out_root: Path,
         "checkpoint_save_s": round(save_cost, 4),
         "model": projected,
     }
-    (out_root / "bench.json").write_text(json.dumps(bench_json, indent=2) + "\n")
-    plot(results, out_root / "timeline.png")
-    print(f"\n[bench] wrote {out_root / 'bench.json'} and {out_root / 'timeline.png'}")
-    slow_same = all(s[m]["params_sha256"] == s["on"]["params_sha256"]
-                    for m in s if m.startswith("slow-") and "on" in s)
-    return 0 if same in (None, True) and slow_same else 1
 
 
 def straggler_table(s: dict) -> str:
