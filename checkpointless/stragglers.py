@@ -22,7 +22,7 @@ import time
 
 from . import policy, protocol
 
-KEEP_STEPS = 64  # steps of figures kept per worker
+KEEP_STEPS = 48  # steps of figures kept per worker (a few windows)
 
 
 class Stragglers:
@@ -83,10 +83,12 @@ class Stragglers:
     def evicted(self, wid: int) -> bool:
         return wid in self._evicted
 
-    def judge(self, active: dict, step: int, ready_spares: int, remote=None):
+    def judge(self, active: dict, step, ready_spares, remote=None):
         """(workers to evict now, nodes to fence as slow) among `active` ({wid: Worker}), at
-        job step `step`; `remote(node)`: whether a node has an agent of its own (slow nodes are
-        only judged there: a coordinator's node cannot move)."""
+        job step `step`, with `ready_spares` fit to take a rank (each a number, or a function
+        giving it: asked only when there is a straggler, so that the steady state costs the
+        job's store nothing); `remote(node)`: whether a node has an agent of its own (slow nodes
+        are only judged there: a coordinator's node cannot move)."""
         if self.action == "off":
             return [], []
         for wid in [w for w in self.paces if w not in active]:  # left the job meanwhile
@@ -94,6 +96,10 @@ class Stragglers:
         sustained: dict[int, float] = {}
         found = policy.find_stragglers(self.paces, self.factor, self.window, sustained)
         self.worst_sustained = round(max([self.worst_sustained, *sustained.values()]), 3)
+        if not found and not self._open:
+            return [], []
+        step = step() if callable(step) else step
+        ready_spares = ready_spares() if callable(ready_spares) else ready_spares
         for wid, entry in list(self._open.items()):  # no longer slow, or gone
             if wid not in found or wid not in active:
                 if wid in active:

@@ -176,9 +176,10 @@ class Supervisor:
         """Stragglers to evict now (stragglers.py judges them from the beats `_hung` read); a
         slow node is fenced, so that its ranks move together to a spare node."""
         active = {wid: self.workers[wid] for wid in self.ranks}
-        ready = len(self._healthy(self.pool.spares(self.store, ready=True)))
-        evict, nodes = self.stragglers.judge(active, self._job_step(), ready,
-                                             self.pool.remote if self.cluster else None)
+        evict, nodes = self.stragglers.judge(
+            active, self._job_step,
+            lambda: len(self._healthy(self.pool.spares(self.store, ready=True))),
+            self.pool.remote if self.cluster else None)
         for k in nodes:
             self.pool.fence(k, "slow: every rank of the node is a straggler")
         return [(w, False) for w in evict]
