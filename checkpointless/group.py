@@ -8,6 +8,7 @@ on it: gloo's abort does not, so a leaving worker also shuts its group's sockets
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
@@ -163,13 +164,15 @@ class Watch:
         self.generation, self.in_step, self.abort = generation, in_step, abort
         self.latest_gen = -1
         self.preempt_at: int | None = None  # the step before which the job stops, once asked
+        # generation -> (the worker that leaves, the step before which it does): a straggler
+        self.leaves: dict[int, tuple[int, int]] = {}
         self._stop = threading.Event()
         self._seen = threading.Condition()
 
     def start(self) -> None:
         threading.Thread(target=self._run, daemon=True, name="checkpointless-watch").start()
-        threading.Thread(target=self._run_preempt, daemon=True,
-                         name="checkpointless-preempt").start()
+        threading.Thread(target=self._run_notices, daemon=True,
+                         name="checkpointless-notices").start()
 
     def stop(self) -> None:
         self._stop.set()
@@ -183,12 +186,25 @@ class Watch:
         with self._seen:
             return self._seen.wait_for(lambda: self.latest_gen > gen, timeout_s)
 
-    def _run_preempt(self) -> None:
-        """Learn of a preemption the moment it is asked, without a store call per step."""
+    def leave(self, gen: int) -> tuple[int, int] | None:
+        """(worker, step) when a worker of generation `gen` was asked to leave before that
+        step (protocol.notice_key)."""
+        return self.leaves.get(gen)
+
+    def _run_notices(self) -> None:
+        """Learn of the supervisor's notices (a preemption, a straggler asked to leave) the
+        moment they are written, without a store call per step."""
         store = membership.connect(self.host, self.port)
+        i = 0
         try:
-            store.wait([protocol.PREEMPT], timedelta(seconds=_WAIT_S))
-            self.preempt_at = int(store.get(protocol.PREEMPT))
+            while True:
+                store.wait([protocol.notice_key(i)], timedelta(seconds=_WAIT_S))
+                n = json.loads(store.get(protocol.notice_key(i)))
+                if n["kind"] == "preempt":
+                    self.preempt_at = n["before_step"]
+                elif n["kind"] == "leave":
+                    self.leaves[n["gen"]] = (n["wid"], n["before_step"])
+                i += 1
         except Exception:  # noqa: BLE001  the store is gone: the job is over
             return
 

@@ -83,7 +83,6 @@ ERRORS = "errors"  # counter: exceptions workers reported (error/<wid> holds eac
 DONE = "done"  # counter: workers that finished
 FIRST_STEP = "first_step"  # the step this launch's step records start at (resume from disk)
 SHUTDOWN = "shutdown"  # set by the supervisor when the job is over
-PREEMPT = "preempt"  # set by the supervisor on SIGTERM/SIGINT: the step before which all stop
 PREEMPT_ASK = "preempt_ask"  # set by a node agent that got SIGTERM/SIGINT: please stop the job
 NODE_EVENTS = "node_events"  # counter: agents' health records that carry news (an exit)
 LAST_STEP = "last_step"  # rank 0's newest committed step (with its step record)
@@ -122,6 +121,14 @@ def group_prefix(gen: int) -> str:
 
 def ready_key(wid: int) -> str:
     return f"ready/{wid}"
+
+
+def notice_key(i: int) -> str:
+    """The supervisor's i-th notice to every worker, JSON, in order: {"kind": "preempt",
+    "before_step"} (SIGTERM, SIGINT: every rank stops before that step) or {"kind": "leave",
+    "wid", "gen", "before_step"} (that worker, a straggler, leaves at that step's boundary and
+    the others wait there for the plan that replaces it). One thread per worker follows them."""
+    return f"notice/{i}"
 
 
 def straggler_key(i: int) -> str:

@@ -23,6 +23,8 @@ ends the job.
 """
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import time
 
@@ -89,10 +91,16 @@ class StepLoop:
         self.started = True
 
     def next(self) -> int:
-        """Recover if a peer failed since the last step; the step to run next."""
+        """Recover if a peer failed since the last step (or a straggler leaves at this boundary);
+        the step to run next."""
         rec = self.rec
         if rec.watch.moved(rec.gen) and not rec.failed:
             rec.fail()
+        leave = rec.watch.leave(rec.gen)
+        if leave is not None and rec.completed >= leave[1] and not rec.failed:
+            if leave[0] == self.worker_id:
+                self._leave(leave[1])
+            rec.fail()  # no step in flight: wait here for the plan that replaces the leaver
         if rec.failed:
             self._reported(rec.recover)
         return rec.completed
@@ -170,6 +178,16 @@ class StepLoop:
 
     def report(self, exc: BaseException) -> None:
         report_error(self.store, self.worker_id, exc)
+
+    def _leave(self, step: int) -> None:
+        """This worker is a straggler the supervisor evicts: it leaves at this step boundary,
+        its records written first (rank 0's step records), as a failure would (the supervisor
+        sees the exit and gives the rank to a spare), with no step cut short."""
+        print(f"[checkpointless] rank {self.rec.rank}: evicted for slowness, leaving before "
+              f"step {step}", file=sys.stderr, flush=True)
+        self.rec.reporter.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(5)  # the signal may take a moment; nothing may progress meanwhile
 
     def say_void(self, what: str) -> None:
         print(f"[checkpointless] rank {self.rec.rank}: a peer was lost during {what}; the rest "

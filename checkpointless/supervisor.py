@@ -18,6 +18,7 @@ processes are its pool's (processes.py on one machine, cluster.py over many).
 """
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -30,6 +31,7 @@ from .report import Failure, new_recoveries, run_report
 from .stragglers import Stragglers
 
 D = protocol.DEFAULTS
+LEAVE_S = 30.0  # a straggler asked to leave at a step boundary that has not is killed then
 
 
 class JobFailed(RuntimeError):
@@ -69,6 +71,8 @@ class Supervisor:
         self.stop_asked: str | None = None  # why the job was asked to stop (a signal)
         self.preempted_at: int | None = None  # the step before which every rank stopped
         self.stragglers = Stragglers(cfg, log, on_straggler)
+        self._notices = 0  # notices written (protocol.notice_key)
+        self._leaving: dict[int, float] = {}  # straggler asked to leave -> when to kill it
         self._unhealthy_said: dict[int, str] = {}  # spare -> why it was last said unfit
 
     def active_pids(self) -> dict[int, int]:
@@ -173,8 +177,12 @@ class Supervisor:
         return [(active[wid], True) for wid in hung]
 
     def _slow(self) -> list[tuple[Worker, bool]]:
-        """Stragglers to evict now (stragglers.py judges them from the beats `_hung` read); a
-        slow node is fenced, so that its ranks move together to a spare node."""
+        """Stragglers to evict (stragglers.py judges them from the beats `_hung` read). One is
+        asked to leave at the next step boundary but one (a notice every worker learns of): it
+        exits there, the others wait there for the plan that gives its rank to a spare, and no
+        step is cut short. One that has not left within LEAVE_S (it missed the notice, or a
+        failure moved the job on) is killed, as a slow node's ranks are at once: the node is
+        fenced, so that its ranks move together to a spare node."""
         active = {wid: self.workers[wid] for wid in self.ranks}
         evict, nodes = self.stragglers.judge(
             active, self._job_step,
@@ -182,7 +190,23 @@ class Supervisor:
             self.pool.remote if self.cluster else None)
         for k in nodes:
             self.pool.fence(k, "slow: every rank of the node is a straggler")
-        return [(w, False) for w in evict]
+        now, out = time.time(), []
+        for w in evict:
+            if w.node in nodes:
+                out.append((w, False))
+                continue
+            step = self._job_step() + 2  # as for a preemption: every rank learns of it first
+            self._notice(kind="leave", wid=w.wid, gen=self.gen, before_step=step)
+            self._leaving[w.wid] = now + LEAVE_S
+            self.log(f"[checkpointless] rank {w.rank} (worker {w.wid}) leaves before step "
+                     f"{step}; a spare takes its rank there")
+        for wid, deadline in list(self._leaving.items()):
+            if wid not in self.ranks:  # it left (or failed) and was handled
+                del self._leaving[wid]
+            elif now > deadline:
+                del self._leaving[wid]
+                out.append((self.workers[wid], False))
+        return out
 
     def _silent_nodes(self, lost) -> list[tuple[Worker, bool]]:
         out = []
@@ -363,8 +387,13 @@ class Supervisor:
         # heartbeat was read, and every rank must learn of the stop before it reaches it
         stop = self._job_step() + 2
         self.preempted_at = stop
-        self.store.set(protocol.PREEMPT, str(stop))
+        self._notice(kind="preempt", before_step=stop)
         self.log(f"[checkpointless] {self.stop_asked}: stopping every rank before step {stop}")
+
+    def _notice(self, **notice) -> None:
+        """A notice every worker's watch learns of (protocol.notice_key), in order."""
+        self.store.set(protocol.notice_key(self._notices), json.dumps(notice))
+        self._notices += 1
 
     # ---- reporting -----------------------------------------------------------------------
     def _say_recoveries(self) -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
+import time
 
 import pytest
 import torch
@@ -269,5 +271,33 @@ def test_the_step_boundary_api_drives_a_loop_without_the_generators(sup, referen
             assert loop.absorb(exc)
         assert loop.close() == (not failed_once or step != 5 or loop.completed == 6)
     assert loop.generation == 1 and loop.completed == 6
+    assert _same(_bits(model), reference)
+    job.finish()
+
+
+def test_a_straggler_asked_to_leave_makes_the_others_wait_at_that_boundary(sup, reference):
+    """The supervisor's notice that another worker (a straggler) leaves before step 3: this one
+    finishes step 2, waits at that boundary for the plan that replaces the leaver, and goes on
+    from step 3 with nothing redone and the bits of a run without it."""
+    seen = {}
+
+    def fail(job, step, phase):
+        if (step, phase) == (1, "after_update"):
+            sup.store.set(protocol.notice_key(0), json.dumps(
+                {"kind": "leave", "wid": 99, "gen": job.gen, "before_step": 3}))
+
+            def replace():  # the supervisor, once it saw the leaver exit
+                deadline = time.time() + 20
+                while job.steploop.rec.phase is not Phase.WAITING and time.time() < deadline:
+                    time.sleep(0.005)
+                seen["waiting_at"] = job.completed_steps
+                sup.publish()
+            threading.Thread(target=replace, daemon=True).start()
+        if (step, phase) == (2, "forward"):
+            time.sleep(0.2)  # the notice reaches the watch well before the boundary
+    job = _job(sup)
+    model = _train(job, 6, fail)
+    assert seen["waiting_at"] == 3 and job.gen == 1
+    assert job.last_recovery["resumed_step"] == 3 and job.last_recovery.get("steps_redone", 0) == 0
     assert _same(_bits(model), reference)
     job.finish()

@@ -1,7 +1,8 @@
 """Stragglers on real processes: a rank slowed from outside the project (SIGSTOP and SIGCONT in
 turn, as a throttled device or a noisy neighbour would) and a rank slowed by the `slow` fault are
-found within the window, a ready spare takes the rank and the run ends with the failure-free
-bits; with no spare ready the straggler is reported and the run completes."""
+found within the window, leave at a step boundary, a ready spare takes the rank and the run ends
+with the failure-free bits; with no spare ready the straggler is reported and the run
+completes."""
 import json
 import os
 import signal
@@ -100,7 +101,12 @@ def test_an_injected_3x_straggler_on_tiny_llama_is_evicted_and_the_step_time_rec
     (s,) = rep["stragglers"]
     assert s["rank"] == 2 and s["action"] == "evicted" and abs(s["from_step"] - 5) <= 2
     assert s["evicted_at_step"] <= 5 + 10 + 5
-    assert [x["cause"] for x in rep["recoveries"]] == ["slow"]
+    (rec,) = rep["recoveries"]
+    assert rec["cause"] == "slow"
+    # it left at a step boundary: no step was cut short, none redone, nothing to reuse
+    assert rec["resumed_step"] == rec["failed_at_step"] and rec["steps_redone"] == 0
+    assert rec["ranks_reusing_grads"] == []
+    assert f"leaves before step {rec['resumed_step']}" in r.stdout
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["action"] for x in lines if x.get("event") == "straggler"] == ["reported",
                                                                              "evicted"]
