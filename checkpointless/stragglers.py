@@ -49,7 +49,7 @@ class Stragglers:
         if self.action == "off":
             return
         for wid, b in beats.items():
-            if not b or not b.get("pace"):
+            if not b or not b.get("pace") or wid in self._evicted:  # leaving: judged already
                 continue
             mine = self.paces.setdefault(wid, {})
             for step, ms in b["pace"]:

@@ -86,6 +86,7 @@ def test_a_worker_that_dies_before_it_joins_stops_the_run_at_once(tmp_path):
     assert rep["took_s"] < 60
 
 
+@pytest.mark.extended  # in make test-scale (its time budget; policy.crash_loop in test_policy.py)
 def test_a_replacement_crashing_at_start_up_again_and_again_stops_the_run(tmp_path):
     rep = run(tmp_path, "--spares", "1", "--fault", "kill:2:5", CRASH_REPLACEMENTS="1",
               expect_rc=1)

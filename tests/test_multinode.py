@@ -104,7 +104,7 @@ def test_a_slow_node_is_fenced_and_its_ranks_move_to_the_spare_node_with_the_one
     try:
         assert procs[0].wait(timeout=400) == 0, (tmp_path / "node0.log").read_text()[-3000:]
         assert procs[2].wait(timeout=30) == 0
-        assert procs[1].wait(timeout=30) == 3  # fenced: its agent stopped its workers
+        assert procs[1].wait(timeout=30) == 1  # fenced: its agent stopped its workers
     finally:
         for p in procs:
             if p.poll() is None:
@@ -117,6 +117,7 @@ def test_a_slow_node_is_fenced_and_its_ranks_move_to_the_spare_node_with_the_one
         == {("slow", 1, 2)}
     assert len({r["generation"] for r in rep["recoveries"]}) == 1  # moved together
     assert "every rank of node 1 is slow" in (tmp_path / "node0.log").read_text()
+    assert "fenced by the coordinator (fenced: slow" in (tmp_path / "node1.log").read_text()
     assert not _job_processes(tmp_path)
 
 

@@ -76,6 +76,7 @@ def test_a_rank_slowed_from_outside_is_evicted_and_the_run_keeps_the_bits(tmp_pa
     assert rep["slow_s"] > 0 and rep["goodput"] < 0.99  # the slowness is not useful time
 
 
+@pytest.mark.extended  # in make test-scale (its time budget; the rule is in test_stragglers.py)
 def test_with_no_spare_ready_a_straggler_is_reported_and_the_run_completes(tmp_path,
                                                                            loop_digest):
     rep = supervised(tmp_path, "nospare", [SCRIPT], *OPTIONS, "--spares", "0",

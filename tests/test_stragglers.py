@@ -143,6 +143,8 @@ def test_the_supervisors_check_evicts_once_a_spare_is_ready_and_says_why_it_wait
     assert st.entries == [dict(st.entries[0], action="evicted", until_step=40,
                                evicted_at_step=40)]
     assert [e["action"] for e in said] == ["reported", "evicted"]  # metrics.jsonl's lines
+    st.note(beats_from(p, 44))  # it is still running until the boundary it leaves at
+    assert st.judge(active, 44, ready_spares=1) == ([], []) and len(st.entries) == 1
     assert st.summary()["worst_sustained_ratio"] > 2.5
 
 
