@@ -3,18 +3,19 @@
 Under data parallelism every rank's step lasts as long as the slowest one's: a rank that computes
 fast waits for the slow one in the gradient collective, so wall time per step cannot tell them
 apart. What can is the time a rank spends *not* waiting: the step's body (from `open` to `close`)
-minus the time its training thread spent blocked in this library's collectives (the gradient
-all-reduce, or the wait for the bucketed all-reduces of checkpointless.DistributedDataParallel,
-the loss sum, a consistency check). The slow rank arrives last and waits for nobody, so its
-figure is its whole step; the others' figures are their own compute. Communication itself (the
-bytes on the wire) counts as waiting on every rank alike, so it cancels out of the comparison.
+minus the time its training thread spent blocked on peers: in this library's collectives (the
+gradient all-reduce, the wait for the bucketed all-reduces of checkpointless.DistributedDataParallel,
+the loss sum) and in any wait for a collective to complete (`watch_collectives`: torch's
+`Work.wait`, through which FSDP's all-gathers and reduce-scatters pass too). The slow rank arrives
+last and waits for nobody, so its figure is its whole step; the others' figures are their own
+compute. Communication itself (the bytes on the wire) counts as waiting on every rank alike, so it
+cancels out of the comparison.
 
 Chosen over "from the step's start to its first gradient collective" because that point moves
 with the gradient sync (one flat all-reduce after backward, or buckets launched during it) and
 comes inside forward under FSDP; the wall-minus-waiting figure reads the same whatever the sync.
-Its blind spot: collectives this library does not wrap (FSDP's own all-gathers and
-reduce-scatters) count as compute, so under fsdp every rank reads about as slow as the slowest
-and a straggler is seen only through what the library's collectives show.
+Its blind spot: a collective whose wait does not pass through `Work.wait` (a functional
+collective's `wait_tensor`, a CUDA stream wait with no host block) counts as compute.
 
 The supervisor compares these figures across ranks (policy.find_stragglers); a worker reports
 them with its heartbeat (reporter.py), the last `KEEP` steps each time, so a coordinator that reads
@@ -34,12 +35,35 @@ _local = threading.local()
 
 @contextlib.contextmanager
 def waiting():
-    """Around a call in which this thread waits on peers: its time is not the rank's own work."""
+    """Around a call in which this thread waits on peers: its time is not the rank's own work.
+    Nested (a library collective whose torch call waits on its Work), only the outermost
+    counts."""
+    depth = getattr(_local, "depth", 0)
+    _local.depth = depth + 1
     t0 = time.perf_counter()
     try:
         yield
     finally:
-        _local.waited = getattr(_local, "waited", 0.0) + time.perf_counter() - t0
+        _local.depth = depth
+        if depth == 0:
+            _local.waited = getattr(_local, "waited", 0.0) + time.perf_counter() - t0
+
+
+def watch_collectives() -> None:
+    """Count every wait for a collective to complete (torch's `Work.wait`, which blocking
+    collectives call too) as waiting on peers: FSDP's own all-gathers and reduce-scatters, a
+    user's collectives, as well as this library's. Installed once per worker process."""
+    import torch.distributed as dist
+    work = getattr(dist, "Work", None)
+    if work is None or getattr(work.wait, "_checkpointless_pace", False):
+        return
+    wait = work.wait
+
+    def timed_wait(self, *args, **kwargs):
+        with waiting():
+            return wait(self, *args, **kwargs)
+    timed_wait._checkpointless_pace = True
+    work.wait = timed_wait
 
 
 def waited() -> float:

@@ -35,7 +35,7 @@ from . import consistency, membership, protocol
 from .failures import communicating, report_error
 from .faults import FaultInjector, InjectedFault
 from .group import side_group
-from .pace import Pace
+from .pace import Pace, watch_collectives
 from .recovery import Phase, Recovery
 from .seeding import seed_all, step_seed
 from .state import ProtectedState
@@ -54,6 +54,7 @@ class StepLoop:
         self.step_started_at = 0.0
         self._secured: tuple[int, int] | None = None  # (gen, step) whose state peers hold whole
         self.pace = Pace()  # this worker's own time per step, for the straggler check
+        watch_collectives()
 
     # ---- where the loop stands ---------------------------------------------------------------
     @property
