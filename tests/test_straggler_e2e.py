@@ -124,3 +124,17 @@ def test_an_injected_3x_straggler_on_tiny_llama_is_evicted_and_the_step_time_rec
     events.Reload()
     assert [e.value for e in events.Scalars("straggler/rank")] == [2, 2]  # found, evicted
     assert [e.value for e in events.Scalars("straggler/evicted")] == [0, 1]
+
+
+@pytest.mark.extended  # in make test-scale (two fsdp runs of 30 steps)
+def test_under_fsdp_a_3x_straggler_is_found_through_fsdps_own_collectives_and_evicted(
+        tmp_path, references):
+    fsdp = ("distributed.strategy=fsdp", "trainer.max_steps=30")
+    _, ref, _ = references.train("tiny-llama", *fsdp)
+    assert ref["stragglers"] == [] and ref["straggler_check"]["worst_sustained_ratio"] < 1.5
+    out, rep, r = train(tmp_path, "slow-fsdp", "tiny-llama", *fsdp, "checkpointless.spares=1",
+                        "checkpointless.refill=false", "faults=[slow:2:5:3]")
+    assert_same_bits(rep, ref)
+    (s,) = rep["stragglers"]
+    assert s["rank"] == 2 and s["action"] == "evicted" and s["factor"] > 2.0
+    assert [x["cause"] for x in rep["recoveries"]] == ["slow"]
