@@ -81,6 +81,13 @@ class Stragglers:
             self._lines += 1
         self.on_entry(dict(entry))
 
+    def leaves_at(self, wid: int, step: int) -> None:
+        """Worker `wid`, evicted, leaves before `step`: its slowness lasts until then."""
+        for e in reversed(self.entries):
+            if e["worker"] == wid:
+                e["until_step"] = step
+                return
+
     def evicted(self, wid: int) -> bool:
         return wid in self._evicted
 

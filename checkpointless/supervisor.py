@@ -197,6 +197,7 @@ class Supervisor:
                 continue
             step = self._job_step() + 2  # as for a preemption: every rank learns of it first
             self._notice(kind="leave", wid=w.wid, gen=self.gen, before_step=step)
+            self.stragglers.leaves_at(w.wid, step)
             self._leaving[w.wid] = now + LEAVE_S
             self.log(f"[checkpointless] rank {w.rank} (worker {w.wid}) leaves before step "
                      f"{step}; a spare takes its rank there")
