@@ -46,7 +46,8 @@ def test_own_error_again_at_the_same_step_stops_the_run_with_its_message(tmp_pat
 
 def test_a_spare_whose_node_check_fails_is_skipped_for_the_next(tmp_path, clean_digest):
     bad = '[ "$CL_WORKER_ID" != 4 ] || { echo "GPU 0: uncorrected ECC errors"; exit 1; }'
-    rep = run(tmp_path, "--spares", "2", "--health-command", bad, "--fault", "kill:1:5")
+    rep = run(tmp_path, "--spares", "2", "--health-command", bad, "--fault", "kill:1:5",
+              WAIT_READY="4,5")  # both spares ready (4 unhealthy) before the kill
     assert_same_bits(rep, clean_digest)
     (rec,) = rep["recoveries"]
     assert rec["failed_rank"] == 1 and rec["replacement_worker"] == 5  # not 4

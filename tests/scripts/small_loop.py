@@ -15,6 +15,7 @@
     KILL_AFTER_FINISH=r  that rank SIGKILLs itself once job.finish() returned (its result is in)
     WORK=n               each step also multiplies n 128x128 matrices (a fixed amount of compute,
                          so that a rank slowed from outside takes longer over it)
+    WAIT_READY=w,w       every rank starts its loop once those workers (spares) are ready
 """
 import hashlib
 import os
@@ -50,6 +51,11 @@ if os.environ.get("DDP_BUCKET_MB"):
     dropin = checkpointless.DistributedDataParallel(
         model, bucket_cap_mb=float(os.environ["DDP_BUCKET_MB"]))
 job.protect(model=dropin or model, optimizer=opt)
+if os.environ.get("WAIT_READY"):  # a test's failure must find these spares warm
+    from checkpointless import protocol
+    keys = [protocol.ready_key(int(w)) for w in os.environ["WAIT_READY"].split(",")]
+    while not job._rec.store.check(keys):
+        time.sleep(0.05)
 raise_at = os.environ.get("RAISE_AT")
 loader = None
 if os.environ.get("LOADER_WORKERS"):
