@@ -195,8 +195,9 @@ class NodeAgent:
 
     def health(self, news: bool, final: bool = False) -> str:
         """Write this node's record: each live worker's last heartbeat (its step, how long ago,
-        its generation and phase, its newest steps' own times for the straggler check), which are stopped (SIGSTOP, a frozen container: only this
-        node can see it) and every exit so far. With news (an exit), the job's event counter
+        its generation and phase, its newest steps' own times for the straggler check), which
+        are stopped (SIGSTOP, a frozen container: only this node can see it) and every exit so
+        far. With news (an exit), the job's event counter
         moves so the coordinator reads the records at once. Returns the coordinator's word for
         this node ("run", "fenced: ...", "shutdown"), read in the same call. `final`: the
         agent is leaving, its workers stopped."""

@@ -198,12 +198,6 @@ def choose_spares(ready: list, failed: list[tuple[int, int]], lost_nodes: set[in
 
 
 # ---- stragglers ------------------------------------------------------------------------------
-def _median(values) -> float:
-    v = sorted(values)
-    n = len(v)
-    return (v[(n - 1) // 2] + v[n // 2]) / 2
-
-
 def _median_without(v: list[float], x: float) -> float:
     """The median of sorted `v` less one instance of `x` (in it): O(log n), for thousands of
     ranks a step."""

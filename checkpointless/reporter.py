@@ -28,7 +28,7 @@ class Reporter:
     def __init__(self, worker_id: int, host: str, port: int, node_port: int = 0):
         self.worker_id = worker_id
         self.host, self.port, self.node_port = host, port, node_port
-        self._beat: str | None = None  # the newest heartbeat not yet written
+        self._beat: dict | None = None  # the newest heartbeat not yet written
         self._steps: list[tuple[int, str]] = []  # step records not yet written
         self._queued = self._written = 0
         self._cond = threading.Condition()
@@ -45,7 +45,7 @@ class Reporter:
         beat = {"t": time.time(), "step": step, "gen": gen, "phase": phase}
         if pace:
             beat["pace"] = pace
-        self._put(beat=json.dumps(beat), wake=write)
+        self._put(beat=beat, wake=write)  # serialized by the thread, off the step's path
 
     def step_done(self, step: int, t0: float, t1: float) -> None:
         """Rank 0: step `step` ran from t0 to t1 (report.py reads these for goodput). Written
@@ -72,7 +72,7 @@ class Reporter:
             self._cond.notify_all()
             self._cond.wait_for(lambda: self._written >= target or self._broken, timeout_s)
 
-    def _put(self, beat: str | None = None, step: tuple[int, str] | None = None,
+    def _put(self, beat: dict | None = None, step: tuple[int, str] | None = None,
              wake: bool = True) -> None:
         with self._cond:
             if beat is not None:
@@ -109,7 +109,7 @@ class Reporter:
                     beat, steps, upto = self._beat, self._steps, self._queued
                     self._beat, self._steps = None, []
                 if beat is not None:
-                    node.set(protocol.heartbeat_key(self.worker_id), beat)
+                    node.set(protocol.heartbeat_key(self.worker_id), json.dumps(beat))
                 if steps:
                     main = main or connect(self.host, self.port)
                     main.multi_set([protocol.step_key(s) for s, _ in steps] + [protocol.LAST_STEP],

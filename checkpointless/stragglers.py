@@ -3,9 +3,9 @@
 Under data parallelism one slow rank makes every rank wait, and nothing fails: no exit, no
 silence. Each worker measures its own time per step, less its waiting on peers (pace.py), and its
 heartbeat carries the newest figures; the supervisor keeps them per worker (`note`) and compares
-each worker's with its peers' median step by step (policy.find_stragglers). A worker above
-`straggler_factor` times that median for `straggler_window` consecutive steps is a straggler; a
-node all of whose ranks are stragglers is a slow node.
+each worker's with its peers' median step by step (policy.find_stragglers). A worker that keeps
+up more than `straggler_factor` times that median over its last `straggler_window` steps is a
+straggler; a node all of whose ranks are stragglers is a slow node.
 
 What is done (`straggler_action`): `evict` hands the straggler's rank to a ready spare through the
 path of any failure (cause `slow`): the supervisor asks it to leave at a step boundary, where the
@@ -24,6 +24,7 @@ import time
 from . import policy, protocol
 
 KEEP_STEPS = 48  # steps of figures kept per worker (a few windows)
+LEAVE_S = 30.0  # a straggler asked to leave at a step boundary that has not is killed then
 
 
 class Stragglers:
@@ -40,6 +41,7 @@ class Stragglers:
         self._evicted: set[int] = set()  # workers evicted for slowness
         self._evicted_at: dict[int, int] = {}  # rank -> the step of its last eviction
         self._stay_said: set[int] = set()  # stragglers whose staying was said
+        self._leaving: dict[int, float] = {}  # straggler asked to leave -> when to kill it
         # the highest slowness any worker kept up over a window (ratio to its peers' median):
         # in a failure-free run, how far noise alone goes
         self.worst_sustained = 0.0
@@ -81,12 +83,27 @@ class Stragglers:
             self._lines += 1
         self.on_entry(dict(entry))
 
-    def leaves_at(self, wid: int, step: int) -> None:
-        """Worker `wid`, evicted, leaves before `step`: its slowness lasts until then."""
+    def ask_to_leave(self, w, step: int, gen: int, notice) -> None:
+        """Evicted worker `w` leaves before `step` of generation `gen`: `notice(**fields)`
+        tells every worker (protocol.notice_key); its slowness lasts until then."""
+        notice(kind="leave", wid=w.wid, gen=gen, before_step=step)
         for e in reversed(self.entries):
-            if e["worker"] == wid:
+            if e["worker"] == w.wid:
                 e["until_step"] = step
-                return
+                break
+        self._leaving[w.wid] = time.time() + LEAVE_S
+        self.log(f"[checkpointless] rank {w.rank} (worker {w.wid}) leaves before step {step}; "
+                 "a spare takes its rank there")
+
+    def overdue(self, active) -> list[int]:
+        """Workers asked to leave that are still in `active` LEAVE_S later: to be killed."""
+        now, out = time.time(), []
+        for wid, deadline in list(self._leaving.items()):
+            if wid not in active or now > deadline:  # handled already, or to be killed now
+                del self._leaving[wid]
+                if wid in active:
+                    out.append(wid)
+        return out
 
     def evicted(self, wid: int) -> bool:
         return wid in self._evicted

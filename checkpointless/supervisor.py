@@ -31,7 +31,6 @@ from .report import Failure, new_recoveries, run_report
 from .stragglers import Stragglers
 
 D = protocol.DEFAULTS
-LEAVE_S = 30.0  # a straggler asked to leave at a step boundary that has not is killed then
 
 
 class JobFailed(RuntimeError):
@@ -72,7 +71,6 @@ class Supervisor:
         self.preempted_at: int | None = None  # the step before which every rank stopped
         self.stragglers = Stragglers(cfg, log, on_straggler)
         self._notices = 0  # notices written (protocol.notice_key)
-        self._leaving: dict[int, float] = {}  # straggler asked to leave -> when to kill it
         self._unhealthy_said: dict[int, str] = {}  # spare -> why it was last said unfit
 
     def active_pids(self) -> dict[int, int]:
@@ -180,9 +178,9 @@ class Supervisor:
         """Stragglers to evict (stragglers.py judges them from the beats `_hung` read). One is
         asked to leave at the next step boundary but one (a notice every worker learns of): it
         exits there, the others wait there for the plan that gives its rank to a spare, and no
-        step is cut short. One that has not left within LEAVE_S (it missed the notice, or a
-        failure moved the job on) is killed, as a slow node's ranks are at once: the node is
-        fenced, so that its ranks move together to a spare node."""
+        step is cut short. One that has not left within stragglers.LEAVE_S (it missed the
+        notice, or a failure moved the job on) is killed, as a slow node's ranks are at once:
+        the node is fenced, so that its ranks move together to a spare node."""
         active = {wid: self.workers[wid] for wid in self.ranks}
         evict, nodes = self.stragglers.judge(
             active, self._job_step,
@@ -190,24 +188,11 @@ class Supervisor:
             self.pool.remote if self.cluster else None)
         for k in nodes:
             self.pool.fence(k, "slow: every rank of the node is a straggler")
-        now, out = time.time(), []
+        out = [(w, False) for w in evict if w.node in nodes]
         for w in evict:
-            if w.node in nodes:
-                out.append((w, False))
-                continue
-            step = self._job_step() + 2  # as for a preemption: every rank learns of it first
-            self._notice(kind="leave", wid=w.wid, gen=self.gen, before_step=step)
-            self.stragglers.leaves_at(w.wid, step)
-            self._leaving[w.wid] = now + LEAVE_S
-            self.log(f"[checkpointless] rank {w.rank} (worker {w.wid}) leaves before step "
-                     f"{step}; a spare takes its rank there")
-        for wid, deadline in list(self._leaving.items()):
-            if wid not in self.ranks:  # it left (or failed) and was handled
-                del self._leaving[wid]
-            elif now > deadline:
-                del self._leaving[wid]
-                out.append((self.workers[wid], False))
-        return out
+            if w.node not in nodes:  # as for a preemption, two steps on: all learn of it first
+                self.stragglers.ask_to_leave(w, self._job_step() + 2, self.gen, self._notice)
+        return out + [(self.workers[wid], False) for wid in self.stragglers.overdue(self.ranks)]
 
     def _silent_nodes(self, lost) -> list[tuple[Worker, bool]]:
         out = []
