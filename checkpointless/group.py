@@ -155,13 +155,16 @@ class Watch:
     store until that plan appears and then aborts the communicator, which turns the wait into an
     immediate error that the step scope recovers from.
 
-    `latest_gen` is the newest generation seen; `generation()` gives the worker's own, `in_step()`
-    whether it is inside a step, and `abort()` aborts its group."""
+    `latest_gen` is the newest generation seen; `generation()` gives the worker's own, and
+    `abort_older(g)` is called once generation g is seen: it aborts the worker's group if that
+    is still inside a step of an older generation. The check and the abort are one atomic act
+    on the worker's side: this thread may be descheduled for a while after seeing g, and by
+    then the worker may be in a step of generation g, whose group must not be touched."""
 
-    def __init__(self, host: str, port: int, generation, in_step, abort, plans_at=None):
+    def __init__(self, host: str, port: int, generation, abort_older, plans_at=None):
         self.host, self.port = host, port  # the job's store (preemption is asked there)
         self.plans_at = plans_at or (host, port)  # where the plans are: the node's store
-        self.generation, self.in_step, self.abort = generation, in_step, abort
+        self.generation, self.abort_older = generation, abort_older
         self.latest_gen = -1
         self.preempt_at: int | None = None  # the step before which the job stops, once asked
         # generation -> (the worker that leaves, the step before which it does): a straggler
@@ -224,8 +227,7 @@ class Watch:
                 with self._seen:
                     self.latest_gen = g
                     self._seen.notify_all()
-                if self.in_step():
-                    self.abort()
+                self.abort_older(g)
 
 
 def side_group(host: str, port: int, gen: int, rank: int, world_size: int, timeout_s: float):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import json
+import threading
 import time
 from datetime import timedelta
 
@@ -58,8 +59,11 @@ class Recovery:
         self.group = Group(store, self.node_store, spec.backend, spec.pg_timeout_s,
                            {port, node_port} - {0}, state.modules)
         plans_at = ("127.0.0.1", node_port) if node_port else (host, port)
-        self.watch = Watch(host, port, lambda: self.gen, lambda: self._phase is Phase.IN_STEP,
-                           self._abort_from_watch, plans_at=plans_at)
+        self.watch = Watch(host, port, lambda: self.gen, self._abort_from_watch,
+                           plans_at=plans_at)
+        # held while the watch thread judges and aborts, and while this thread enters a step or
+        # a generation: the abort can then only hit a step of an older generation
+        self._gate = threading.Lock()
         self._phase = Phase.WAITING  # changed only by this class's transitions below
         self.plan: membership.Seat | None = None
         self.gen, self.rank, self.world_size = -1, -1, 0
@@ -74,11 +78,18 @@ class Recovery:
     def phase(self) -> Phase:
         return self._phase
 
-    def _abort_from_watch(self) -> None:
-        # gloo's abort does not release a blocked collective; shutting the sockets does, even
-        # when a dead peer's forked children keep its end open
-        self.group.release_peers()
-        Group.abort()
+    def _abort_from_watch(self, newer_gen: int) -> None:
+        """The watch saw generation `newer_gen`: abort this worker's group if it is inside a
+        step of an older one. Seen in CI: the check made before the watch thread lost the CPU,
+        the abort after this worker had recovered into the new generation, whose group it then
+        destroyed under the next collective."""
+        with self._gate:
+            if self._phase is not Phase.IN_STEP or self.gen >= newer_gen:
+                return
+            # gloo's abort does not release a blocked collective; shutting the sockets does,
+            # even when a dead peer's forked children keep its end open
+            self.group.release_peers()
+            Group.abort()
 
     # ---- waiting ---------------------------------------------------------------------------
     def wait_plan(self, after_gen: int, timeout_s: float | None) -> membership.Seat:
@@ -149,7 +160,8 @@ class Recovery:
             try:
                 if self.gen >= 0 and self.holds_state:  # rehearse a failure during recovery
                     self.injector.at("regroup", plan.rank, self.completed)
-                self.plan, self.gen = plan, plan.gen
+                with self._gate:  # an abort judged on the older generation ends first
+                    self.plan, self.gen = plan, plan.gen
                 self.rank, self.world_size = plan.rank, plan.world_size
                 self._phase = Phase.REGROUPING
                 if not self.group.form(plan):
@@ -199,8 +211,9 @@ class Recovery:
     def enter_step(self) -> None:
         """Control enters a step's body (or a boundary that communicates): from here the watch
         thread may abort a collective stuck on a hung peer."""
-        if self._phase is Phase.TRAINING:
-            self._phase = Phase.IN_STEP
+        with self._gate:
+            if self._phase is Phase.TRAINING:
+                self._phase = Phase.IN_STEP
 
     def leave_step(self) -> None:
         if self._phase is Phase.IN_STEP:

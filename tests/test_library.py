@@ -344,32 +344,31 @@ def test_flat_gradient_average_matches_per_tensor_and_carries_the_loss():
     assert spawn_gloo(_reduce, 2) == [(0, True, 3.0), (1, True, 3.0)]
 
 
-def test_watch_thread_aborts_the_communicator_when_membership_moves_mid_step():
+def test_watch_thread_asks_for_an_abort_at_once_when_membership_moves():
     """The NCCL release path: a survivor stuck in a collective is freed by aborting its
     communicator as soon as the supervisor publishes a new generation (no NCCL here, so the
-    abort call itself is observed)."""
+    call that asks for the abort is observed; whether to abort is the worker's, see
+    test_steploop)."""
     from checkpointless.group import Watch
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     store.set(protocol.GEN, "0")
     calls = []
-    in_step = [False]
-    watch = Watch("127.0.0.1", store.port, lambda: 0, lambda: in_step[0],
-                  lambda: calls.append(time.time()))
+    watch = Watch("127.0.0.1", store.port, lambda: 0, lambda g: calls.append((g, time.time())))
     watch.start()
     time.sleep(0.3)
     assert calls == [] and not watch.moved(0)
+    t0 = time.time()
     membership.publish(store, membership.Plan(gen=1, world_size=1, ranks={0: 0}))
     deadline = time.time() + 3
-    while not watch.moved(0) and time.time() < deadline:
+    while not calls and time.time() < deadline:
         time.sleep(0.01)
-    assert watch.moved(0) and calls == []  # between steps: nothing to abort
-    in_step[0] = True
-    t0 = time.time()
+    assert watch.moved(0) and [g for g, _ in calls] == [1]
+    assert calls[0][1] - t0 < 0.2  # at once, not at a poll or a timeout
     membership.publish(store, membership.Plan(gen=2, world_size=1, ranks={0: 0}))
-    while not calls and time.time() < deadline + 3:
+    while len(calls) < 2 and time.time() < deadline + 3:
         time.sleep(0.01)
     watch.stop()
-    assert calls and calls[0] - t0 < 0.2  # released at once, not at a poll or a timeout
+    assert [g for g, _ in calls] == [1, 2]
 
 
 def test_unflatten_without_copy_views_aligned_tensors_and_copies_misaligned_ones():

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from checkpointless import membership, protocol, restore
+from checkpointless import consistency, membership, protocol, restore
 from checkpointless.failures import PeerLost
 from checkpointless.group import Group
 from checkpointless.job import Job
@@ -232,6 +232,24 @@ def test_between_steps_is_run_again_after_a_failure_inside_it(sup, reference):
     again = job.between_steps(evaluate)
     assert first == again and runs == [0, 0, 1, 1]
     assert _same(_bits(model), reference)
+    job.finish()
+
+
+def test_a_late_abort_judged_on_the_older_generation_leaves_the_new_group_alone(sup, reference):
+    """The watch thread sees generation 1 while the worker is in a step of generation 0, then
+    loses the CPU; the worker recovers into generation 1 and enters its next step before the
+    watch thread asks for the abort (seen in CI). That late call must not touch the new group."""
+    job = _job(sup)
+    _train(job, 3)
+    sup.lose_a_worker()
+    job.steploop.rec.watch.wait_newer(0, 5.0)  # the watch saw generation 1 (and asked already)
+
+    def late_abort():
+        assert job.gen == 1  # recovered at the boundary, now inside generation 1's body
+        job.steploop.rec._abort_from_watch(1)  # the call judged on generation 0
+        return consistency.gather([torch.nn.Linear(1, 1)], job.world_size)
+
+    assert len(job.between_steps(late_abort)) == 1 and dist.is_initialized()
     job.finish()
 
 
