@@ -48,6 +48,15 @@ def gather(modules, world: int) -> list[int]:
     return [int(g) for g in got]
 
 
+# What makes replicas part after the start's broadcast, most likely first (said with a finding)
+LIKELY_CAUSES = (
+    "likely causes: something in the step that differs by rank (a branch on the rank, a random "
+    "draw made outside the job's steps, which are seeded per step and rank, or a batch that is "
+    "not each rank's own share), parameters changed outside the protected optimizer, a kernel "
+    "whose result is not a function of its inputs alone, or silent corruption in a device or its "
+    "memory")
+
+
 def judge(sums: list[int], rank: int, step: int) -> list[int]:
     """The ranks that differ from the majority; raises Diverged on such a rank, NoMajority on
     every rank when no state is held by more than half of them."""
@@ -57,12 +66,16 @@ def judge(sums: list[int], rank: int, step: int) -> list[int]:
     majority = max(counts, key=counts.get)
     if counts[majority] * 2 <= len(sums):
         raise NoMajority(f"at step {step} the replicas disagree with no majority (parameter "
-                         f"checksums by rank: {sums}); no state can be trusted over another")
+                         f"checksums by rank: {sums}); no state can be trusted over another. Every "
+                         f"rank started from rank 0's state, so they parted since: "
+                         f"{LIKELY_CAUSES}")
     odd = [r for r, s in enumerate(sums) if s != majority]
     if rank in odd:
         raise Diverged(f"rank {rank}'s parameters differ from the majority's at step {step} "
                        f"(checksum {sums[rank]} vs {majority} on ranks "
-                       f"{[r for r, s in enumerate(sums) if s == majority]})")
+                       f"{[r for r, s in enumerate(sums) if s == majority]}); it leaves and a spare "
+                       f"takes the majority's state. {LIKELY_CAUSES[0].upper()}"
+                       f"{LIKELY_CAUSES[1:]}")
     return odd
 
 

@@ -11,6 +11,7 @@ from . import health, membership, protocol
 from .failures import report_uncaught
 from .job import Job
 from .plain import PlainJob
+from .state import refuse_torch_ddp_construction
 
 
 def started_as_spare() -> bool:
@@ -44,6 +45,7 @@ def join(seed: int | None = None, backend: str | None = None):
         spec.seed = seed
     job = Job(store, worker_id, spec, host, port)
     report_uncaught(store, worker_id)
+    refuse_torch_ddp_construction()
     watch = None
     if protocol.started_as_spare() and health.enabled(spec.health):
         # checked before it says it is ready, and again while it waits: the supervisor hands a

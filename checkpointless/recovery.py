@@ -69,6 +69,7 @@ class Recovery:
         self.gen, self.rank, self.world_size = -1, -1, 0
         self.completed = 0  # committed steps
         self.holds_state = True
+        self.agreed = False  # through a restore since the launch (restore.Position)
         self.catching_up = 0
         self.awaiting_first: int | None = None  # generation whose first commit is not yet recorded
         self.last: dict | None = None  # how the newest generation was entered
@@ -192,12 +193,14 @@ class Recovery:
     def _restore(self, plan: membership.Seat, awaiting: int | None) -> None:
         self._phase = Phase.RESTORING
         me = restore.Position(self.rank, self.world_size, self.completed, self.holds_state,
-                              self.kept.usable(self.completed, self.rank, self.world_size))
+                              self.kept.usable(self.completed, self.rank, self.world_size),
+                              agreed=self.agreed)
         out = restore.restore(self.state, me,
                               lambda rank, step: self.injector.at("receive", rank, step))
         if out.drop_kept_grads:
             self.kept.drop()
         self.completed, self.holds_state = out.resumed_step, True
+        self.agreed = True  # every member holds the same state now
         self.catching_up = out.catching_up
         info = dict(out.info, t_plan=plan.t_published, t_group=self.t_group, t_ready=time.time(),
                     worker_id=self.worker_id,

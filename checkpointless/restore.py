@@ -34,6 +34,9 @@ class Position:
     completed: int  # steps this member has committed
     holds_state: bool  # False for a spare that has received nothing yet
     grads_kept: bool  # it still holds its own gradients of the step in flight
+    # it has been through a restore since the launch: its state is the job's, not only its own
+    # build (an unseeded script's ranks each build a different model)
+    agreed: bool = True
 
 
 @dataclass
@@ -58,8 +61,9 @@ def restore(state: ProtectedState, me: Position, before_receive=None) -> Outcome
 
 
 def _restore_replicated(state: ProtectedState, me: Position, hook) -> Outcome:
-    mine = torch.tensor([me.completed if me.holds_state else -1, int(me.grads_kept)])
-    got = [torch.zeros(2, dtype=torch.int64) for _ in range(me.world_size)]
+    mine = torch.tensor([me.completed if me.holds_state else -1, int(me.grads_kept),
+                         int(me.agreed)])
+    got = [torch.zeros(3, dtype=torch.int64) for _ in range(me.world_size)]
     with communicating("agreeing on the newest committed step"):
         dist.all_gather(got, mine.to(torch.int64))
     steps = [int(g[0]) for g in got]
@@ -69,6 +73,8 @@ def _restore_replicated(state: ProtectedState, me: Position, hook) -> Outcome:
         raise RuntimeError("no member of the new generation holds training state")
     sources = [r for r, s in enumerate(steps) if s == resume]
     receivers = [r for r, s in enumerate(steps) if s != resume]
+    if me.world_size > 1 and any(not g[2] for g, s in zip(got, steps) if s >= 0):
+        return _start_equal(state, me, steps, min(sources), resume)
     out = Outcome(resumed_step=resume)
     # when every source redoes the step from kept gradients, it only waits for the receivers
     if me.rank in receivers and all(kept[r] for r in sources):
@@ -88,6 +94,25 @@ def _restore_replicated(state: ProtectedState, me: Position, hook) -> Outcome:
                 "bytes_received": received, "transfer_s": time.time() - t0,
                 "source": pairs.get(me.rank)}
     return out
+
+
+def _start_equal(state: ProtectedState, me: Position, steps: list[int], src: int,
+                 resume: int) -> Outcome:
+    """The launch's first agreement: every member takes `src`'s state (rank 0's, unless a
+    failure took it before this), as torch's DDP broadcasts rank 0's parameters when it is
+    built. A script that builds its model without a seed then trains equal replicas; a seeded
+    one loses nothing (the bits are the same). Also after a failure during this broadcast: a
+    member not yet through it asks for it again."""
+    t0 = time.time()
+    got_state, moved = transfer.broadcast_state(state.state() if me.rank == src else None,
+                                                src, me.rank)
+    if got_state is not None:
+        state.load(got_state)
+    info = {"steps_by_rank": steps, "pairs": {}, "source": None if me.rank == src else src,
+            "bytes_sent": moved if me.rank == src else 0,
+            "bytes_received": 0 if me.rank == src else moved,
+            "transfer_s": time.time() - t0, "start_broadcast_from": src}
+    return Outcome(resumed_step=resume, drop_kept_grads=me.rank != src, info=info)
 
 
 def _restore_shards(state: ProtectedState, me: Position, hook) -> Outcome:

@@ -123,6 +123,30 @@ def _refuse_torch_ddp(name: str, obj) -> None:
             "before optimizer.step()")
 
 
+def refuse_torch_ddp_construction() -> None:
+    """From join() on, building torch's DistributedDataParallel raises at once, with the fix.
+
+    A script that protects the bare model and then wraps it in torch's DDP (as every DDP script
+    does) would train until the first failure: then each replacement, building the wrapper,
+    broadcasts from rank 0 where no survivor joins it and dies in gloo's size mismatch, spare
+    after spare. Refused where it is built, the error names the wrapper and the drop-in."""
+    from torch.nn.parallel import DistributedDataParallel
+    if getattr(DistributedDataParallel.__init__, "_checkpointless_refused", False):
+        return
+
+    def refused(self, module=None, *args, **kwargs):
+        raise TypeError(
+            "torch.nn.parallel.DistributedDataParallel was built inside a checkpointless job: "
+            "it cannot survive a recovery (its constructor broadcasts from rank 0, which a "
+            "replacement would wait for alone, and it keeps the process group it was built "
+            "with). Use checkpointless.DistributedDataParallel(model) instead (the same "
+            "arguments, its all-reduce follows every new group), or protect the bare model and "
+            "call job.all_reduce_grads(model.parameters()) before optimizer.step()")
+
+    refused._checkpointless_refused = True
+    DistributedDataParallel.__init__ = refused
+
+
 def _like(local: torch.Tensor, ref):
     """`local` (a shard) as a DTensor placed like `ref`, or as is when `ref` is not sharded."""
     if not is_dtensor(ref):

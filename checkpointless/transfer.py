@@ -138,6 +138,35 @@ def recv_state(src: int, group=None):
     return unflatten_state(skeleton, flat, copy=False), n_skel + n_flat + 32
 
 
+def broadcast_state(obj, src: int, rank: int, group=None):
+    """Rank `src` sends `obj` to every member in one broadcast (the others pass None); returns
+    (the state on a receiver, None on `src`; bytes moved). The same SHA-256 check as recv_state."""
+    if rank == src:
+        skeleton, payload = flatten_state(obj, tail=32)
+        payload[-32:] = torch.frombuffer(bytearray(_digest(skeleton, payload[:-32])),
+                                         dtype=torch.uint8)
+        sizes = torch.tensor([len(skeleton), payload.numel()], dtype=torch.int64)
+    else:
+        sizes = torch.empty(2, dtype=torch.int64)
+    with communicating(f"broadcasting rank {src}'s state"):
+        dist.broadcast(sizes, src, group=group)
+        n_skel, n_payload = (int(v) for v in sizes)
+        if rank == src:
+            skel = torch.frombuffer(bytearray(skeleton), dtype=torch.uint8)
+        else:
+            skel = torch.empty(n_skel, dtype=torch.uint8)
+            payload = torch.empty(n_payload, dtype=torch.uint8)
+        dist.broadcast(skel, src, group=group)
+        dist.broadcast(payload, src, group=group)
+    if rank == src:
+        return None, n_skel + n_payload
+    skeleton = skel.numpy().tobytes()
+    flat, digest = payload[:-32], payload[-32:].numpy().tobytes()
+    if _digest(skeleton, flat) != digest:
+        raise IntegrityError(f"state broadcast by rank {src} failed its SHA-256 check")
+    return unflatten_state(skeleton, flat, copy=False), n_skel + n_payload
+
+
 class IntegrityError(RuntimeError):
     """A transferred state did not match its digest."""
 

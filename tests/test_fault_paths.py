@@ -99,11 +99,24 @@ def test_a_replacement_crashing_at_start_up_again_and_again_stops_the_run(tmp_pa
 
 
 def test_a_script_that_keeps_torchs_ddp_wrapper_gets_one_clear_error(tmp_path):
-    rep = run(tmp_path, "--spares", "1", WRAP_DDP="1", expect_rc=1)
-    assert "DistributedDataParallel" in rep["stderr"] + rep["stdout"]
-    assert "job.all_reduce_grads" in rep["stderr"] + rep["stdout"]
+    """The bare model protected, then wrapped in torch's DDP, as DDP scripts do: refused where
+    the wrapper is built, before any step (not at the first failure), naming the drop-in."""
+    rep = run(tmp_path, "--spares", "1", WRAP_DDP="after", expect_rc=1)
+    said = rep["stderr"] + rep["stdout"]
+    assert "torch.nn.parallel.DistributedDataParallel was built inside a checkpointless job" \
+        in said and "checkpointless.DistributedDataParallel(model)" in said
     assert rep["recoveries"] == [] and len(rep["failures"]) <= 4  # no spare thrown at it
     assert all(f["cause"] == "error" for f in rep["failures"]) and rep["took_s"] < 60
+    assert rep.get("steps_completed", 0) == 0
+
+
+def test_an_unseeded_script_starts_from_rank_0s_state_and_its_replicas_stay_equal(tmp_path):
+    """Each process builds a different model (no seed); the job starts every rank from rank
+    0's state, as torch's DDP does when it is built, and a replacement after a kill receives it."""
+    rep = run(tmp_path, "--spares", "1", "--consistency-every", "4", "--fault", "kill:1:6",
+              UNSEEDED="1")
+    final_digest(rep)  # every rank ended with one state
+    assert [x["failed_rank"] for x in rep["recoveries"]] == [1]
 
 
 def test_a_silently_corrupted_replica_is_caught_named_and_replaced(tmp_path, clean_digest):

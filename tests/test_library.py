@@ -87,6 +87,37 @@ def test_state_transfer_over_gloo_is_exact_and_a_flipped_bit_is_refused(flip):
         assert kind == "ok" and value is True and n > 0
 
 
+def _start(rank, port, q, spare_rank):
+    """Each rank builds its model unseeded (a different init per process), then the launch's
+    first restore; `spare_rank` holds nothing (a spare that took a rank lost in that restore)."""
+    from checkpointless.protocol import Spec
+    from checkpointless.state import ProtectedState
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=3)
+    try:
+        torch.manual_seed(1000 + rank)
+        state = ProtectedState(Spec())
+        model = torch.nn.Linear(3, 2)
+        state.protect(model=model)
+        holds = rank != spare_rank
+        out = restore.restore(state, restore.Position(rank, 3, 5 if holds else -1, holds, False,
+                                                      agreed=False))
+        q.put((rank, out.resumed_step, out.info.get("start_broadcast_from"),
+               [round(float(v), 6) for v in model.weight.reshape(-1)]))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("spare_rank", [None, 0])
+def test_the_launchs_first_restore_gives_every_rank_one_state_like_torchs_ddp(spare_rank):
+    """An unseeded script's ranks start from different models; the first restore broadcasts one
+    of them (rank 0's, or the lowest holder's when rank 0 is a spare) to every member."""
+    got = spawn_gloo(_start, 3, spare_rank)
+    src = 0 if spare_rank is None else 1
+    assert {(step, by) for _, step, by, _ in got} == {(5, src)}
+    assert len({tuple(w) for *_, w in got}) == 1  # one state everywhere
+
+
 def test_sources_are_load_balanced():
     pairs = restore.assign_sources([1, 3, 5, 6], [0, 2])
     assert sorted(pairs) == [1, 3, 5, 6]

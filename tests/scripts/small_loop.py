@@ -5,7 +5,9 @@
     STALL_SPARES=1       spares never finish starting up (they sleep before join)
     CRASH_WORKER=wid     that worker id exits with code 3 before it joins
     CRASH_REPLACEMENTS=1 every replacement raises right after it is handed a rank
-    WRAP_DDP=1           the model stays wrapped in torch's DistributedDataParallel
+    WRAP_DDP=1           the model stays wrapped in torch's DistributedDataParallel (protected
+                         wrapped); WRAP_DDP=after: the bare model is protected, then wrapped
+    UNSEEDED=1           the model is built without a seed: each process its own init
     DDP_BUCKET_MB=x      gradients averaged by checkpointless.DistributedDataParallel in buckets
                          of x MB (several: more than one collective in flight per step)
     SKIP_FINISH=1        the script ends without job.finish(): its workers exit with code 0
@@ -38,19 +40,21 @@ if wid is not None and os.environ.get("CRASH_WORKER") == wid:
 if os.environ.get("STALL_SPARES") and checkpointless.started_as_spare():
     time.sleep(3600)
 
-torch.manual_seed(0)
+torch.manual_seed(int.from_bytes(os.urandom(4), "little") if os.environ.get("UNSEEDED") else 0)
 model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Dropout(0.1), nn.Linear(64, 1))
 opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
 job = checkpointless.join()
 if os.environ.get("CRASH_REPLACEMENTS") and job.is_replacement:
     raise RuntimeError("this replacement cannot start: broken device")
-if os.environ.get("WRAP_DDP"):
+if os.environ.get("WRAP_DDP") == "1":
     model = torch.nn.parallel.DistributedDataParallel(model)
 dropin = None
 if os.environ.get("DDP_BUCKET_MB"):
     dropin = checkpointless.DistributedDataParallel(
         model, bucket_cap_mb=float(os.environ["DDP_BUCKET_MB"]))
 job.protect(model=dropin or model, optimizer=opt)
+if os.environ.get("WRAP_DDP") == "after":  # as most DDP scripts do, once the state is protected
+    model = torch.nn.parallel.DistributedDataParallel(model)
 if os.environ.get("WAIT_READY"):  # a test's failure must find these spares warm
     from checkpointless import protocol
     keys = [protocol.ready_key(int(w)) for w in os.environ["WAIT_READY"].split(",")]
