@@ -100,6 +100,11 @@ def is_peer_failure(exc: BaseException, loss_seen, confirm_s: float) -> bool:
     return False
 
 
+# the exceptions handed to the supervisor (at most one: see report_error), kept alive so that
+# no later object takes an id of theirs
+_REPORTED: list = []
+
+
 def report_error(store, worker_id: int, exc: BaseException) -> None:
     """Hand the supervisor this worker's own exception, traceback included, at once (the first
     one: what follows from it says less)."""
@@ -114,17 +119,34 @@ def report_error(store, worker_id: int, exc: BaseException) -> None:
     try:
         store.set(protocol.error_key(worker_id), json.dumps({"t": time.time(), "error": text}))
         store.add(protocol.ERRORS, 1)
+        _REPORTED.append(exc)
     except Exception:
         pass
 
 
-def report_uncaught(store, worker_id: int) -> None:
+def _was_reported(exc: BaseException | None) -> bool:
+    """`exc`, or one it was raised from or while handling, reached the supervisor."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if any(e is exc for e in _REPORTED):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def report_uncaught(store, worker_id: int, printed_by_supervisor=lambda: True) -> None:
     """An exception that ends the script outside a step (building a wrapper, loading data after
-    join) reaches the supervisor with its traceback too, not only as an exit code."""
+    join) reaches the supervisor with its traceback too, not only as an exit code.
+
+    One traceback per error: what reached the supervisor is printed by it, once, as "rank N
+    raised:" with the traceback (`printed_by_supervisor()`: while this worker holds a rank; a
+    spare's is printed here); this process prints what it could not hand over."""
     previous = sys.excepthook
 
     def hook(kind, value, tb):
         report_error(store, worker_id, value)
-        previous(kind, value, tb)
+        if not (_was_reported(value) and printed_by_supervisor()):
+            previous(kind, value, tb)
 
     sys.excepthook = hook

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -39,11 +40,15 @@ class Group:
         rank = plan.rank
         if not membership.barrier(self.store, self.node_store, plan):
             return False
+        hook = sys.excepthook
         with communicating(f"forming the process group of generation {plan.gen}"):
             dist.init_process_group(
                 self.backend, store=dist.PrefixStore(protocol.group_prefix(plan.gen), self.store),
                 rank=rank, world_size=plan.world_size,
                 timeout=timedelta(seconds=self.pg_timeout_s))
+        # torch wraps the excepthook at every init_process_group to prefix "[rankN]: ": one
+        # wrapper more per generation. The job's own hook (failures.report_uncaught) stays.
+        sys.excepthook = hook
         self.rebind_sharded_modules(dist.group.WORLD)
         got = dist.get_world_size()
         if got != plan.world_size:

@@ -44,7 +44,7 @@ def join(seed: int | None = None, backend: str | None = None):
     if seed is not None:
         spec.seed = seed
     job = Job(store, worker_id, spec, host, port)
-    report_uncaught(store, worker_id)
+    report_uncaught(store, worker_id, printed_by_supervisor=lambda: job.rank >= 0)
     refuse_torch_ddp_construction()
     watch = None
     if protocol.started_as_spare() and health.enabled(spec.health):

@@ -25,13 +25,18 @@ def clean_digest(references):
 
 
 def test_own_error_with_a_misleading_message_is_replaced_within_seconds(tmp_path, clean_digest):
-    rep = run(tmp_path, "--spares", "1", RAISE_AT="1:6")
+    # rank 1 raises in the second generation (a kill came first): it has built two groups
+    rep = run(tmp_path, "--spares", "2", "--fault", "kill:2:3", RAISE_AT="1:6")
     assert_same_bits(rep, clean_digest)
-    (rec,) = rep["recoveries"]
+    kill, rec = rep["recoveries"]
+    assert kill["failed_rank"] == 2
     assert rec["cause"] == "error" and rec["failed_rank"] == 1 and rec["failed_at_step"] == 6
     assert "timed out reading shard 7" in rec["error"]  # its own message, in report.json
     assert rec["recovery_s"] < 5.0  # never a process-group timeout
     assert "rank 1 raised:" in rep["stdout"] and "timed out reading shard 7" in rep["stdout"]
+    # one traceback, printed once, by the supervisor; none of torch's "[rank1]: " wrappers
+    said = rep["stdout"].split("\n{")[0] + rep["stderr"]  # the report's JSON follows the log
+    assert said.count("RuntimeError: timed out reading shard 7") == 1 and "[rank1]:" not in said
     assert "waitForInput" not in rep["stderr"]  # no c10d noise while waiting
 
 
