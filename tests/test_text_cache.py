@@ -238,6 +238,25 @@ def test_the_launcher_prepares_and_workers_only_map(tmp_path, files, tok, capsys
     assert load("llama3-8b", []).data.num_proc == 0
 
 
+def test_a_data_file_that_cannot_be_parsed_is_named_with_its_line(tmp_path, files, capsys):
+    """A malformed line, in the second of two files read by two processes: one sentence with the
+    file, the line and what is wrong, instead of datasets' DatasetGenerationError."""
+    lines = open(files[1]).read().splitlines()
+    lines[599] = lines[599][:-1]  # the closing brace lost
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("\n".join(lines) + "\n")
+    with pytest.raises(RecipeError) as got:
+        D.prepare_node(_cfg(tmp_path, [files[0], str(broken)], "broken", num_proc=2))
+    msg = str(got.value)
+    assert msg.startswith(f"data (train): data.files: {broken} line 600 is not valid JSON (")
+    assert "Fix or remove that line" in msg and "DatasetGenerationError" not in msg
+    assert "Failed to load JSON" not in capsys.readouterr().err  # datasets' own line, not said
+    listed = tmp_path / "listed.jsonl"
+    listed.write_text('{"text": "a"}\n["b"]\n')
+    with pytest.raises(RecipeError, match=r"listed.jsonl line 2 is a JSON list, not an object"):
+        D.prepare_node(_cfg(tmp_path, [str(listed)], "listed"))
+
+
 def test_instruction_examples_tokenized_by_two_processes_give_the_same_rows(tmp_path, tok,
                                                                           monkeypatch):
     from launcher import sft_data
