@@ -11,12 +11,16 @@ Checked here, in the launcher:
   * checkpoint.resume=auto over checkpoints this version cannot read (the old single-file ones)
     or over the newest checkpoint of another model (its `.metadata` against the shapes of the
     recipe's model built on the meta device: no tensor read, no memory);
-  * model.init=pretrained from a local folder without the weight files its loader reads;
+  * model.init=pretrained from a local folder without the weight files its loader reads, or from
+    a hub id whose weights are not in the local cache while the hub cannot be reached;
+  * the optional packages the recipe's keys ask for (the trackers; prometheus_client for
+    checkpointless.metrics_port): named with the install command;
   * the memory plan (launcher/plan/).
 The hub helpers they share with the plan live in launcher/hub.py.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from .hub import hub_problem, looks_like_path, offline_unless_reachable
@@ -28,7 +32,7 @@ def preflight(cfg) -> None:
     """Raise RecipeError listing every problem found, each with its fix; return when none."""
     offline_unless_reachable(cfg)
     model, tokenizer = _model(cfg), _tokenizer(cfg)
-    problems = [p for p in (_devices(cfg), model, tokenizer, _data(cfg),
+    problems = [p for p in (_devices(cfg), *missing_packages(cfg), model, tokenizer, _data(cfg),
                             # the model is built to compare shapes only when it can be
                             _checkpoints(cfg, model_ok=not (model or tokenizer))) if p]
     if not problems:
@@ -46,6 +50,39 @@ def preflight_data(cfg) -> None:
     if problems:
         raise RecipeError("the data of this recipe cannot be prepared here:\n  - " +
                           "\n  - ".join(problems))
+
+
+# the module each of accelerate's trackers imports, and the package that provides it
+TRACKER_MODULES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
+                   "mlflow": ("mlflow", "mlflow-skinny"), "comet_ml": ("comet_ml", "comet_ml"),
+                   "aim": ("aim", "aim"), "clearml": ("clearml", "clearml"),
+                   "dvclive": ("dvclive", "dvclive"), "swanlab": ("swanlab", "swanlab"),
+                   "trackio": ("trackio", "trackio")}
+
+
+def installed(module: str) -> bool:
+    import importlib.util
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def missing_packages(cfg) -> list[str]:
+    """What the recipe's keys ask for and this environment lacks: one sentence each, with the
+    install command (rank 0 would otherwise fail in init_trackers after the workers started)."""
+    out = []
+    for i, name in enumerate(cfg.logging.trackers):
+        module, package = TRACKER_MODULES.get(name, (name, name))
+        if not installed(module):
+            out.append(f"logging.trackers[{i}]={name}: the {module} package is not installed "
+                       f"here. Fix: pip install {package} (or drop {name} from logging.trackers)")
+    port = cfg.checkpointless.get("metrics_port", 0)
+    if port and not installed("prometheus_client"):
+        out.append(f"checkpointless.metrics_port={port}: serving /metrics needs the "
+                   "prometheus_client package, which is not installed here. Fix: pip install "
+                   "prometheus_client (or checkpointless.metrics_port=0)")
+    return out
 
 
 def _checkpoints(cfg, model_ok: bool = True) -> str | None:
@@ -160,8 +197,10 @@ FROM_PRETRAINED_FILES = SAFETENSORS_FILES + ("pytorch_model.bin", "pytorch_model
 def _weights_problem(cfg) -> str | None:
     """model.init=pretrained from a local folder without the files its loader reads."""
     folder = Path(cfg.model.id).expanduser()
-    if cfg.model.init != "pretrained" or not folder.is_dir():
-        return None  # a hub id: the workers download what they need
+    if cfg.model.init != "pretrained":
+        return None
+    if not folder.is_dir():
+        return _hub_weights_problem(cfg)
     fsdp = cfg.distributed.strategy == "fsdp"
     accepted = SAFETENSORS_FILES if fsdp else FROM_PRETRAINED_FILES
     if any((folder / f).is_file() for f in accepted):
@@ -183,6 +222,44 @@ def _weights_problem(cfg) -> str | None:
     return (f"model.id={cfg.model.id}: model.init=pretrained reads the weights from this folder, "
             f"and it has none ({', '.join(accepted)}). Fix: save the model there with "
             "save_pretrained, or start from random weights with model.init=random")
+
+
+def _hub_weights_problem(cfg) -> str | None:
+    """A hub id, offline: its weights must already be in the local cache (online, the workers
+    download what they need)."""
+    if os.environ.get("HF_HUB_OFFLINE", "0") in ("", "0", "false"):
+        return None
+    from huggingface_hub import constants, try_to_load_from_cache
+    ident = cfg.model.id
+    revision = cfg.model.get("revision") or None
+    fsdp = cfg.distributed.strategy == "fsdp"
+
+    def cached(name):
+        got = try_to_load_from_cache(ident, name, revision=revision)
+        return got if isinstance(got, str) else None
+
+    for index, single in (("model.safetensors.index.json", "model.safetensors"),
+                          ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+        if fsdp and single == "pytorch_model.bin":
+            break
+        if cached(single):
+            return None
+        if (path := cached(index)) is not None:
+            import json
+            shards = sorted(set(json.loads(Path(path).read_text())["weight_map"].values()))
+            absent = [f for f in shards if not cached(f)]
+            if not absent:
+                return None
+            return (f"model.id={ident}: model.init=pretrained needs {len(absent)} of its "
+                    f"{len(shards)} weight files ({absent[0]}, ...) that are not in the local "
+                    f"Hugging Face cache ({constants.HF_HUB_CACHE}), and the hub cannot be "
+                    f"reached (HF_HUB_OFFLINE). Fix: where the hub is reachable, run "
+                    f"huggingface-cli download {ident}, or start from model.init=random")
+    return (f"model.id={ident}: model.init=pretrained needs its weights, which are not in the "
+            f"local Hugging Face cache ({constants.HF_HUB_CACHE}), and the hub cannot be "
+            f"reached (HF_HUB_OFFLINE). Fix: where the hub is reachable, run "
+            f"huggingface-cli download {ident} (the workers read that cache), or start from "
+            "random weights with model.init=random")
 
 
 def _model(cfg) -> str | None:

@@ -350,3 +350,13 @@ def test_the_straggler_table_puts_goodput_step_times_and_bits_side_by_side():
     assert lines[4].split()[:4] == ["slow-report", "55.0%", "20.0", "reported"]
     assert lines[5].split() == ["slow-evict", "90.0%", "2.5", "evicted", "20", "30", "250",
                                 "260", "DIFFER"]
+
+
+def test_without_matplotlib_the_plot_is_skipped_in_one_line_said_up_front(monkeypatch):
+    from launcher import preflight
+    from launcher.bench.plot import plot_skipped
+    assert plot_skipped() is None  # installed here (the bench extra)
+    monkeypatch.setattr(preflight, "installed", lambda module: module != "matplotlib")
+    note = plot_skipped()
+    assert note.startswith("[bench] matplotlib is not installed: timeline.png will not be drawn")
+    assert "pip install matplotlib" in note and "\n" not in note

@@ -126,6 +126,53 @@ def test_a_pretrained_folder_without_weights_is_refused_under_any_strategy(tmp_p
         preflight(load("tiny-llama", pretrained + ["distributed.strategy=fsdp"]))
 
 
+def test_a_hub_model_whose_weights_are_not_cached_is_refused_while_offline(tmp_path,
+                                                                          monkeypatch):
+    """Offline (the hub unreachable), a hub id's weights must be in the local cache: named
+    before launch, not found by each worker. Shards listed by a cached index count one by one."""
+    import json
+
+    from huggingface_hub import constants
+
+    from launcher.preflight import _weights_problem
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    snap = tmp_path / "models--some-org--tiny" / "snapshots" / "abc"
+    snap.mkdir(parents=True)
+    (snap.parent.parent / "refs").mkdir()
+    (snap.parent.parent / "refs" / "main").write_text("abc")
+    (snap / "config.json").write_text("{}")
+    cfg = load("tiny-llama", ["model.id=some-org/tiny", "model.init=pretrained"])
+    msg = _weights_problem(cfg)
+    assert msg.startswith("model.id=some-org/tiny: model.init=pretrained needs its weights, "
+                          "which are not in the local Hugging Face cache")
+    assert "huggingface-cli download some-org/tiny" in msg and "model.init=random" in msg
+    (snap / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    (snap / "model-00001-of-00002.safetensors").write_bytes(b"")
+    assert "needs 1 of its 2 weight files (model-00002-of-00002.safetensors" in \
+        _weights_problem(cfg)
+    (snap / "model-00002-of-00002.safetensors").write_bytes(b"")
+    assert _weights_problem(cfg) is None
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # online: the workers download what is missing
+    (snap / "model-00002-of-00002.safetensors").unlink()
+    assert _weights_problem(cfg) is None
+
+
+def test_a_package_the_recipe_asks_for_is_named_with_its_install_command(monkeypatch):
+    from launcher import preflight as P
+    monkeypatch.setattr(P, "installed", lambda module: module not in ("wandb", "mlflow"))
+    problems = P.missing_packages(load("tiny-llama",
+                                       ["logging.trackers=[tensorboard,wandb,mlflow]"]))
+    assert problems == [
+        "logging.trackers[1]=wandb: the wandb package is not installed here. Fix: pip install "
+        "wandb (or drop wandb from logging.trackers)",
+        "logging.trackers[2]=mlflow: the mlflow package is not installed here. Fix: pip install "
+        "mlflow-skinny (or drop mlflow from logging.trackers)"]
+    with pytest.raises(RecipeError, match=r"logging.trackers\[0\]=wandb: the wandb package"):
+        preflight(load("tiny-llama", ["logging.trackers=[wandb]"]))
+
+
 def test_a_missing_model_folder_and_one_without_config_get_their_own_sentence(tmp_path,
                                                                               monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -10,6 +10,7 @@ from ..recipes import load
 from .baseline import (PLAIN_LOOP, checkpoint_every, measure_consistency, measure_grad_copy,
                        measure_save_cost, run_torchrun)
 from .config import parse
+from .plot import plot_skipped
 from .failures import schedule
 from .modes import mode_recipe, run_supervised
 from .paired import paired_modes, run_paired, run_paired_launchers
@@ -25,6 +26,8 @@ def bench(args: list[str]) -> int:
     base = load(cfg.recipe, overrides + [f"distributed.num_processes={cfg.workers}", "~faults"])
     print(f"[bench] {cfg.recipe}: {cfg.workers} workers, {cfg.steps} steps per mode, "
           f"MTBF {cfg.mtbf_s:.0f} s, seed {cfg.seed}, modes {', '.join(modes)}", flush=True)
+    if (note := plot_skipped()) is not None:  # said before minutes of training, not after
+        print(note, flush=True)
     # long enough for the slowest mode (restarts included) never to run out of failures
     plan = schedule(cfg, horizon_s=20 * cfg.steps * cfg.step_s_estimate + 600)
     save_cost = measure_save_cost(base)

@@ -6,6 +6,16 @@ from pathlib import Path
 COLORS = {"off": "#888888", "on": "#bbbbbb", "checkpointless": "#1f77b4", "restart": "#d62728"}
 
 
+def plot_skipped() -> str | None:
+    """The one line said when the timeline cannot be drawn (everything else is still written)."""
+    from launcher.preflight import installed
+    if installed("matplotlib"):
+        return None
+    return ("[bench] matplotlib is not installed: timeline.png will not be drawn (bench.json and "
+            "the figures are written all the same). Fix: pip install matplotlib, or install the "
+            "project with its bench extra: pip install -e '.[bench]'")
+
+
 def plot(results: dict, path: Path) -> None:
     import matplotlib  # imported here: only the benchmark's final step needs it
     matplotlib.use("Agg")

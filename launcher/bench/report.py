@@ -12,7 +12,7 @@ from typing import Optional
 
 from .config import MODES
 from .model import model_rows
-from .plot import plot
+from .plot import plot, plot_skipped
 
 
 def table(rows: list[list], header: list[str]) -> str:
@@ -181,8 +181,11 @@ def report(cfg, results: dict, save_cost: float, out_root: Path,
     bench_json = _bench_json(cfg, results, s, save_cost, overhead, sequential, paired, speedup,
                              plain_fig, grad_copy, consistency, same, projected)
     (out_root / "bench.json").write_text(json.dumps(bench_json, indent=2) + "\n")
-    plot(results, out_root / "timeline.png")
-    print(f"\n[bench] wrote {out_root / 'bench.json'} and {out_root / 'timeline.png'}")
+    if (note := plot_skipped()) is None:
+        plot(results, out_root / "timeline.png")
+        print(f"\n[bench] wrote {out_root / 'bench.json'} and {out_root / 'timeline.png'}")
+    else:
+        print(f"\n{note}\n[bench] wrote {out_root / 'bench.json'}")
     return 0 if same in (None, True) and all(bench_json["slow_same_bits_as_on"].values()) else 1
 
 
