@@ -47,6 +47,10 @@ def main(argv=None) -> int:
     p.add_argument("--health-command", default=None, metavar="COMMAND",
                    help="a node check run in each spare before it takes a rank (and every 10 s "
                         "while it waits): a non-zero exit keeps the spare from being promoted")
+    p.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (goodput, steps, "
+                        "recoveries by cause and phase, spares, stragglers; needs "
+                        "prometheus_client); 0: off")
     p.add_argument("--backend", default=DEFAULTS.backend, choices=["gloo", "nccl"])
     p.add_argument("--host", default="127.0.0.1", help="address of the coordination store")
     p.add_argument("--port", type=int, default=0, help="port of the store (0: any free one)")
@@ -67,6 +71,11 @@ def main(argv=None) -> int:
     if a.straggler_factor <= 1 or a.straggler_window < 1:
         p.error(f"--straggler-factor={a.straggler_factor:g} must be > 1 and "
                 f"--straggler-window={a.straggler_window} >= 1")
+    if a.metrics_port:
+        import importlib.util
+        if importlib.util.find_spec("prometheus_client") is None:
+            p.error(f"--metrics-port={a.metrics_port} needs the prometheus_client package: "
+                    "pip install prometheus_client (or leave --metrics-port out)")
     if a.nproc < 1 or a.spares < 0:
         p.error(f"--nproc={a.nproc} must be >= 1 and --spares={a.spares} >= 0")
     # every option under its field's name (nproc, spares, heartbeat_timeout_s, backend, ...)

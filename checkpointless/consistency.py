@@ -73,8 +73,8 @@ def judge(sums: list[int], rank: int, step: int) -> list[int]:
     if rank in odd:
         raise Diverged(f"rank {rank}'s parameters differ from the majority's at step {step} "
                        f"(checksum {sums[rank]} vs {majority} on ranks "
-                       f"{[r for r, s in enumerate(sums) if s == majority]}); it leaves and a spare "
-                       f"takes the majority's state. {LIKELY_CAUSES[0].upper()}"
+                       f"{[r for r, s in enumerate(sums) if s == majority]}); it leaves and a "
+                       f"spare takes the majority's state. {LIKELY_CAUSES[0].upper()}"
                        f"{LIKELY_CAUSES[1:]}")
     return odd
 

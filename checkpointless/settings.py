@@ -128,6 +128,8 @@ class SupervisorConfig:
     straggler_window: int = DEFAULTS.straggler_window
     straggler_action: str = DEFAULTS.straggler_action  # evict, report or off
     health: dict = field(default_factory=dict)  # node checks (health.py; {}: its defaults)
+    metrics_port: int = 0  # >0: the coordinator serves Prometheus' /metrics there (prometheus.py)
+    tokens_per_step: int = 0  # what one step trains on, all ranks (tokens per second; 0: not said)
 
     @classmethod
     def of(cls, settings, **given) -> "SupervisorConfig":

@@ -92,6 +92,7 @@ class Supervisor:
             self.store = self.wrap_store(self.store)
         self.stragglers.store = self.store  # where its lines go (a loop's trackers follow)
         self.store.set(protocol.SPEC, cfg.spec().to_json())
+        stop_metrics = self._serve_metrics()  # before any worker: a busy port stops nothing
         self.t_start = time.time()
         for w in self.pool.start(self.store):
             self.ranks[w.wid] = w.rank
@@ -102,11 +103,28 @@ class Supervisor:
         try:
             self._watch()
         finally:
+            if stop_metrics:
+                stop_metrics()
             self.store.set(protocol.SHUTDOWN, "1")
             time.sleep(0.05)
             self.pool.stop_all()
         self._say_recoveries()
         return self._report()
+
+    def _serve_metrics(self):
+        """Prometheus' /metrics on cfg.metrics_port (prometheus.py); the function that stops it."""
+        port = self.cfg.metrics_port
+        if not port:
+            return None
+        from .prometheus import serve
+        try:
+            stop = serve(self, port, self.cfg.tokens_per_step)
+        except OSError as exc:
+            raise JobFailed(f"checkpointless.metrics_port={port}: cannot serve Prometheus "
+                            f"metrics there ({exc.strerror or exc}); choose a free port, or 0 "
+                            "for none") from None
+        self.log(f"[checkpointless] Prometheus metrics at http://{self.cfg.host}:{port}/metrics")
+        return stop
 
     def _watch(self) -> None:
         """Every wake-up (an exit, or poll_s): exits. Every poll_s: reported errors, hung

@@ -72,6 +72,8 @@ def supervisor_config(cfg) -> SupervisorConfig:
                      "offset": replica_offset(placement, per_node)},
         straggler_factor=c.straggler.factor, straggler_window=c.straggler.window,
         health=health_settings(cfg),
+        tokens_per_step=cfg.trainer.micro_batch_size * cfg.trainer.grad_accum_steps *
+        cfg.data.seq_len * d.num_processes,
         straggler_action=c.straggler.action if c.enabled else "report",
         faults=[dict(f) for f in OmegaConf.to_container(cfg.faults)])
 

@@ -169,6 +169,7 @@ class CheckpointlessConfig:
     max_replacement_failures: int = ranged(CL.max_replacement_failures, ">= 1")  # replacements dying before a first step, in a row, before the run stops
     spare_nodes: int = ranged(0, ">= 0")  # extra nodes whose launchers start nproc_per_node warm spares each: a lost node's ranks move to one of them together
     node_timeout_s: float = ranged(CL.node_timeout_s, "> 0", " seconds")  # silence of a node's launcher after which the node is lost, failed whole and fenced
+    metrics_port: int = ranged(0, "[0, 65535]", " (0: off)")  # >0: the coordinator serves Prometheus metrics at http://<its host>:PORT/metrics (goodput, steps, tokens/s, recoveries by cause and phase, spares, nodes, stragglers); needs prometheus_client
     replication: ReplicationConfig = field(default_factory=ReplicationConfig)
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
     health: HealthConfig = field(default_factory=HealthConfig)

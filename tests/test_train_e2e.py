@@ -4,6 +4,10 @@ Each run costs ~15 s of start-up (every worker imports transformers), so the sce
 and each checks a lot.
 """
 import json
+import socket
+import threading
+import time
+import urllib.request
 
 import pytest
 
@@ -84,9 +88,26 @@ def test_fsdp_really_shards_and_its_replicas_agree(references):
 def test_kill_hang_and_raise_in_one_run_end_with_the_failure_free_bits(tmp_path,
                                                                       tiny_llama_30_steps):
     _, ref, _ = tiny_llama_30_steps  # the same recipe, 30 steps, without spares or failures
-    out, rep, r = train(tmp_path, "faults", "tiny-llama", "trainer.max_steps=30",
-                        "checkpointless.spares=2", "faults=[kill:1:6,hang:2:12,raise:0:18]")
+    port, scrapes = _free_port(), []
+    scraper = _Scraper(port, scrapes)
+    try:
+        out, rep, r = train(tmp_path, "faults", "tiny-llama", "trainer.max_steps=30",
+                            "checkpointless.spares=2", "faults=[kill:1:6,hang:2:12,raise:0:18]",
+                            f"checkpointless.metrics_port={port}")
+    finally:
+        scraper.stop()
     assert_same_bits(rep, ref)
+    # Prometheus, scraped during the run: each recovery counted by its cause, with its phases
+    last = scrapes[-1]
+    assert last['checkpointless_recoveries_total{cause="exit"}'] == 1
+    assert last['checkpointless_recoveries_total{cause="hang"}'] == 1
+    assert last['checkpointless_recoveries_total{cause="error"}'] == 1
+    assert last['checkpointless_failures_total{cause="exit"}'] == 1
+    assert 0 < last['checkpointless_last_recovery_seconds{phase="total"}'] < 30
+    assert 18 < last["checkpointless_steps_completed"] <= 30
+    assert last["checkpointless_generation"] == 3 and 0 < last["checkpointless_goodput_ratio"] < 1
+    assert last["checkpointless_tokens_per_second"] > 0
+    assert any(s['checkpointless_recoveries_total{cause="exit"}'] == 0 for s in scrapes)  # before
     assert rep["final_loss"] == ref["final_loss"]
     causes = [(x["failed_rank"], x["cause"], x["resumed_step"]) for x in rep["recoveries"]]
     assert causes == [(1, "exit", 6), (2, "hang", 12), (0, "error", 18)]
@@ -99,6 +120,39 @@ def test_kill_hang_and_raise_in_one_run_end_with_the_failure_free_bits(tmp_path,
     steps = [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(30))  # every step trained and logged exactly once
     assert r.stdout.count("[checkpointless] recovered rank") == 3
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class _Scraper:
+    """Scrapes http://127.0.0.1:PORT/metrics every 0.3 s while a run goes on, as Prometheus
+    would; each successful scrape's samples (name{labels} -> value) are appended."""
+
+    def __init__(self, port: int, scrapes: list):
+        self.port, self.scrapes, self.done = port, scrapes, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self.done.is_set():
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics",
+                                            timeout=2) as resp:
+                    text = resp.read().decode()
+                self.scrapes.append({k: float(v) for k, v in (
+                    line.rsplit(" ", 1) for line in text.splitlines()
+                    if line.startswith("checkpointless_"))})
+            except OSError:
+                pass  # not serving yet, or any more
+            time.sleep(0.3)
+
+    def stop(self):
+        self.done.set()
+        self.thread.join(timeout=5)
 
 
 def test_on_accelerate_bf16_with_accumulation_rank_0_replaced_keeps_the_bits_and_one_tb_run(
