@@ -166,6 +166,11 @@ def first_commit_key(gen: int, rank: int) -> str:
     return f"recfirst/{gen}/{rank}"
 
 
+def tracker_run_key(tracker: str) -> str:
+    """The run id rank 0's experiment tracker opened (MLflow): a replacement rank 0 continues it."""
+    return f"tracker_run/{tracker}"
+
+
 def step_key(step: int) -> str:
     return f"steps/{step}"
 

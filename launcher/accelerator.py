@@ -89,17 +89,31 @@ class Autocast:
         return self._open.pop().__exit__(*exc)
 
 
-def tracker_kwargs(cfg) -> dict:
-    """Per-tracker arguments to init_trackers. A W&B run is resumed by an id of this launch (the
-    output folder and the time its recipe.yaml was written), so a replacement rank 0 continues the
-    same run rather than opening a second one. File-based trackers (TensorBoard) continue in the
-    same `logging.dir` on their own."""
-    if "wandb" not in cfg.logging.trackers:
-        return {}
-    recipe = Path(cfg.run.output_dir).resolve() / "recipe.yaml"
-    stamp = recipe.stat().st_mtime_ns if recipe.exists() else 0
-    run_id = hashlib.sha256(f"{recipe}:{stamp}".encode()).hexdigest()[:16]
-    return {"wandb": {"id": run_id, "resume": "allow"}}
+def tracker_kwargs(cfg, mlflow_run_id: str | None = None) -> dict:
+    """Per-tracker arguments to init_trackers, so that a replacement rank 0 continues its
+    predecessor's run rather than opening a second one:
+      * W&B: resumed by an id of this launch (the output folder and the time its recipe.yaml was
+        written), its files under `logging.dir` (offline too: WANDB_MODE=offline), written out
+        every second;
+      * MLflow: the run its predecessor created (`mlflow_run_id`, kept in the job's store by
+        launcher/trackers.py), its artifacts under `logging.dir`;
+      * TensorBoard and the other file-based trackers continue in the same `logging.dir`."""
+    out = {}
+    if "wandb" in cfg.logging.trackers:
+        recipe = Path(cfg.run.output_dir).resolve() / "recipe.yaml"
+        stamp = recipe.stat().st_mtime_ns if recipe.exists() else 0
+        run_id = hashlib.sha256(f"{recipe}:{stamp}".encode()).hexdigest()[:16]
+        Path(cfg.logging.dir).mkdir(parents=True, exist_ok=True)
+        import wandb
+        # W&B writes its local record of the run (the .wandb file, all there is offline) every
+        # 15 s by default: a rank 0 killed would lose that much. Every second, it loses at most
+        # the steps of the last second before a kill (the replacement logs from the resume on)
+        out["wandb"] = {"id": run_id, "resume": "allow", "dir": str(cfg.logging.dir),
+                        "settings": wandb.Settings(x_transaction_log_flush_interval=1.0)}
+    if "mlflow" in cfg.logging.trackers:
+        out["mlflow"] = {"logging_dir": str(Path(cfg.logging.dir).resolve() / "mlflow-artifacts"),
+                         "run_id": mlflow_run_id}
+    return out
 
 
 def _environment(job, device: torch.device) -> None:

@@ -95,8 +95,10 @@ def warm(cfg):
     importlib.import_module(".accelerator", __package__)
     if cfg.logging.trackers:
         importlib.import_module("accelerate.tracking")
-        if "tensorboard" in cfg.logging.trackers:
-            importlib.import_module("torch.utils.tensorboard")
+        for name, module in (("tensorboard", "torch.utils.tensorboard"), ("wandb", "wandb"),
+                             ("mlflow", "mlflow")):
+            if name in cfg.logging.trackers:
+                importlib.import_module(module)
     catch_up_threads = torch.get_num_threads()
     if checkpointless.started_as_spare() and cfg.distributed.strategy == "ddp":
         catch_up_threads = warm_up(model, sampler, cfg, device)
@@ -136,7 +138,7 @@ def join(cfg, out_dir: Path) -> Run:
     ckpt = durable_checkpoints(cfg, job, model, optimizer, accelerator.scaler)
     if not job.is_replacement:
         accelerator.print(start_line(cfg, accelerator), flush=True)
-    metrics = (Metrics(cfg, out_dir, job.completed_steps, accelerator)
+    metrics = (Metrics(cfg, out_dir, job.completed_steps, accelerator, job.is_replacement)
                if accelerator.is_main_process else None)
     device = accelerator.device
     validate = (lambda: evaluate(model, *evalset, job.rank, job.world_size, t.micro_batch_size,

@@ -13,7 +13,8 @@ class Metrics:
     Accelerator, lines are printed and figures logged to the trackers through it; without one
     (the torch-only baseline, launcher/bench/plain_loop.py) lines are printed, nothing tracked."""
 
-    def __init__(self, cfg, out_dir: Path, start_step: int, accelerator=None):
+    def __init__(self, cfg, out_dir: Path, start_step: int, accelerator=None,
+                 replacement: bool = False):
         self.cfg = cfg
         self.print = accelerator.print if accelerator is not None else print
         self.file = open(out_dir / "metrics.jsonl", "a")
@@ -28,7 +29,7 @@ class Metrics:
         self.trackers = None
         if cfg.logging.trackers and accelerator is not None:
             from .trackers import Trackers
-            self.trackers = Trackers(cfg, accelerator)
+            self.trackers = Trackers(cfg, accelerator, replacement, out_dir / "metrics.jsonl")
 
     def step(self, step: int, loss: float, lr: float, grad_norm: float, t0: float, t1: float):
         self.window_steps += 1

@@ -4,8 +4,12 @@ figures, each validation, and each recovery as a marked event with its phases, w
 
 A step is logged once, when it commits: a step cut short by a failure and redone is logged in its
 final attempt only. When rank 0 itself is replaced, the replacement's Accelerator opens the same
-run again (the same `logging.dir` for file-based trackers, the same W&B run id: see
-launcher/accelerator.py) and goes on from the agreed step.
+run again (the same `logging.dir` for file-based trackers, the same W&B run id, the MLflow run its
+predecessor created, whose id rank 0 keeps in the job's store: see launcher/accelerator.py) and
+goes on from the agreed step.
+
+MLflow without MLFLOW_TRACKING_URI writes to a file store in `logging.dir`/mlruns (MLflow 3 asks
+for MLFLOW_ALLOW_FILE_STORE=true to use one; it is set only for that default).
 """
 from __future__ import annotations
 
@@ -15,17 +19,54 @@ import queue
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
+
+from checkpointless import protocol
 
 from .accelerator import tracker_kwargs
+
+
+def _job_store():
+    """The job's store, under the supervisor (None under torchrun: no replacement to tell)."""
+    if not os.environ.get("CL_STORE_PORT"):
+        return None
+    from checkpointless import membership
+    return membership.connect(os.environ["CL_STORE_HOST"], int(os.environ["CL_STORE_PORT"]))
+
+
+def _job_store_get(key: str) -> str | None:
+    store = _job_store()
+    if store is None or not store.check([key]):
+        return None
+    return store.get(key).decode()
+
+
+def _job_store_set(key: str, value: str) -> None:
+    store = _job_store()
+    if store is not None:
+        store.set(key, value)
 
 
 class Trackers:
     """accelerate's trackers on rank 0, and which recoveries were logged."""
 
-    def __init__(self, cfg, accelerator):
+    def __init__(self, cfg, accelerator, replacement: bool = False, metrics_file=None):
         self.accelerator = accelerator
+        self.cfg, self.metrics_file = cfg, metrics_file
+        # a replacement rank 0 first gives W&B what its predecessor's W&B lost (wandb_refill.py)
+        self._refill = replacement and "wandb" in cfg.logging.trackers and metrics_file
+        mlflow_run = None
+        if "mlflow" in cfg.logging.trackers:
+            if not os.environ.get("MLFLOW_TRACKING_URI"):
+                uri = (Path(cfg.logging.dir).resolve() / "mlruns").as_uri()
+                os.environ.update(MLFLOW_TRACKING_URI=uri, MLFLOW_ALLOW_FILE_STORE="true")
+            mlflow_run = _job_store_get(protocol.tracker_run_key("mlflow"))
         # the Accelerator was built with log_with=logging.trackers, logging_dir=logging.dir
-        accelerator.init_trackers(cfg.run.name, init_kwargs=tracker_kwargs(cfg))
+        accelerator.init_trackers(cfg.run.name, init_kwargs=tracker_kwargs(cfg, mlflow_run))
+        if "mlflow" in cfg.logging.trackers and mlflow_run is None:
+            for tracker in accelerator.trackers:  # the next rank 0 continues this run
+                if tracker.name == "mlflow":
+                    _job_store_set(protocol.tracker_run_key("mlflow"), tracker.active_run.info.run_id)
         self.gen_seen: int | None = None
         self.stragglers: queue.SimpleQueue = queue.SimpleQueue()  # entries not yet logged
         if os.environ.get("CL_STORE_PORT"):  # under the supervisor: follow its stragglers
@@ -33,12 +74,29 @@ class Trackers:
                              name="trackers-stragglers").start()
 
     def log(self, values: dict, step: int) -> None:
+        if self._refill:
+            self._refill = False
+            self._refill_wandb(step)
+        # W&B writes a step's row once a later step arrives (the recovery's figures join the
+        # row of the step they are logged at); what a kill loses, the next rank 0 gives again
         self.accelerator.log(values, step=step)
+
+    def _refill_wandb(self, step: int) -> None:
+        from .wandb_refill import refill
+        first = _job_store_get(protocol.FIRST_STEP)
+        for tracker in self.accelerator.trackers:
+            if tracker.name == "wandb":
+                n = refill(tracker.run, self.cfg.logging.dir, self.metrics_file,
+                           int(first) if first else 0, step)
+                if n:
+                    self.accelerator.print(f"[trackers] W&B lacked {n} step(s) its previous rank "
+                                           "0 had logged: given again from metrics.jsonl",
+                                           flush=True)
 
     def _follow_stragglers(self, since: float) -> None:
         """Block on the supervisor's next straggler line (no store call per step) and queue
         it for the training thread; a replacement rank 0 skips those logged before it came."""
-        from checkpointless import membership, protocol
+        from checkpointless import membership
         try:
             store = membership.connect(os.environ["CL_STORE_HOST"],
                                        int(os.environ["CL_STORE_PORT"]))
