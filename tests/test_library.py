@@ -87,35 +87,47 @@ def test_state_transfer_over_gloo_is_exact_and_a_flipped_bit_is_refused(flip):
         assert kind == "ok" and value is True and n > 0
 
 
-def _start(rank, port, q, spare_rank):
+def _start(rank, port, q):
     """Each rank builds its model unseeded (a different init per process), then the launch's
-    first restore; `spare_rank` holds nothing (a spare that took a rank lost in that restore)."""
+    first restore; then again with rank 0 a spare holding nothing (one that took a rank lost
+    during that restore)."""
     from checkpointless.protocol import Spec
     from checkpointless.state import ProtectedState
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=3)
     try:
-        torch.manual_seed(1000 + rank)
-        state = ProtectedState(Spec())
-        model = torch.nn.Linear(3, 2)
-        state.protect(model=model)
-        holds = rank != spare_rank
-        out = restore.restore(state, restore.Position(rank, 3, 5 if holds else -1, holds, False,
-                                                      agreed=False))
-        q.put((rank, out.resumed_step, out.info.get("start_broadcast_from"),
-               [round(float(v), 6) for v in model.weight.reshape(-1)]))
+        for spare_rank in (None, 0):
+            torch.manual_seed(1000 * (spare_rank or 7) + rank)
+            state = ProtectedState(Spec())
+            model = torch.nn.Linear(3, 2)
+            state.protect(model=model)
+            holds = rank != spare_rank
+            out = restore.restore(state, restore.Position(rank, 3, 5 if holds else -1, holds,
+                                                          False, agreed=False))
+            q.put((spare_rank is None, rank, out.resumed_step,
+                   out.info.get("start_broadcast_from"),
+                   [round(float(v), 6) for v in model.weight.reshape(-1)]))
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("spare_rank", [None, 0])
-def test_the_launchs_first_restore_gives_every_rank_one_state_like_torchs_ddp(spare_rank):
+def test_the_launchs_first_restore_gives_every_rank_one_state_like_torchs_ddp():
     """An unseeded script's ranks start from different models; the first restore broadcasts one
     of them (rank 0's, or the lowest holder's when rank 0 is a spare) to every member."""
-    got = spawn_gloo(_start, 3, spare_rank)
-    src = 0 if spare_rank is None else 1
-    assert {(step, by) for _, step, by, _ in got} == {(5, src)}
-    assert len({tuple(w) for *_, w in got}) == 1  # one state everywhere
+    import torch.multiprocessing as mp
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_start, args=(r, store.port, q)) for r in range(3)]
+    for p in procs:
+        p.start()
+    got = [q.get(timeout=60) for _ in range(6)]
+    for p in procs:
+        p.join(timeout=30)
+    for all_hold, src in ((True, 0), (False, 1)):
+        mine = [g for g in got if g[0] is all_hold]
+        assert {(step, by) for _, _, step, by, _ in mine} == {(5, src)}
+        assert len({tuple(w) for *_, w in mine}) == 1  # one state everywhere
 
 
 def test_sources_are_load_balanced():
