@@ -24,12 +24,27 @@ def die_with_parent() -> None:
         pass
 
 
+def step_wide_sigterm(env) -> bool:
+    """Under Slurm a preemption's SIGTERM (scancel --signal=TERM, the end of a time limit) goes to
+    every process of the job step, the workers too, not only to their launcher."""
+    return "SLURM_JOB_ID" in env
+
+
 def start_process(cmd: list[str], env: dict, nice: int = 0) -> subprocess.Popen:
     """A worker process in its own process group (its children, such as DataLoader workers, die
-    with it), which dies with its parent, even a SIGKILLed one."""
+    with it), which dies with its parent, even a SIGKILLed one.
+
+    Under Slurm it ignores SIGTERM (the disposition survives exec): a preemption is its
+    launcher's to handle, which stops the job at a step boundary with a checkpoint; a worker
+    dying of the same signal would turn that into a failure. It still dies with its launcher,
+    and is ended with SIGKILL (stop_all)."""
+    ignore_term = step_wide_sigterm(env)
+
     def setup():
         os.setpgid(0, 0)
         die_with_parent()
+        if ignore_term:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if nice:
             os.nice(nice)
 
@@ -110,10 +125,11 @@ def close_reaped(workers) -> None:
 
 def stop_all(workers, grace_s: float = 10.0) -> None:
     """End every process still running with its children (SIGTERM, then SIGKILL after
-    `grace_s`), and wait for them."""
+    `grace_s`; SIGKILL at once where they ignore SIGTERM: start_process), and wait for them."""
+    sig = signal.SIGKILL if step_wide_sigterm(os.environ) else signal.SIGTERM
     for w in workers:
         if w.alive():
-            kill_tree(w.proc, signal.SIGTERM)
+            kill_tree(w.proc, sig)
     deadline = time.time() + grace_s
     for w in workers:
         try:

@@ -1,6 +1,7 @@
 """SIGTERM to a launcher (Slurm preemption, Ctrl-C is SIGINT) stops the whole job at one step
 boundary with a durable checkpoint; a resume reaches the failure-free bits. Real processes."""
 import json
+import os
 import signal
 import subprocess
 import time
@@ -17,15 +18,21 @@ def test_sigterm_stops_every_process_with_a_checkpoint_and_a_resume_ends_with_th
         tmp_path, tiny_llama_30_steps_digest):
     want = tiny_llama_30_steps_digest  # checkpoints do not change the bits
 
+    # as under Slurm, whose preemption signals every process of the job step at once: the
+    # launcher, its workers and its spares (all of this session), not the launcher alone
     log = open(tmp_path / "run.log", "w")
     p = subprocess.Popen(launcher_cmd(tmp_path, tmp_path / "run", "tiny-llama", *ARGS),
-                         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                         env=dict(os.environ, SLURM_JOB_ID="4242"))
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 240
     while not metrics.exists() or len(metrics.read_text().splitlines()) < 8:
         assert p.poll() is None and time.time() < deadline, (tmp_path / "run.log").read_text()
         time.sleep(0.2)
-    p.send_signal(signal.SIGTERM)
+    step_wide = _session(p.pid)
+    assert len(step_wide) >= 6  # the launcher, 4 workers and the spare at least
+    for pid in step_wide:
+        os.kill(pid, signal.SIGTERM)
     t0 = time.time()
     rc = p.wait(timeout=120)
     took = time.time() - t0
@@ -42,6 +49,16 @@ def test_sigterm_stops_every_process_with_a_checkpoint_and_a_resume_ends_with_th
     out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert not [l for l in out.splitlines() if str(tmp_path / "run") in l]  # none left
 
+    assert "lost (" not in text  # no worker died of the signal: nothing to recover
+
     _, resumed, _ = train(tmp_path, "run", "tiny-llama", *ARGS, "checkpoint.resume=auto",
                           timeout=300)
     assert_same_bits(resumed, want)
+
+
+def _session(sid: int) -> list[int]:
+    """Every process of session `sid` (the launcher's: its workers keep it, in groups of their
+    own), the launcher first."""
+    out = subprocess.run(["ps", "-eo", "pid=,sid="], capture_output=True, text=True).stdout
+    pids = [int(a) for a, b in (line.split() for line in out.splitlines()) if int(b) == sid]
+    return sorted(pids, key=lambda pid: pid != sid)
