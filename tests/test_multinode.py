@@ -121,6 +121,7 @@ def test_a_slow_node_is_fenced_and_its_ranks_move_to_the_spare_node_with_the_one
     assert not _job_processes(tmp_path)
 
 
+@pytest.mark.extended  # in make test-scale, not make test (its time budget)
 def test_losing_the_coordinator_stops_every_node_with_a_message(tmp_path):
     port = _port()
     procs = [_launch(tmp_path, k, port) for k in range(3)]
@@ -190,6 +191,7 @@ def test_fsdp_across_nodes_restores_a_lost_nodes_slices_from_another_nodes_memor
     assert "(2 ranks of lost nodes, 0 processes)" in (tmp_path / "node0.log").read_text()
 
 
+@pytest.mark.extended  # in make test-scale, not make test (its time budget)
 def test_with_a_standalone_coordinator_losing_node_0_and_rank_0_is_recovered(tmp_path,
                                                                             one_node_digest):
     port = _port()
