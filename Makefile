@@ -5,6 +5,7 @@
 #   make test-fast                               the suite without real training processes (< 3 min)
 #   make test-scale                              the 0.4B-parameter, 8-worker memory tests, 8-process sharded init, the extended end-to-end checks (not in make test)
 #   make test-sweep                              workers SIGKILLed at a grid of seeded moments (not in make test)
+#   make test-slurm                              both tests under a real Slurm (one is in make test; needs root, Debian's slurm packages)
 #   make bench                                   goodput benchmark (checkpointless vs restart)
 # Every variable given on make's command line other than RECIPE is passed on as an override.
 
@@ -18,7 +19,7 @@ STAMP := $(VENV)/.installed
 # resolver drops about one query in 20, which glibc waits 5 s for by default (docs/testing.md)
 TEST_ENV := HF_HUB_OFFLINE=1 RES_OPTIONS="timeout:1 attempts:1"
 
-.PHONY: train test test-fast test-scale test-sweep bench ls validate clean
+.PHONY: train test test-fast test-scale test-sweep test-slurm bench ls validate clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +36,9 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(TEST_ENV) $(PY) -m pytest -q -m "not slow and not scale and not sweep and not extended" tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+test-slurm: $(STAMP)
+	$(TEST_ENV) $(PY) -m pytest -q -rs -m slurm tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 test-scale: $(STAMP)
 	$(TEST_ENV) $(PY) -m pytest -q -m "scale or extended" tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
