@@ -132,7 +132,12 @@ def test_turns_stop_one_job_while_the_other_runs_and_leave_neither_stopped(tmp_p
         seen = []
         deadline = time.time() + 2.0
         while time.time() < deadline:
-            seen.append((time.time(), tuple(proc_state(p.pid) == "T" for p in procs)))
+            # the two states are read one after the other, and a switch may fall between the
+            # reads (job 0 read running, then stopped and job 1 continued, then job 1 read
+            # running): job 0 is read again, and counts as running only if both its reads say so
+            t, a, b, a_again = (time.time(), *(proc_state(procs[i].pid) == "T"
+                                               for i in (0, 1, 0)))
+            seen.append((t, (a and a_again, b) if a == a_again else (True, b)))
             time.sleep(0.02)
         turns.stop.set()
         turns.join(5)
