@@ -148,3 +148,18 @@ def serve(sup, port: int, tokens_per_step: int = 0, addr: str = "0.0.0.0"):
         server.server_close()
         thread.join(timeout=5)
     return stop
+
+
+def serve_metrics(sup, log):
+    """/metrics on the supervisor's cfg.metrics_port, if set; the function that stops it (None
+    when off). A port that cannot be served raises OSError with the key and the fix."""
+    port = sup.cfg.metrics_port
+    if not port:
+        return None
+    try:
+        stop = serve(sup, port, sup.cfg.tokens_per_step)
+    except OSError as exc:
+        raise OSError(f"checkpointless.metrics_port={port}: cannot serve Prometheus metrics "
+                      f"there ({exc.strerror or exc}); choose a free port, or 0 for none") from None
+    log(f"[checkpointless] Prometheus metrics at http://{sup.cfg.host}:{port}/metrics")
+    return stop

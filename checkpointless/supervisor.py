@@ -27,6 +27,7 @@ from .cluster import ClusterPool, pool_for
 from .processes import Worker
 from .protocol import SupervisorConfig
 from .health import fit_spares
+from .prometheus import serve_metrics
 from .report import Failure, new_recoveries, run_report
 from .stragglers import Stragglers
 
@@ -92,7 +93,10 @@ class Supervisor:
             self.store = self.wrap_store(self.store)
         self.stragglers.store = self.store  # where its lines go (a loop's trackers follow)
         self.store.set(protocol.SPEC, cfg.spec().to_json())
-        stop_metrics = self._serve_metrics()  # before any worker: a busy port stops nothing
+        try:  # before any worker: a busy port stops nothing
+            stop_metrics = serve_metrics(self, self.log)
+        except OSError as exc:
+            raise JobFailed(str(exc)) from None
         self.t_start = time.time()
         for w in self.pool.start(self.store):
             self.ranks[w.wid] = w.rank
@@ -110,21 +114,6 @@ class Supervisor:
             self.pool.stop_all()
         self._say_recoveries()
         return self._report()
-
-    def _serve_metrics(self):
-        """Prometheus' /metrics on cfg.metrics_port (prometheus.py); the function that stops it."""
-        port = self.cfg.metrics_port
-        if not port:
-            return None
-        from .prometheus import serve
-        try:
-            stop = serve(self, port, self.cfg.tokens_per_step)
-        except OSError as exc:
-            raise JobFailed(f"checkpointless.metrics_port={port}: cannot serve Prometheus "
-                            f"metrics there ({exc.strerror or exc}); choose a free port, or 0 "
-                            "for none") from None
-        self.log(f"[checkpointless] Prometheus metrics at http://{self.cfg.host}:{port}/metrics")
-        return stop
 
     def _watch(self) -> None:
         """Every wake-up (an exit, or poll_s): exits. Every poll_s: reported errors, hung

@@ -85,49 +85,13 @@ def _load_files(files: list[str], key: str, d, num_proc: int = 1):
         ds = datasets.load_dataset(builder, data_files=list(files), split="train",
                                    num_proc=_procs_for(num_proc, len(files)))
     except Exception as exc:  # noqa: BLE001  datasets wraps the parser's error in its own
+        from .data_errors import unreadable
         raise ValueError(unreadable(files, key, builder, exc)) from None
     finally:
         datasets.logging.set_verbosity(level)
     if builder == "text" and d.text_field != "text":
         ds = ds.rename_column("text", d.text_field)
     return ds
-
-
-def unreadable(files: list[str], key: str, builder: str, exc: Exception) -> str:
-    """One sentence for data files datasets could not read: the file, the line and what is
-    wrong, found by reading JSON Lines line by line (only once datasets has failed, so a good
-    file is read once, by datasets)."""
-    if builder == "json":
-        for f in files:
-            with open(f, encoding="utf-8", errors="strict") as fh:
-                first = fh.read(1)
-                fh.seek(0)
-                if first == "[":  # one JSON document, not lines
-                    try:
-                        json.load(fh)
-                    except ValueError as err:
-                        return (f"{key}: {f} is not valid JSON ({err}). Fix that place in the "
-                                "file, or write one JSON object per line (.jsonl)")
-                    continue
-                try:
-                    for n, line in enumerate(fh, 1):
-                        if not line.strip():
-                            continue
-                        try:
-                            row = json.loads(line.rstrip("\r\n"))
-                        except json.JSONDecodeError as err:
-                            return (f"{key}: {f} line {n} is not valid JSON ({err.msg} at "
-                                    f"column {err.colno}): {line.strip()[:80]!r}. Fix or "
-                                    "remove that line")
-                        if not isinstance(row, dict):
-                            return (f"{key}: {f} line {n} is a JSON {type(row).__name__}, not "
-                                    "an object with named fields. Each line must be one object, "
-                                    'e.g. {"text": "..."}')
-                except UnicodeDecodeError as err:
-                    return (f"{key}: {f} is not UTF-8 text ({err}). Convert it to UTF-8")
-    cause = exc.__cause__ or exc.__context__ or exc
-    return (f"{key}: {', '.join(files)} could not be read as {builder} "
-            f"({type(cause).__name__}: {cause})")
 
 
 def _eval_source(cfg) -> tuple[str, object]:
