@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .failures import communicating
+from .tensors import local_part
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -31,7 +32,7 @@ def params_checksum(modules) -> int:
     total = 0
     for m in modules:
         for p in m.parameters():
-            t = p.detach()
+            t = local_part(p).detach()  # under HSDP: the slice twins must agree on
             if t.numel() == 0:
                 continue
             ints = t.reshape(-1).view(_INT_OF_SIZE[t.element_size()])
@@ -57,24 +58,42 @@ LIKELY_CAUSES = (
     "memory")
 
 
-def judge(sums: list[int], rank: int, step: int) -> list[int]:
+def judge_twins(sums: list[int], twins: list[list[int]], rank: int, step: int) -> list[int]:
+    """HSDP: the ranks at each shard position (a rank and its twins) must agree; each position's
+    ranks are judged as a replicated job's are (judge). The odd ranks, over every position."""
+    odd, seen = [], set()
+    for r in range(len(sums)):
+        if r in seen or not twins[r]:
+            continue
+        ranks = sorted([r, *twins[r]])
+        seen.update(ranks)
+        bad = judge([sums[x] for x in ranks], ranks.index(rank) if rank in ranks else -1, step,
+                    ranks)
+        odd += bad
+    return sorted(odd)
+
+
+def judge(sums: list[int], rank: int, step: int, ranks: list[int] | None = None) -> list[int]:
     """The ranks that differ from the majority; raises Diverged on such a rank, NoMajority on
-    every rank when no state is held by more than half of them."""
+    every rank when no state is held by more than half of them. `ranks`: the rank each sum is
+    of (all, in order, by default); `rank` indexes `sums` (-1: not among them)."""
+    ranks = ranks if ranks is not None else list(range(len(sums)))
+    sums_by = dict(zip(ranks, sums))
     counts = {s: sums.count(s) for s in set(sums)}
     if len(counts) == 1:
         return []
     majority = max(counts, key=counts.get)
     if counts[majority] * 2 <= len(sums):
         raise NoMajority(f"at step {step} the replicas disagree with no majority (parameter "
-                         f"checksums by rank: {sums}); no state can be trusted over another. Every "
-                         f"rank started from rank 0's state, so they parted since: "
+                         f"checksums by rank: {sums_by}); no state can be trusted over another. "
+                         f"Every rank started from rank 0's state, so they parted since: "
                          f"{LIKELY_CAUSES}")
-    odd = [r for r, s in enumerate(sums) if s != majority]
-    if rank in odd:
-        raise Diverged(f"rank {rank}'s parameters differ from the majority's at step {step} "
-                       f"(checksum {sums[rank]} vs {majority} on ranks "
-                       f"{[r for r, s in enumerate(sums) if s == majority]}); it leaves and a "
-                       f"spare takes the majority's state. {LIKELY_CAUSES[0].upper()}"
+    odd = [ranks[i] for i, s in enumerate(sums) if s != majority]
+    if rank >= 0 and ranks[rank] in odd:
+        raise Diverged(f"rank {ranks[rank]}'s parameters differ from the majority's at step "
+                       f"{step} (checksum {sums[rank]} vs {majority} on ranks "
+                       f"{[ranks[i] for i, s in enumerate(sums) if s == majority]}); it leaves "
+                       f"and a spare takes the majority's state. {LIKELY_CAUSES[0].upper()}"
                        f"{LIKELY_CAUSES[1:]}")
     return odd
 
@@ -85,8 +104,8 @@ def flip_a_bit(modules) -> None:
     import math
     for m in modules:
         for p in m.parameters():
-            if p.numel():
-                t = p.detach().reshape(-1)[:1]
+            if local_part(p).numel():  # under HSDP: this rank's slice, not its twins'
+                t = local_part(p).detach().reshape(-1)[:1]
                 bit = round(-math.log2(torch.finfo(t.dtype).eps)) - 1 \
                     if t.dtype.is_floating_point else 0
                 ints = t.view(_INT_OF_SIZE[t.element_size()])

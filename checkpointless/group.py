@@ -18,7 +18,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from . import membership, protocol
+from . import membership, protocol, replica_groups
 from .failures import communicating
 
 
@@ -27,12 +27,15 @@ class Group:
     keeping FSDP2 modules pointed at the live one."""
 
     def __init__(self, store, node_store, backend: str, pg_timeout_s: float, store_ports,
-                 modules):
+                 modules, shard_size: int = 0):
         self.store, self.node_store = store, node_store
         self.backend = backend
         self.pg_timeout_s = pg_timeout_s
         self.store_ports = set(store_ports)  # connections to the stores: never severed
         self.modules = modules  # () -> the protected nn.Modules, for FSDP's cached group handles
+        self.shard_size = shard_size  # HSDP: ranks per shard group (0: none, see replica_groups)
+        self.layout: replica_groups.Layout | None = None
+        self.subgroups = None  # HSDP: (replicate group, shard group) of this generation
 
     def form(self, plan: membership.Seat) -> bool:
         """Build generation `plan.gen`'s group; False when a newer plan replaced it meanwhile."""
@@ -49,6 +52,11 @@ class Group:
         # torch wraps the excepthook at every init_process_group to prefix "[rankN]: ": one
         # wrapper more per generation. The job's own hook (failures.report_uncaught) stays.
         sys.excepthook = hook
+        self.subgroups = None
+        if self.shard_size and self.shard_size < plan.world_size:
+            self.layout = replica_groups.Layout(plan.world_size, self.shard_size)
+            with communicating(f"forming the replica and shard groups of generation {plan.gen}"):
+                self.subgroups = replica_groups.build(self.layout, rank)
         self.rebind_sharded_modules(dist.group.WORLD)
         got = dist.get_world_size()
         if got != plan.world_size:
@@ -60,6 +68,7 @@ class Group:
         # Drop FSDP's handles on the old group first: while anything references it, its
         # sockets stay open and a peer blocked on us would wait for the timeout.
         self.rebind_sharded_modules(None)
+        self.subgroups = None
         if not dist.is_initialized():
             return
         self.release_peers()
@@ -85,13 +94,25 @@ class Group:
         except Exception:
             pass
 
+    def device_mesh(self, device_type: str):
+        """The mesh FSDP2 shards over: the default group itself, or under HSDP the 2-D mesh of
+        this generation's replicate and shard groups (replica_groups.py)."""
+        from torch.distributed.device_mesh import DeviceMesh
+        if self.subgroups is not None:
+            return replica_groups.device_mesh(self.layout, self.subgroups, device_type)
+        return DeviceMesh.from_group(dist.group.WORLD, device_type)
+
     def rebind_sharded_modules(self, group) -> None:
         """Point FSDP2 modules at `group` (the new default group, or None to drop the old one).
 
         FSDP keeps the group object it was built with; after a regroup that object is dead. The new
         default group gets the old one's name, so DTensor's mesh resolves to it; only FSDP's cached
-        handles need replacing, no parameter moves.
+        handles need replacing, no parameter moves. Under HSDP the shard and replicate handles
+        take this generation's subgroups, which have the old ones' names too.
         """
+        shard = replicate = group
+        if group is not None and self.subgroups is not None:
+            replicate, shard = self.subgroups
         for obj in self.modules():
             for module in obj.modules():
                 get_state = getattr(module, "_get_fsdp_state", None)
@@ -100,8 +121,12 @@ class Group:
                     continue
                 for info in (param_group.mesh_info,
                              getattr(param_group, "post_forward_mesh_info", None)):
-                    if info is not None and hasattr(info, "shard_process_group"):
-                        info.shard_process_group = group
+                    if info is None:
+                        continue
+                    if hasattr(info, "shard_process_group"):
+                        info.shard_process_group = shard
+                    if hasattr(info, "replicate_process_group"):
+                        info.replicate_process_group = replicate
 
 
 def sever_peer_connections(keep_ports: set[int]) -> int:

@@ -104,10 +104,24 @@ class Job:
         """Wall time at which the current (or last) step started."""
         return self.steploop.step_started_at
 
+    def device_mesh(self, device_type: str | None = None):
+        """The DeviceMesh to give FSDP2's fully_shard: over the job's default group, or under
+        HSDP (the job's shard_size) the 2-D (replicate, shard) mesh of this generation's groups.
+        Built from the groups join() made, so a replacement shards alone without a collective;
+        after a recovery the same mesh resolves to the new groups (replica_groups.py)."""
+        if device_type is None:
+            device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        return self._rec.group.device_mesh(device_type)
+
     def replica_host_bytes(self) -> int | None:
-        """Host memory held for peer copies of shards (fsdp), or None without replication."""
+        """Host memory held for copies of peers' shards (fsdp), or None unsharded."""
         r = self._state.replicas
-        return r.host_bytes() if r is not None else None
+        return r.host_bytes("held") if r is not None else None
+
+    def snapshot_host_bytes(self) -> int | None:
+        """Host memory held for this rank's own snapshots (its rollback), or None unsharded."""
+        r = self._state.replicas
+        return r.host_bytes("own") if r is not None else None
 
     def replica_timing(self) -> dict | None:
         """What the replica exchanges cost this rank's training thread: their count, and the
@@ -327,13 +341,18 @@ class Job:
         before its result was in is recovered like a failure between steps (this rank runs
         again what the replacement runs on its way here); a peer lost after it (on its way
         out) loses nothing, and the run stands."""
-        if self._state.replicas is None and self._state.modules():
+        twins = self._state.twins(self.world_size)
+        if (self._state.replicas is None or twins) and self._state.modules():
             sums = self.between_steps(
                 lambda: consistency.gather(self._state.modules(), self.world_size))
-            if len(set(sums)) > 1:
+            # every rank agrees (ddp), or under HSDP every rank with its twins
+            apart = [[r, *t] for r, t in enumerate(twins or [])
+                     if any(sums[x] != sums[r] for x in t)]
+            if apart or (not twins and len(set(sums)) > 1):
+                same = f"; ranks that should hold the same slice: {apart}" if twins else ""
                 exc = consistency.NoMajority(
                     f"the replicas disagree at the end of the run (parameter checksums by rank: "
-                    f"{sums}); the run is not a success")
+                    f"{sums}{same}); the run is not a success")
                 report_error(self.store, self.worker_id, exc)
                 raise exc
         complete = self._outside.leave(json.dumps(result or {}))

@@ -72,6 +72,9 @@ class PlainJob:
     def replica_host_bytes(self) -> int | None:
         return None  # no peer copies: a failure ends the job
 
+    def snapshot_host_bytes(self) -> int | None:
+        return None
+
     def replica_timing(self) -> dict | None:
         return None
 

@@ -57,7 +57,7 @@ class Recovery:
         # first gathering and its outcome), or the main one on the coordinator's node
         self.node_store = membership.connect("127.0.0.1", node_port) if node_port else store
         self.group = Group(store, self.node_store, spec.backend, spec.pg_timeout_s,
-                           {port, node_port} - {0}, state.modules)
+                           {port, node_port} - {0}, state.modules, spec.shard_size)
         plans_at = ("127.0.0.1", node_port) if node_port else (host, port)
         self.watch = Watch(host, port, lambda: self.gen, self._abort_from_watch,
                            plans_at=plans_at)

@@ -33,6 +33,7 @@ from .failures import MembershipMoved, PeerLost
 from .transfer import strip_tensors
 
 KEEP = 3  # versions of each slice kept on each side (see above)
+ROLLBACK_KEEP = 2  # own versions kept when twins are the copies (HSDP, see ShardReplicas)
 _SLACK = 1 << 16  # buffers are rounded up so a skeleton a few bytes longer fits the same buffer
 _TAG_HEADER, _TAG_PAYLOAD = 11, 12
 
@@ -45,10 +46,20 @@ class ShardReplicas:
     """Owns this rank's snapshots of its own shard and the copies it holds of its peers' shards,
     their host buffers, and the background exchange that refreshes the copies."""
 
-    def __init__(self, factor: int = 2, interval: int = 1, offset: int = 1):
+    def __init__(self, factor: int = 2, interval: int = 1, offset: int = 1,
+                 shard_size: int = 0):
         if factor < 1 or interval < 1:
             raise ValueError(f"replication factor={factor} and interval={interval} must be >= 1")
         self.factor, self.interval, self.offset = factor, interval, offset
+        # HSDP with replica groups: twins (replica_groups.py) are the copies, so snapshots are
+        # taken only to roll this rank back, and nothing is sent
+        self.shard_size = shard_size
+        self.rollback_only = factor <= 1 and shard_size > 0
+        # Own versions kept. With peer copies, three (see above). With twins alone a restore
+        # resumes at a step some rank of each position reached or snapshotted: ranks are at
+        # most one step apart, so the snapshot of the step in flight's start and the one before
+        # it are enough; the second covers a rank that already began the next step
+        self.keep_own = ROLLBACK_KEEP if self.rollback_only else KEEP
         self.own: dict[int, tuple[bytes, torch.Tensor]] = {}  # step -> my slice
         self.held: dict[int, dict[int, tuple[bytes, torch.Tensor]]] = {}  # rank -> step -> slice
         self.bytes_per_copy = 0
@@ -72,8 +83,15 @@ class ShardReplicas:
         return [(rank - i * self.offset) % world for i in range(1, self.factor)
                 if (rank - i * self.offset) % world != rank]
 
+    def twins(self, rank: int, world: int) -> list[int]:
+        """Ranks holding the same slice as `rank` in their live state (HSDP), else none."""
+        if not self.shard_size or self.shard_size >= world or world % self.shard_size:
+            return []
+        from .replica_groups import Layout
+        return Layout(world, self.shard_size).twins(rank)
+
     def due(self, step: int) -> bool:
-        return self.factor > 1 and step % self.interval == 0
+        return (self.factor > 1 or self.rollback_only) and step % self.interval == 0
 
     # ---- buffers (call with the lock held) ------------------------------------------------
     def _take(self, nbytes: int) -> torch.Tensor:
@@ -109,7 +127,7 @@ class ShardReplicas:
         with self._lock:
             for s in [s for s in self.own if s >= step]:  # redone after a rollback: replaced
                 self._release(self.own.pop(s)[1])
-            self._keep_newest(self.own, KEEP - 1, self._release)
+            self._keep_newest(self.own, self.keep_own - 1, self._release)
             buf = self._take(nflat + len(skel))
         # one fused copy of every tensor into its place (split makes the places in one call)
         srcs = [t.reshape(-1).view(torch.uint8) for t, n in zip(tensors, sizes) if n]
@@ -241,13 +259,16 @@ class ShardReplicas:
             return {"own": sorted(self.own),
                     "held": {str(r): sorted(v) for r, v in self.held.items()}}
 
-    def host_bytes(self) -> int:
-        """Host memory of every buffer this holds: snapshots, copies, and reusable spares."""
+    def host_bytes(self, part: str = "all") -> int:
+        """Host memory of the buffers this holds: "held" the copies of peers' slices, "own" this
+        rank's snapshots and the reusable spare buffers, "all" both."""
         with self._lock:
-            views = [f for _, f in self.own.values()]
-            views += [f for v in self.held.values() for _, f in v.values()]
+            views = [f for _, f in self.own.values()] if part != "held" else []
+            if part != "own":
+                views += [f for v in self.held.values() for _, f in v.values()]
             bases = {}
-            for b in [f if f._base is None else f._base for f in views] + self._pool:
+            pool = self._pool if part != "held" else []
+            for b in [f if f._base is None else f._base for f in views] + pool:
                 bases[b.data_ptr()] = b.numel()
             return sum(bases.values())
 

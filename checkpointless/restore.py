@@ -6,11 +6,14 @@ update) receives the whole state from one source, receivers spread evenly over t
 
 Sharded state (fsdp): each rank holds the only live copy of its slice, so the members agree on the
 newest step to which every slice can be brought: a survivor rolls back to its own snapshot, a
-spare receives its rank's slice from a peer that holds a copy (redundancy.py). When some slice has
-no copy left anywhere, every rank loads the newest durable checkpoint instead, and says so.
+spare receives its rank's slice from a peer that holds a copy (redundancy.py). Under HSDP the
+ranks at the same shard position in the other replica groups (twins, replica_groups.py) hold the
+slice live: a spare, or a survivor that cannot reach the step alone, receives it from a twin.
+When some slice has no copy left anywhere, every rank loads the newest durable checkpoint
+instead, and says so.
 
 Who sends to whom is decided by pure functions over what the members told each other
-(assign_sources, restorable_step, pick_holders, at the end); transfer.py moves the bytes.
+(assign_sources, restorable_step, pick_senders, at the end); transfer.py moves the bytes.
 """
 from __future__ import annotations
 
@@ -124,37 +127,44 @@ def _restore_shards(state: ProtectedState, me: Position, hook) -> Outcome:
     with communicating("exchanging which shard copies each member holds"):
         dist.all_gather_object(infos, mine)
     newest = max(i["completed"] for i in infos)
-    step = restorable_step(infos)
+    twins = [replicas.twins(r, me.world_size) for r in range(me.world_size)]
+    step = restorable_step(infos, twins)
     info = {"steps_by_rank": [i["completed"] for i in infos], "bytes_sent": 0,
             "bytes_received": 0, "pairs": {}, "source": None}
     # sharded gradients are reduced inside backward: there are none to keep
     if step is None:  # a peer-memory step is always preferred to disk when one exists
         return _restore_from_disk(state, me, info, newest, t0)
-    holders = pick_holders(infos, step)
+    senders = pick_senders(infos, step, twins)
     # A member with state rolls back to its own snapshot of `step`, even when it had completed
     # exactly `step`: the interrupted body may have touched its live state (a user's loop can
     # change anything before the collective that failed), and the snapshot is the state every
     # rank had at that boundary, byte for byte. Without one (it failed before taking it), its
-    # live state is that boundary's: the body never started.
-    if me.holds_state and step in replicas.own:
-        skel, flat = replicas.own[step]
-        state.load(transfer.unflatten_state(skel, flat))
-    elif me.holds_state and me.completed != step:
-        raise RuntimeError(f"restore: rank {me.rank} has no snapshot of step {step} and "
-                           f"completed {me.completed}")
-    for f, h in holders.items():
+    # live state is that boundary's: the body never started. A member that can reach `step`
+    # neither way receives it, as a spare does.
+    if me.holds_state and me.rank not in senders:
+        if step in replicas.own:
+            skel, flat = replicas.own[step]
+            state.load(transfer.unflatten_state(skel, flat))
+        elif me.completed != step:
+            raise RuntimeError(f"restore: rank {me.rank} has no snapshot of step {step} and "
+                               f"completed {me.completed}")
+    for f, (h, how) in sorted(senders.items()):
         if me.rank == h:
-            skel, flat = replicas.held[f][step]
-            # views, not copies: send_state packs them into one buffer anyway
-            info["bytes_sent"] += transfer.send_state(
-                transfer.unflatten_state(skel, flat, copy=False), f)
+            if how == "held":  # a peer's copy in host memory; views: send_state packs them
+                skel, flat = replicas.held[f][step]
+                payload = transfer.unflatten_state(skel, flat, copy=False)
+            else:  # a twin (HSDP): its live state is at `step` now, and is f's slice
+                payload = state.state()
+            info["bytes_sent"] += transfer.send_state(payload, f)
         elif me.rank == f:
             hook(me.rank, step)
             got_state, info["bytes_received"] = transfer.recv_state(h)
             state.load(got_state)
             info["source"] = h
-    info.update(pairs=holders, restored_from="peer_memory",
-                steps_redone=max(0, newest - step), transfer_s=time.time() - t0)
+    info.update(pairs={f: h for f, (h, _) in senders.items()},
+                sent_from={f: how for f, (_, how) in senders.items()},
+                restored_from="peer_memory", steps_redone=max(0, newest - step),
+                transfer_s=time.time() - t0)
     return Outcome(resumed_step=step, drop_kept_grads=True, info=info)
 
 
@@ -195,36 +205,57 @@ def assign_sources(receivers: list[int], sources: list[int]) -> dict[int, int]:
     return {r: sources[i % len(sources)] for i, r in enumerate(sorted(receivers))}
 
 
-def restorable_step(infos: list[dict]) -> int | None:
+def _reaches(info: dict, s: int) -> bool:
+    """A member with state can be brought to step `s` by itself (it is there, or rolls back)."""
+    return info["completed"] >= 0 and (info["completed"] == s or s in info["own"])
+
+
+def restorable_step(infos: list[dict], twins: list[list[int]] | None = None) -> int | None:
     """The newest step to which every member's slice can be brought.
 
     `infos[r]` = {"completed": steps done by rank r (-1: a spare, holds nothing),
-                  "own": steps of r's own snapshots, "held": {rank: steps of its copies}}.
-    A member with state can be at step s if it completed exactly s or snapshotted s; a spare's
-    rank can be at s if a member with state holds a copy of that rank's slice at s.
+                  "own": steps of r's own snapshots, "held": {rank: steps of its copies}};
+    `twins[r]`: the ranks whose live slice is r's (HSDP's replica groups), none without them.
+    A member with state can be at s if it completed exactly s or snapshotted s; any rank can
+    be at s if a twin can by itself, or a member with state holds a copy of its slice at s.
     """
+    twins = twins or [[] for _ in infos]
     with_state = [r for r, i in enumerate(infos) if i["completed"] >= 0]
-    spares = [r for r, i in enumerate(infos) if i["completed"] < 0]
     candidates = {i["completed"] for i in infos if i["completed"] >= 0}
     candidates |= {s for i in infos for s in i["own"]}
+
+    def sendable(f: int, s: int) -> bool:
+        return any(_reaches(infos[t], s) for t in twins[f]) or \
+            any(s in infos[h]["held"].get(str(f), []) for h in with_state)
+
     for s in sorted(candidates, reverse=True):
-        if not all(infos[r]["completed"] == s or s in infos[r]["own"] for r in with_state):
-            continue
-        if all(any(s in infos[h]["held"].get(str(f), []) for h in with_state) for f in spares):
+        if all(_reaches(i, s) or sendable(r, s) for r, i in enumerate(infos)):
             return s
     return None
 
 
-def pick_holders(infos: list[dict], step: int) -> dict[int, int]:
-    """For each spare's rank, a member holding its slice at `step`, spreading the load."""
+def pick_senders(infos: list[dict], step: int,
+                 twins: list[list[int]] | None = None) -> dict[int, tuple[int, str]]:
+    """For each rank that cannot reach `step` by itself (a spare, or under HSDP a survivor a
+    step ahead or behind without the snapshot), who sends its slice: {rank: (sender, how)},
+    how "twin" (the sender's live state, HSDP) or "held" (a copy in its host memory). Twins are
+    preferred (nothing to keep), and the load is spread: the least busy sender first."""
+    twins = twins or [[] for _ in infos]
     load: dict[int, int] = {}
     out = {}
     for f, info in enumerate(infos):
-        if info["completed"] >= 0:
+        if _reaches(info, step):
             continue
-        holders = [h for h, i in enumerate(infos) if i["completed"] >= 0
-                   and step in i["held"].get(str(f), [])]
-        h = min(holders, key=lambda x: (load.get(x, 0), x))
+        options = [(h, "twin") for h in twins[f] if _reaches(infos[h], step)]
+        if not options:
+            options = [(h, "held") for h, i in enumerate(infos) if i["completed"] >= 0
+                       and step in i["held"].get(str(f), [])]
+        h, how = min(options, key=lambda o: (load.get(o[0], 0), o[0]))
         load[h] = load.get(h, 0) + 1
-        out[f] = h
+        out[f] = (h, how)
     return out
+
+
+def pick_holders(infos: list[dict], step: int) -> dict[int, int]:
+    """For each spare's rank, a member holding its slice at `step`, spreading the load."""
+    return {f: h for f, (h, _) in pick_senders(infos, step).items()}

@@ -81,6 +81,8 @@ class Spec:
     workers_per_node: int = 1  # processes sharing this node's memory (active + spares)
     ranks_per_node: int = 1  # active ranks per node: ranks k*n .. k*n+n-1 train on one node
     health: dict = field(default_factory=dict)  # node checks of every spare (health.py)
+    # HSDP: ranks per shard group, the rest replica groups (replica_groups.py); 0: no groups
+    shard_size: int = 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -130,6 +132,7 @@ class SupervisorConfig:
     health: dict = field(default_factory=dict)  # node checks (health.py; {}: its defaults)
     metrics_port: int = 0  # >0: the coordinator serves Prometheus' /metrics there (prometheus.py)
     tokens_per_step: int = 0  # what one step trains on, all ranks (tokens per second; 0: not said)
+    shard_size: int = 0  # HSDP: ranks per shard group (replica_groups.py); 0: no replica groups
 
     @classmethod
     def of(cls, settings, **given) -> "SupervisorConfig":

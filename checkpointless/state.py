@@ -42,8 +42,14 @@ class ProtectedState:
         if sharded and self.replicas is None:
             rep = {**protocol.default_replication(), **self.spec.replication}
             self.replicas = ShardReplicas(int(rep["factor"]), int(rep["interval"]),
-                                          int(rep["offset"]))
+                                          int(rep["offset"]), int(self.spec.shard_size))
             self.check_host_memory()
+
+    def twins(self, world: int) -> list[list[int]] | None:
+        """Under HSDP, each rank's twins (the ranks holding its slice live), else None."""
+        if self.replicas is None or not self.replicas.twins(0, world):
+            return None
+        return [self.replicas.twins(r, world) for r in range(world)]
 
     def _on_optimizer_step(self, *_):
         self.update_applied = True

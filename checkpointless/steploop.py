@@ -267,8 +267,9 @@ class StepLoop:
         rank off the majority reports itself and leaves (the supervisor replaces it). False when
         a peer failed meanwhile."""
         every, rec = self.spec.consistency_every, self.rec
-        if every <= 0 or step % every or self.state.replicas is not None:
-            return True  # sharded state has no replicas to compare
+        twins = self.state.twins(rec.world_size)
+        if every <= 0 or step % every or (self.state.replicas is not None and not twins):
+            return True  # fsdp's slices exist once each: nothing to compare
         self.rec.reporter.kick()  # the heartbeat out before a collective that may hang
         try:
             sums = consistency.gather(self.state.modules(), rec.world_size)
@@ -276,7 +277,10 @@ class StepLoop:
             self.fail_or_raise(exc)
             return False
         try:
-            consistency.judge(sums, rec.rank, step)
+            if twins:  # HSDP: each slice's twins must agree
+                consistency.judge_twins(sums, twins, rec.rank, step)
+            else:
+                consistency.judge(sums, rec.rank, step)
         except consistency.Diverged as exc:
             self.store.set(protocol.diverged_key(self.worker_id), str(exc))
             self.report(exc)

@@ -67,9 +67,12 @@ def start_line(cfg, accelerator: Accelerator) -> str:
     # accelerate's FSDP2 plugin shards a model that is whole on every worker (or broadcast from
     # rank 0, a collective a replacement could never join), and on gloo it is ignored: the
     # launcher's shard() lets each rank build, load and hold only its own slice
-    return line + (f"; fsdp ({dist.get_backend()}): the launcher shards each decoder block with "
-                   "torch's fully_shard, not accelerate's FSDP plugin (each rank initializes or "
-                   "loads only its own shard)")
+    how = "fsdp" if d.strategy == "fsdp" else (
+        f"hsdp, {d.num_processes // d.shard_size} replica groups of {d.shard_size} "
+        "(sharded within a group, replicated across)")
+    return line + (f"; {how} ({dist.get_backend()}): the launcher shards each decoder block "
+                   "with torch's fully_shard, not accelerate's FSDP plugin (each rank "
+                   "initializes or loads only its own shard)")
 
 
 class Autocast:

@@ -17,13 +17,15 @@ import torch.distributed as dist
 from checkpointless.digest import StateDigest
 from checkpointless.tensors import full_tensor
 
+from .schema import SHARDED
+
 INDEX = "model.safetensors.index.json"
 
 
 def local_state(model, strategy: str) -> dict:
     """This rank's view of the model state, nothing gathered (DTensors under fsdp), with the
     names get_model_state_dict gives: the digest's names."""
-    if strategy == "fsdp":
+    if strategy in SHARDED:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
         return get_model_state_dict(model)
     return model.state_dict()

@@ -15,6 +15,7 @@ from checkpointless.supervisor import JobFailed, Supervisor, SupervisorConfig
 from .memory import by_rank as memory_by_rank
 from .preflight import preflight
 from .recipes import RecipeError
+from .schema import SHARDED
 
 
 def health_settings(cfg) -> dict:
@@ -56,7 +57,8 @@ def supervisor_config(cfg) -> SupervisorConfig:
         raise RecipeError("checkpointless.replication.placement=nodes puts each shard's copies "
                           "on another node, but this run has one node (all "
                           f"{d.num_processes} workers here). Use placement=ring")
-    if placement == "nodes" and d.strategy == "fsdp" and c.enabled and not \
+    groups = d.num_processes // d.shard_size if d.strategy == "hsdp" else 1
+    if placement == "nodes" and d.strategy in SHARDED and groups < 2 and c.enabled and not \
             2 <= c.replication.factor <= d.num_nodes:
         raise RecipeError(
             f"checkpointless.replication.factor={c.replication.factor} with placement=nodes on "
@@ -68,8 +70,10 @@ def supervisor_config(cfg) -> SupervisorConfig:
         c, nproc=d.num_processes, spares=c.spares if c.enabled else 0, backend=backend,
         host=d.master_addr, port=d.master_port, seed=cfg.run.seed, nodes=d.num_nodes,
         standalone=d.standalone_coordinator,
-        replication={"factor": c.replication.factor, "interval": c.replication.interval,
+        replication={"factor": max(1, c.replication.factor),
+                     "interval": c.replication.interval,
                      "offset": replica_offset(placement, per_node)},
+        shard_size=d.shard_size if d.strategy == "hsdp" else 0,
         straggler_factor=c.straggler.factor, straggler_window=c.straggler.window,
         health=health_settings(cfg),
         tokens_per_step=cfg.trainer.micro_batch_size * cfg.trainer.grad_accum_steps *

@@ -38,7 +38,7 @@ from .export import digest_and_export, export_lora
 from .memory import held
 from .metrics import Metrics
 from .model_setup import build, build_eval, cpu_threads, full_state, setup, shard, warm_up
-from .schema import Recipe
+from .schema import SHARDED, Recipe
 
 __all__ = ["main", "lr_at", "build_optimizer", "Metrics"]
 
@@ -119,8 +119,8 @@ def join(cfg, out_dir: Path) -> Run:
                            "silently different job")
     # built after join: accelerate reads this worker's rank once, and a spare has none before
     accelerator = build_accelerator(cfg, job, device)
-    if d.strategy == "fsdp":  # sharded here, not by accelerate's plugin (see start_line)
-        shard(model, cfg)
+    if d.strategy in SHARDED:  # sharded here, not by accelerate's plugin (see start_line)
+        shard(model, cfg, job.device_mesh())
         wrapped = model
     elif d.grad_sync == "buckets":  # averaged in fixed buckets during backward
         wrapped = checkpointless.DistributedDataParallel(model, bucket_cap_mb=d.bucket_cap_mb)
@@ -250,7 +250,7 @@ def finish_run(run: Run) -> None:
     cfg, job, model, metrics, out_dir = run.cfg, run.job, run.model, run.metrics, run.out_dir
     d, t = cfg.distributed, cfg.trainer
     # what this rank's memory held, read before the end-of-run digest and export (report.json)
-    memory = held(model, run.optimizer, job.replica_host_bytes())
+    memory = held(model, run.optimizer, job.replica_host_bytes(), job.snapshot_host_bytes())
     if run.validate and not job.preempted:  # collectives after the loop: recovered too
         run.last_eval = dict(job.between_steps(run.validate), eval_after_steps=job.completed_steps)
         if metrics:
@@ -288,7 +288,9 @@ def write_results(run: Run, digest: str, local: int, full_params: int) -> None:
                                   accelerator.gradient_accumulation_steps,
                               "distributed_type": str(accelerator.distributed_type),
                               "torch_threads": torch.get_num_threads()},
-              "replica_host_bytes": job.replica_host_bytes(),
+              # what redundancy holds in host memory: peers' copies and this rank's snapshots
+              "replica_host_bytes": (None if job.replica_host_bytes() is None else
+                                     job.replica_host_bytes() + job.snapshot_host_bytes()),
               "replica_timing": job.replica_timing(),
               "full_params": full_params,
               "final_loss": run.loss_value, "steps": job.completed_steps, "eval": run.last_eval}

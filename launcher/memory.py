@@ -48,7 +48,7 @@ def _local_bytes(t) -> int:
     return t.numel() * t.element_size()
 
 
-def held(model, optimizer, replica_bytes: int | None) -> dict:
+def held(model, optimizer, replica_bytes: int | None, snapshot_bytes: int | None = None) -> dict:
     """This rank's figures. Call at the end of training, before anything gathers the full state
     (the peak is read then: `peak_rss_bytes` is training's, not the end-of-run gather's)."""
     import torch
@@ -57,7 +57,8 @@ def held(model, optimizer, replica_bytes: int | None) -> dict:
                 if isinstance(v, torch.Tensor))
     return {"baseline_rss_bytes": _baseline, "peak_rss_bytes": peak_rss_bytes(),
             "param_bytes": params, "optimizer_state_bytes": optim,
-            "model_state_bytes": params + optim, "replica_bytes": replica_bytes or 0}
+            "model_state_bytes": params + optim, "replica_bytes": replica_bytes or 0,
+            "snapshot_bytes": snapshot_bytes or 0}
 
 
 def by_rank(results: dict) -> dict | None:
@@ -67,4 +68,5 @@ def by_rank(results: dict) -> dict | None:
         return None
     return {f"{key}_by_rank": {r: m.get(key) for r, m in mem.items()}
             for key in ("baseline_rss_bytes", "peak_rss_bytes", "model_state_bytes",
-                        "param_bytes", "optimizer_state_bytes", "replica_bytes")}
+                        "param_bytes", "optimizer_state_bytes", "replica_bytes",
+                        "snapshot_bytes")}

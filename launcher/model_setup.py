@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from checkpointless import protocol
 
 from .data import to_device
+from .schema import SHARDED
 
 def setup(cfg):
     """(backend, device) of this worker; the thread count of a CPU worker is set here."""
@@ -64,7 +65,7 @@ def build(cfg, device, sharded: bool | None = None):
                                 cfg.tokenizer.chat_template)
     from models.init import EmptyBuild, materialize
     if sharded is None:
-        sharded = cfg.distributed.strategy == "fsdp"
+        sharded = cfg.distributed.strategy in SHARDED
     torch.manual_seed(cfg.run.seed)
     random = cfg.model.init != "pretrained"
     # pretrained under fsdp: built on the meta device too, each rank then reads its shard only
@@ -111,7 +112,7 @@ def master_dtype(cfg):
     smaller than their resolution (at lr 5e-5 on N(0, 0.02) weights, a large share of each
     step). Under LoRA with ddp the frozen base keeps the config's dtype (None): it never
     changes, and peft keeps the adapters in fp32."""
-    if cfg.peft.method != "none" and cfg.distributed.strategy != "fsdp":
+    if cfg.peft.method != "none" and cfg.distributed.strategy not in SHARDED:
         return None
     return torch.float32
 
@@ -125,9 +126,10 @@ def build_eval(cfg, tokenizer):
     return ds, eval_rows(ds, cfg.eval.max_batches, cfg.trainer.micro_batch_size)
 
 
-def shard(model, cfg):
-    """FSDP2: each decoder block and then the root becomes a sharded unit; a model still on the
-    meta device (build()) then gets its shard allocated and filled on this rank."""
+def shard(model, cfg, mesh=None):
+    """FSDP2: each decoder block and then the root becomes a sharded unit over `mesh` (the job's:
+    1-D under fsdp, replicate x shard under hsdp; by default the default group's); a model
+    still on the meta device (build()) then gets its shard allocated and filled on this rank."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from models.lora import base_of
@@ -146,7 +148,7 @@ def shard(model, cfg):
     # fp32; gradients are cast to fp32 before the reduce-scatter, so the sum is fp32
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if cfg.trainer.precision == "bf16" else MixedPrecisionPolicy()
-    mesh = shard_mesh()
+    mesh = mesh if mesh is not None else shard_mesh()
     for block in blocks or []:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -204,7 +206,7 @@ def full_state(model, strategy: str) -> dict:
     """The whole model state in rank 0's host memory (a collective under fsdp: each tensor is
     gathered on the device, moved to rank 0's host, and dropped before the next; the other
     ranks get nothing). Only the LoRA export uses it; the digest and the full export stream."""
-    if strategy == "fsdp":
+    if strategy in SHARDED:
         from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                               get_model_state_dict)
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,

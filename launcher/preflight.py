@@ -26,6 +26,7 @@ from pathlib import Path
 from .hub import hub_problem, looks_like_path, offline_unless_reachable
 from .plan import check_fits
 from .recipes import RecipeError
+from .schema import SHARDED
 
 
 def preflight(cfg) -> None:
@@ -201,7 +202,7 @@ def _weights_problem(cfg) -> str | None:
         return None
     if not folder.is_dir():
         return _hub_weights_problem(cfg)
-    fsdp = cfg.distributed.strategy == "fsdp"
+    fsdp = cfg.distributed.strategy in SHARDED
     accepted = SAFETENSORS_FILES if fsdp else FROM_PRETRAINED_FILES
     if any((folder / f).is_file() for f in accepted):
         return None
@@ -232,7 +233,7 @@ def _hub_weights_problem(cfg) -> str | None:
     from huggingface_hub import constants, try_to_load_from_cache
     ident = cfg.model.id
     revision = cfg.model.get("revision") or None
-    fsdp = cfg.distributed.strategy == "fsdp"
+    fsdp = cfg.distributed.strategy in SHARDED
 
     def cached(name):
         got = try_to_load_from_cache(ident, name, revision=revision)

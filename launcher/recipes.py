@@ -24,6 +24,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from checkpointless.faults import split_fault
+from checkpointless.protocol import DEFAULTS as CL_DEFAULTS
 
 from .schema import Recipe, RecipeError
 from .validate import validate
@@ -324,8 +325,20 @@ def load(name_or_path: str, overrides: list[str] = ()) -> DictConfig:
                           "${...} reference must name another key, e.g. ${run.name}, and must "
                           "not refer to itself") from None
     _world_from_nodes(merged, overrides)
+    _sharding_defaults(merged)
     validate(merged)
     return merged
+
+
+def _sharding_defaults(cfg: DictConfig) -> None:
+    """hsdp's shard group is one node's processes unless given; peer copies default to none
+    where replica groups already hold every slice twice or more, else to 2."""
+    d, rep = cfg.distributed, cfg.checkpointless.replication
+    if d.strategy == "hsdp" and d.shard_size == 0:
+        d.shard_size = max(1, d.num_processes // max(1, d.num_nodes))
+    if rep.factor is None:
+        groups = d.num_processes // d.shard_size if d.strategy == "hsdp" and d.shard_size else 1
+        rep.factor = 0 if groups >= 2 else CL_DEFAULTS.replication_factor
 
 
 def _world_from_nodes(cfg: DictConfig, overrides) -> None:

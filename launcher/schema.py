@@ -19,6 +19,9 @@ class RecipeError(ValueError):
     """A recipe that cannot run; the text names the key, the value and the fix."""
 
 
+SHARDED = ("fsdp", "hsdp")  # strategies under which FSDP2 shards parameters and optimizer
+
+
 def one_of(*allowed: str):
     """A string key that takes one of `allowed`; the first is its default."""
     return field(default=allowed[0], metadata={"choices": allowed})
@@ -114,7 +117,8 @@ class TrainerConfig:
 @dataclass
 class DistributedConfig:
     num_processes: int = ranged(2, ">= 1")  # active workers (world size); one per GPU on GPUs
-    strategy: str = one_of("ddp", "fsdp")  # ddp: full replica per worker; fsdp: parameters and optimizer sharded
+    strategy: str = one_of("ddp", "fsdp", "hsdp")  # ddp: full replica per worker; fsdp: parameters and optimizer sharded over all workers; hsdp: sharded within groups of distributed.shard_size workers, each group a whole replica (the groups are each other's copies)
+    shard_size: int = ranged(0, ">= 0", " (0: one node's processes)")  # hsdp: workers per shard group (0: one node's processes); num_processes / shard_size replica groups
     backend: str = one_of("auto", "gloo", "nccl")  # auto (nccl with GPUs, else gloo), gloo or nccl
     device: str = one_of("auto", "cuda", "cpu")  # what the recipe is sized for: cuda (refused on a machine without enough GPUs), cpu, or auto (cuda when present)
     device_memory_gb: float = 0.0  # memory of one device, GB (0: the real device's when there is one, else 80)
@@ -133,7 +137,7 @@ class DistributedConfig:
 
 @dataclass
 class ReplicationConfig:
-    factor: int = ranged(CL.replication_factor, ">= 1", " (1: no peer copies; 2: one copy in a peer's memory)")  # copies of each rank's slice under fsdp (own + peers)
+    factor: Optional[int] = ranged(None, ">= 0", " (0 or 1: no peer copies; 2: one copy in a peer's memory)")  # copies of each rank's slice in host memory (own + peers); unset: 2 under fsdp, 0 under hsdp with two or more replica groups (the groups are the copies)
     interval: int = ranged(CL.replication_interval, ">= 1")  # steps between peer copies (fewer: less to redo)
     placement: str = one_of("auto", "ring", "nodes")  # auto (ring on one node, nodes on several), ring: next ranks, nodes: the same local rank on the next nodes
 

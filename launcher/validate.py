@@ -164,6 +164,29 @@ def check_replication(cfg: DictConfig) -> None:
          f"(distributed.num_processes={rep.factor})")
 
 
+def check_sharding(cfg: DictConfig) -> None:
+    """hsdp's groups divide the world, and no one node holds every copy of a slice."""
+    from checkpointless.replica_groups import Layout
+    d = cfg.distributed
+    if d.strategy != "hsdp":
+        need(d.shard_size == 0, "distributed.shard_size", d.shard_size,
+             f"applies under distributed.strategy=hsdp only (this recipe runs {d.strategy}). "
+             "Fix: set distributed.strategy=hsdp, or drop distributed.shard_size")
+        return
+    n = d.num_processes
+    need(d.shard_size <= n and n % d.shard_size == 0, "distributed.shard_size", d.shard_size,
+         f"must divide distributed.num_processes={n} into whole replica groups. Fix: a divisor "
+         f"of {n}, e.g. distributed.shard_size={max(1, n // max(1, d.num_nodes))} (one node's "
+         "processes)")
+    per_node = n // max(1, d.num_nodes)
+    layout = Layout(n, d.shard_size)
+    lost = layout.lost_with_a_node(per_node) if d.num_nodes > 1 and layout.groups >= 2 else []
+    need(not lost, "distributed.shard_size", d.shard_size,
+         f"puts every copy of shard position(s) {lost} on one node, so that node's loss "
+         f"would take the slice from every replica group. Fix: distributed.shard_size="
+         f"{per_node} (a shard group per node)")
+
+
 def check_folders(cfg: DictConfig) -> None:
     check_dir("run.output_dir", cfg.run.output_dir, f"runs/{cfg.run.name}")
     check_dir("data.cache_dir", cfg.data.cache_dir, ".cache/data")
@@ -195,4 +218,4 @@ def check_dir(key: str, value: str, example: str) -> None:
 
 # in this order: the folders last, as they look at the disk
 CROSS_FIELD = (check_precision, check_sources, check_nodes, check_trackers, check_eval,
-               check_peft, check_faults, check_replication, check_folders)
+               check_peft, check_faults, check_replication, check_sharding, check_folders)

@@ -93,4 +93,5 @@ def test_a_wide_llama_with_replication_survives_a_kill_with_the_failure_free_bit
     mem = rep["memory"]
     for r, held in mem["replica_bytes_by_rank"].items():
         # own slice and one peer's, two versions each: about 4 x (params + 2 moments) / 8
+        held += mem["snapshot_bytes_by_rank"][r]
         assert held == pytest.approx(4 * 3 * params_of(4) * 4 / 8, rel=0.05), r

@@ -7,10 +7,12 @@ import math
 from dataclasses import dataclass
 
 from checkpointless.redundancy import KEEP as KEEP_VERSIONS  # versions of each replica kept
+from checkpointless.redundancy import ROLLBACK_KEEP as ROLLBACK_VERSIONS  # hsdp's own snapshots
 
 from .budget import device_budget, host_budget, ranks_per_node
 from .model import ModelFacts, lora_targets
 from .report import PHASES, Item, Plan
+from ..schema import SHARDED
 
 CUDA_RUNTIME = 2 * 10 ** 9  # CUDA context, NCCL buffers, allocator slack: an allowance
 CPU_RUNTIME = 10 ** 9 // 2  # Python, torch, transformers and datasets in one worker process
@@ -32,6 +34,8 @@ CURRENT_LOOP = LoopFacts()
 class _Setup:
     """The numbers every family of rows reads, derived once from the recipe and the model."""
     world: int
+    ways: int  # ranks a parameter is sharded over: the world (fsdp), a shard group (hsdp)
+    groups: int  # replica groups (hsdp; 1 otherwise): each holds every slice
     fsdp: bool
     lora: bool
     ckpt: bool  # model.gradient_checkpointing
@@ -54,7 +58,7 @@ class _Setup:
     grad_sync_buckets: bool  # ddp's all-reduce starts in backward, bucket by bucket
 
     def shard(self, n: int) -> int:
-        return math.ceil(n / self.world) if self.fsdp else n
+        return math.ceil(n / self.ways) if self.fsdp else n
 
     @property
     def params_bytes(self) -> int:
@@ -67,7 +71,7 @@ class _Setup:
 
 def _setup(cfg, facts: ModelFacts) -> _Setup:
     d, t, pf = cfg.distributed, cfg.trainer, cfg.peft
-    world, fsdp, lora = d.num_processes, d.strategy == "fsdp", pf.method == "lora"
+    world, fsdp, lora = d.num_processes, d.strategy in SHARDED, pf.method == "lora"
     mp = fsdp and t.precision == "bf16"
     # trained parameters are fp32 masters (model_setup.master_dtype); only a frozen LoRA base
     # under ddp keeps the config's dtype
@@ -77,8 +81,9 @@ def _setup(cfg, facts: ModelFacts) -> _Setup:
     targets = lora_targets(facts, pf.target_modules) if lora else []
     adapters = sum(pf.r * (i + o) for _, i, o, _ in targets)
     trainable = adapters if lora else facts.n_params
+    ways = d.shard_size if d.strategy == "hsdp" and d.shard_size else world
     return _Setup(
-        world=world, fsdp=fsdp, lora=lora, ckpt=bool(cfg.model.gradient_checkpointing),
+        world=world, ways=ways, groups=world // ways, fsdp=fsdp, lora=lora, ckpt=bool(cfg.model.gradient_checkpointing),
         accum=t.grad_accum_steps, bf16=bf16, mp=mp, pb=pb, cb=cb, gb=4 if mp else pb,
         p=2 if (bf16 or pb == 2) else 4, r=cb,
         dname="float32" if pb == 4 else facts.dtype_name,
@@ -104,11 +109,11 @@ def _state_items(s: _Setup) -> list:
     items = [
         Item("parameters", _at(s.params_bytes),
              note=("fp32 master, gathered in bf16" if s.mp else s.dname)
-             + (f", 1/{s.world} shard" if s.fsdp else ", whole")
+             + (f", 1/{s.ways} shard" if s.fsdp else ", whole")
              + (f", + {s.adapters:,} fp32 adapters" if s.lora else "")),
         Item("gradients", _at(s.shard(s.trainable) * s.tb, *grad_phases),
              note=("adapters only, " if s.lora else "")
-             + (f"1/{s.world} shard" if s.fsdp else "whole")),
+             + (f"1/{s.ways} shard" if s.fsdp else "whole")),
         Item("optimizer state", _at(s.optim_bytes), note="AdamW, 2 moments in the " + moments),
     ]
     if not s.fsdp:  # the bucket buffers become .grad; the local gradients stay for a redo
@@ -221,12 +226,17 @@ def _end_items(s: _Setup, facts: ModelFacts, cfg, device: str) -> list:
                       note="CUDA context, NCCL, allocator" if cuda else
                       "Python, torch, transformers"))
     factor = cfg.checkpointless.replication.factor
+    sent = s.shard(s.trainable) * s.tb * 3 if s.lora else s.params_bytes + s.optim_bytes
     if s.fsdp and cfg.checkpointless.enabled and factor > 1:
-        sent = s.shard(s.trainable) * s.tb * 3 if s.lora else s.params_bytes + s.optim_bytes
         items.append(Item("peer replicas", {}, host=KEEP_VERSIONS * (factor - 1) * sent,
                           note=f"{factor - 1} peer shard(s) x {KEEP_VERSIONS} versions"))
         items.append(Item("own shard snapshots", {}, host=KEEP_VERSIONS * sent,
                           note=f"{KEEP_VERSIONS} versions"))
+    elif s.fsdp and cfg.checkpointless.enabled and s.groups >= 2:
+        # hsdp: the other replica groups hold each slice live; only the rollback snapshots
+        items.append(Item("own shard snapshots", {}, host=ROLLBACK_VERSIONS * sent,
+                          note=f"{ROLLBACK_VERSIONS} versions, for rollback; no peer replicas "
+                               f"(the {s.groups} replica groups are the copies)"))
     return items
 
 
