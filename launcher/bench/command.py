@@ -75,10 +75,11 @@ def bench(args: list[str]) -> int:
               f"({cfg.paired_steps} steps each)", flush=True)
         paired = run_paired(cfg, overrides, pair)
         print(f"[bench] paired: {json.dumps(paired)}", flush=True)
-    if {"fsdp", "fsdp-replicated"} <= set(modes) and cfg.paired_steps:
-        print(f"[bench] fsdp and fsdp-replicated side by side, taking turns every "
+    sharded = [m for m in ("fsdp", "fsdp-replicated", "hsdp") if m in modes]
+    if len(sharded) >= 2 and cfg.paired_steps:
+        print(f"[bench] {' and '.join(sharded)} side by side, taking turns every "
               f"{cfg.turn_s:g} s ({cfg.paired_steps} steps each)", flush=True)
-        fsdp_pair = run_paired_launchers(cfg, overrides, ("fsdp", "fsdp-replicated"))
+        fsdp_pair = run_paired_launchers(cfg, overrides, tuple(sharded))
         print(f"[bench] paired fsdp: {json.dumps(fsdp_pair)}", flush=True)
         paired = dict(paired, **fsdp_pair)
     return report(cfg, results, save_cost, out_root, paired, grad_copy, consistency)

@@ -13,7 +13,7 @@ from ..recipes import RecipeError
 # slow-evict and slow-report: on with a straggler (rank slow_rank slow_factor times as slow from
 # step slow_step on), evicted to a spare or only reported; beside on, the failure-free run
 MODES = ("off", "on", "plain", "flat", "checkpointless", "restart", "fsdp", "fsdp-replicated",
-         "slow-evict", "slow-report")
+         "hsdp", "slow-evict", "slow-report")
 
 
 @dataclass

@@ -25,6 +25,9 @@ def mode_recipe(cfg, overrides: list[str], mode: str, tau_steps: int = 0,
         extra += ["distributed.strategy=fsdp", "checkpointless.spares=0"]
         if mode == "fsdp":
             extra += ["checkpointless.replication.factor=1"]
+    elif mode == "hsdp":  # two replica groups: they are the copies, nothing kept for peers
+        extra += ["distributed.strategy=hsdp", f"distributed.shard_size={max(1, cfg.workers // 2)}",
+                  "checkpointless.spares=0", "~checkpointless.replication.factor"]
     else:
         extra += [f"checkpointless.spares={cfg.spares}"]
     if mode.startswith("slow-"):  # a straggler (in place of any other fault), evicted or not

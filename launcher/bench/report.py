@@ -171,6 +171,8 @@ def report(cfg, results: dict, save_cost: float, out_root: Path,
     same = None
     if "fsdp" in s and "fsdp-replicated" in s:
         print(replication_line(s, paired))
+    if "hsdp" in s and "fsdp-replicated" in s:
+        print(hsdp_line(s, paired))
     if "checkpointless" in s and "off" in s:
         same = s["checkpointless"]["params_sha256"] == s["off"]["params_sha256"] is not None
         print(f"final bits: checkpointless {'EQUAL to' if same else 'DIFFER from'} the "
@@ -228,6 +230,22 @@ def straggler_table(s: dict) -> str:
             "beside the failure-free run (on):\n" +
             table(rows, ["mode", "goodput", "slow_s", "straggler", "from_step", "until_step",
                          "step_ms", "step_ms_after", "bits_vs_on"]))
+
+
+def hsdp_line(s: dict, paired: dict) -> str:
+    """hsdp (two replica groups, no peer copies) against fsdp with peer replication: step time
+    from the runs taking turns when they ran (else one after the other), host memory held."""
+    h, rep = s["hsdp"], s["fsdp-replicated"]
+    a, b = (paired or {}).get("step_s_median_hsdp"), \
+        (paired or {}).get("step_s_median_fsdp-replicated")
+    how = "the runs taking turns on the machine" if a and b else "runs one after the other"
+    a, b = (a, b) if a and b else (h["step_s_median"], rep["step_s_median"])
+    h["step_vs_fsdp_replicated"] = round(a / b - 1, 4)
+    return (f"hsdp (2 replica groups, no peer copies) median step {a * 1000:.1f} ms vs "
+            f"fsdp-replicated {b * 1000:.1f} ms ({a / b - 1:+.1%}, {how}); host memory per "
+            f"worker for redundancy: hsdp {(h.get('replica_host_bytes') or 0) / 1e6:.1f} MB "
+            f"(own snapshots only), fsdp-replicated "
+            f"{(rep.get('replica_host_bytes') or 0) / 1e6:.1f} MB")
 
 
 def replication_line(s: dict, paired: dict) -> str:
