@@ -19,7 +19,7 @@ from models.known_configs import known_config
 from tests.conftest import ROOT
 
 LARGE = ["llama3-8b", "llama3-70b", "llama3.2-1b", "llama3.2-1b-sft", "gpt2", "gpt2-xl",
-         "gpt-oss-20b", "llama3-8b-lora", "gpt2-sft"]
+         "gpt-oss-20b", "llama3-8b-lora", "gpt2-sft", "llama3-8b-hsdp", "llama3.2-1b-hsdp"]
 
 
 def header_gb(name: str) -> float:
