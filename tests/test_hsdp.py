@@ -5,10 +5,6 @@ recipe's refusals) in-process; then real processes on tiny-llama, 2 replica grou
 kills inside steps on one machine, and a whole node lost across launchers, each ending with the
 failure-free hsdp bits and no peer copy in host memory.
 """
-import json
-import os
-import signal
-
 import pytest
 
 from checkpointless import consistency
@@ -124,18 +120,8 @@ def test_both_twins_lost_falls_back_to_the_durable_checkpoint(tmp_path, hsdp_12)
 
 @pytest.mark.slow
 def test_a_lost_node_of_a_two_node_hsdp_job_comes_back_from_the_other_group(tmp_path, hsdp_12):
-    from tests.test_multinode import _launch, _port, _wait_steps
-    port = _port()
-    procs = [_launch(tmp_path, k, port, *HSDP_12) for k in range(3)]
-    try:
-        _wait_steps(tmp_path, 6, procs)
-        os.killpg(procs[1].pid, signal.SIGKILL)  # node 1: replica group 1 (ranks 2 and 3)
-        assert procs[0].wait(timeout=240) == 0, (tmp_path / "node0.log").read_text()[-3000:]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    from tests.test_multinode import lose_node_1
+    rep = lose_node_1(tmp_path, *HSDP_12)  # node 1: replica group 1 (ranks 2 and 3)
     recs = rep["recoveries"]
     assert sorted(x["failed_rank"] for x in recs) == [2, 3]
     assert {x["restored_from"] for x in recs} == {"peer_memory"}

@@ -166,20 +166,26 @@ def test_sigterm_to_one_nodes_launcher_stops_the_whole_job_at_one_boundary(tmp_p
     assert not _job_processes(tmp_path)
 
 
-def test_fsdp_across_nodes_restores_a_lost_nodes_slices_from_another_nodes_memory(
-        tmp_path, fsdp_12_steps):
+def lose_node_1(tmp_path, *extra, after_steps=6) -> dict:
+    """2 nodes x 2 and a spare node; node 1's launcher and workers SIGKILLed 0.15 s into step
+    `after_steps` (its compute, not its start). The report of the run that went on."""
     port = _port()
-    procs = [_launch(tmp_path, k, port, *FSDP_12) for k in range(3)]
+    procs = [_launch(tmp_path, k, port, *extra) for k in range(3)]
     try:
-        _wait_steps(tmp_path, 6, procs)
-        time.sleep(0.15)  # into step 6's compute, not at its start
+        _wait_steps(tmp_path, after_steps, procs)
+        time.sleep(0.15)
         os.killpg(procs[1].pid, signal.SIGKILL)
         assert procs[0].wait(timeout=240) == 0, (tmp_path / "node0.log").read_text()[-3000:]
     finally:
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
-    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    return json.loads((tmp_path / "out" / "report.json").read_text())
+
+
+def test_fsdp_across_nodes_restores_a_lost_nodes_slices_from_another_nodes_memory(
+        tmp_path, fsdp_12_steps):
+    rep = lose_node_1(tmp_path, *FSDP_12)
     recs = rep["recoveries"]
     assert sorted(r["failed_rank"] for r in recs) == [2, 3]
     # placement=auto across nodes: ranks 2 and 3's copies were on node 0 (ranks 0 and 1)
