@@ -58,18 +58,36 @@ LIKELY_CAUSES = (
     "memory")
 
 
-def judge_twins(sums: list[int], twins: list[list[int]], rank: int, step: int) -> list[int]:
-    """HSDP: the ranks at each shard position (a rank and its twins) must agree; each position's
-    ranks are judged as a replicated job's are (judge). The odd ranks, over every position."""
-    odd, seen = [], set()
-    for r in range(len(sums)):
-        if r in seen or not twins[r]:
-            continue
-        ranks = sorted([r, *twins[r]])
-        seen.update(ranks)
-        bad = judge([sums[x] for x in ranks], ranks.index(rank) if rank in ranks else -1, step,
-                    ranks)
-        odd += bad
+def compared(world: int, twins: list[list[int]] | None) -> list[list[int]]:
+    """The sets of ranks that must hold the same parameters: every rank (ddp), or under HSDP
+    each shard position's ranks (a rank and its twins)."""
+    if not twins:
+        return [list(range(world))]
+    return sorted({tuple(sorted([r, *t])) for r, t in enumerate(twins)})
+
+
+def apart(sums: list[int], groups: list[list[int]]) -> list[list[int]]:
+    """The groups whose ranks' checksums are not all equal."""
+    return [list(g) for g in groups if len({sums[r] for r in g}) > 1]
+
+
+def check_at_end(modules, groups: list[list[int]], between_steps) -> None:
+    """The run's last check, every rank together (`between_steps` recovers a peer lost in it):
+    replicas that disagree are an error on every rank, never a quiet success."""
+    world = sum(len(g) for g in groups)
+    sums = between_steps(lambda: gather(modules, world))
+    if far := apart(sums, groups):
+        raise NoMajority(f"the replicas disagree at the end of the run (parameter checksums by "
+                         f"rank: {sums}; ranks that should agree: {far}); the run is not a "
+                         "success")
+
+
+def judge_groups(sums: list[int], groups: list[list[int]], rank: int, step: int) -> list[int]:
+    """Each group's ranks judged as a replicated job's are (judge); the odd ranks of all."""
+    odd = []
+    for g in groups:
+        g = list(g)
+        odd += judge([sums[x] for x in g], g.index(rank) if rank in g else -1, step, g)
     return sorted(odd)
 
 

@@ -94,10 +94,12 @@ class Group:
         except Exception:
             pass
 
-    def device_mesh(self, device_type: str):
-        """The mesh FSDP2 shards over: the default group itself, or under HSDP the 2-D mesh of
-        this generation's replicate and shard groups (replica_groups.py)."""
+    def device_mesh(self):
+        """The mesh FSDP2 shards over, on the backend's device (nccl: the GPU, else the CPU):
+        the default group itself, or under HSDP the 2-D mesh of this generation's replicate and
+        shard groups (replica_groups.py)."""
         from torch.distributed.device_mesh import DeviceMesh
+        device_type = "cuda" if self.backend == "nccl" else "cpu"
         if self.subgroups is not None:
             return replica_groups.device_mesh(self.layout, self.subgroups, device_type)
         return DeviceMesh.from_group(dist.group.WORLD, device_type)

@@ -104,28 +104,17 @@ class Job:
         """Wall time at which the current (or last) step started."""
         return self.steploop.step_started_at
 
-    def device_mesh(self, device_type: str | None = None):
-        """The DeviceMesh to give FSDP2's fully_shard: over the job's default group, or under
-        HSDP (the job's shard_size) the 2-D (replicate, shard) mesh of this generation's groups.
-        Built from the groups join() made, so a replacement shards alone without a collective;
-        after a recovery the same mesh resolves to the new groups (replica_groups.py)."""
-        if device_type is None:
-            device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        return self._rec.group.device_mesh(device_type)
+    def device_mesh(self):
+        """FSDP2's mesh from the groups join() made (1-D, or HSDP's 2-D: replica_groups.py)."""
+        return self._rec.group.device_mesh()
 
-    def replica_host_bytes(self) -> int | None:
-        """Host memory held for copies of peers' shards (fsdp), or None unsharded."""
+    def replica_host_bytes(self, part: str = "held") -> int | None:
+        """Host bytes of peers' shard copies ("held"), own rollback snapshots ("own"), or "all"."""
         r = self._state.replicas
-        return r.host_bytes("held") if r is not None else None
-
-    def snapshot_host_bytes(self) -> int | None:
-        """Host memory held for this rank's own snapshots (its rollback), or None unsharded."""
-        r = self._state.replicas
-        return r.host_bytes("own") if r is not None else None
+        return r.host_bytes(part) if r is not None else None
 
     def replica_timing(self) -> dict | None:
-        """What the replica exchanges cost this rank's training thread: their count, and the
-        seconds spent copying snapshots and waiting for the previous exchange (fsdp)."""
+        """The replica exchanges' count and training-thread seconds (snapshot copy, waits)."""
         r = self._state.replicas
         return dict(r.timing) if r is not None else None
 
@@ -341,20 +330,12 @@ class Job:
         before its result was in is recovered like a failure between steps (this rank runs
         again what the replacement runs on its way here); a peer lost after it (on its way
         out) loses nothing, and the run stands."""
-        twins = self._state.twins(self.world_size)
-        if (self._state.replicas is None or twins) and self._state.modules():
-            sums = self.between_steps(
-                lambda: consistency.gather(self._state.modules(), self.world_size))
-            # every rank agrees (ddp), or under HSDP every rank with its twins
-            apart = [[r, *t] for r, t in enumerate(twins or [])
-                     if any(sums[x] != sums[r] for x in t)]
-            if apart or (not twins and len(set(sums)) > 1):
-                same = f"; ranks that should hold the same slice: {apart}" if twins else ""
-                exc = consistency.NoMajority(
-                    f"the replicas disagree at the end of the run (parameter checksums by rank: "
-                    f"{sums}{same}); the run is not a success")
+        if (groups := self._state.compared(self.world_size)) is not None and self._state.modules():
+            try:
+                consistency.check_at_end(self._state.modules(), groups, self.between_steps)
+            except consistency.NoMajority as exc:
                 report_error(self.store, self.worker_id, exc)
-                raise exc
+                raise
         complete = self._outside.leave(json.dumps(result or {}))
         if self._state.replicas is not None:  # the last copy is worth nothing now: stop it
             self._state.replicas.close(lambda: self._rec.watch.moved(self.gen), timeout_s=10.0)

@@ -69,11 +69,8 @@ class PlainJob:
             return {}
         return {"LOCAL_WORLD_SIZE": str(self.world_size)}
 
-    def replica_host_bytes(self) -> int | None:
-        return None  # no peer copies: a failure ends the job
-
-    def snapshot_host_bytes(self) -> int | None:
-        return None
+    def replica_host_bytes(self, part: str = "held") -> int | None:
+        return None  # no copies or snapshots: a failure ends the job
 
     def replica_timing(self) -> dict | None:
         return None

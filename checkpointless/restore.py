@@ -127,7 +127,7 @@ def _restore_shards(state: ProtectedState, me: Position, hook) -> Outcome:
     with communicating("exchanging which shard copies each member holds"):
         dist.all_gather_object(infos, mine)
     newest = max(i["completed"] for i in infos)
-    twins = [replicas.twins(r, me.world_size) for r in range(me.world_size)]
+    twins = state.twins(me.world_size)
     step = restorable_step(infos, twins)
     info = {"steps_by_rank": [i["completed"] for i in infos], "bytes_sent": 0,
             "bytes_received": 0, "pairs": {}, "source": None}

@@ -6,7 +6,7 @@ import os
 import torch
 from torch.utils.data import DataLoader
 
-from . import protocol
+from . import consistency, protocol
 from .data import LoaderPosition, check_loader
 from .redundancy import KEEP, ShardReplicas
 from .tensors import is_dtensor, local_part
@@ -47,9 +47,16 @@ class ProtectedState:
 
     def twins(self, world: int) -> list[list[int]] | None:
         """Under HSDP, each rank's twins (the ranks holding its slice live), else None."""
-        if self.replicas is None or not self.replicas.twins(0, world):
+        twins = [self.replicas.twins(r, world) for r in range(world)] if self.replicas else []
+        return twins if any(twins) else None
+
+    def compared(self, world: int) -> list[list[int]] | None:
+        """The rank sets whose parameters must agree (consistency.compared); None under fsdp,
+        whose slices exist once each."""
+        twins = self.twins(world)
+        if self.replicas is not None and not twins:
             return None
-        return [self.replicas.twins(r, world) for r in range(world)]
+        return consistency.compared(world, twins)
 
     def _on_optimizer_step(self, *_):
         self.update_applied = True

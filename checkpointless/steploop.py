@@ -267,9 +267,8 @@ class StepLoop:
         rank off the majority reports itself and leaves (the supervisor replaces it). False when
         a peer failed meanwhile."""
         every, rec = self.spec.consistency_every, self.rec
-        twins = self.state.twins(rec.world_size)
-        if every <= 0 or step % every or (self.state.replicas is not None and not twins):
-            return True  # fsdp's slices exist once each: nothing to compare
+        if every <= 0 or step % every or (groups := self.state.compared(rec.world_size)) is None:
+            return True  # not due, or fsdp's slices exist once each: nothing to compare
         self.rec.reporter.kick()  # the heartbeat out before a collective that may hang
         try:
             sums = consistency.gather(self.state.modules(), rec.world_size)
@@ -277,10 +276,7 @@ class StepLoop:
             self.fail_or_raise(exc)
             return False
         try:
-            if twins:  # HSDP: each slice's twins must agree
-                consistency.judge_twins(sums, twins, rec.rank, step)
-            else:
-                consistency.judge(sums, rec.rank, step)
+            consistency.judge_groups(sums, groups, rec.rank, step)
         except consistency.Diverged as exc:
             self.store.set(protocol.diverged_key(self.worker_id), str(exc))
             self.report(exc)

@@ -250,7 +250,7 @@ def finish_run(run: Run) -> None:
     cfg, job, model, metrics, out_dir = run.cfg, run.job, run.model, run.metrics, run.out_dir
     d, t = cfg.distributed, cfg.trainer
     # what this rank's memory held, read before the end-of-run digest and export (report.json)
-    memory = held(model, run.optimizer, job.replica_host_bytes(), job.snapshot_host_bytes())
+    memory = held(model, run.optimizer, job.replica_host_bytes(), job.replica_host_bytes("own"))
     if run.validate and not job.preempted:  # collectives after the loop: recovered too
         run.last_eval = dict(job.between_steps(run.validate), eval_after_steps=job.completed_steps)
         if metrics:
@@ -289,8 +289,7 @@ def write_results(run: Run, digest: str, local: int, full_params: int) -> None:
                               "distributed_type": str(accelerator.distributed_type),
                               "torch_threads": torch.get_num_threads()},
               # what redundancy holds in host memory: peers' copies and this rank's snapshots
-              "replica_host_bytes": (None if job.replica_host_bytes() is None else
-                                     job.replica_host_bytes() + job.snapshot_host_bytes()),
+              "replica_host_bytes": job.replica_host_bytes("all"),
               "replica_timing": job.replica_timing(),
               "full_params": full_params,
               "final_loss": run.loss_value, "steps": job.completed_steps, "eval": run.last_eval}

@@ -60,13 +60,17 @@ def test_a_survivor_a_step_behind_rolls_forward_from_its_twin_and_one_ahead_roll
 
 def test_twins_that_disagree_are_named_and_without_a_majority_the_run_stops():
     twins = [Layout(6, 2).twins(r) for r in range(6)]
+    groups = consistency.compared(6, twins)
+    assert groups == [(0, 2, 4), (1, 3, 5)]
+    assert consistency.compared(4, None) == [[0, 1, 2, 3]]  # ddp: every rank
     sums = [10, 20, 10, 21, 10, 20]  # rank 3 differs from its twins 1 and 5
-    assert consistency.judge_twins(sums, twins, 0, step=5) == [3]
+    assert consistency.apart(sums, groups) == [[1, 3, 5]]
+    assert consistency.judge_groups(sums, groups, 0, step=5) == [3]
     with pytest.raises(consistency.Diverged, match="rank 3"):
-        consistency.judge_twins(sums, twins, 3, step=5)
+        consistency.judge_groups(sums, groups, 3, step=5)
     with pytest.raises(consistency.NoMajority):
-        consistency.judge_twins([10, 20, 11, 20], [Layout(4, 2).twins(r) for r in range(4)], 0,
-                                step=5)
+        consistency.judge_groups([10, 20, 11, 20], consistency.compared(
+            4, [Layout(4, 2).twins(r) for r in range(4)]), 0, step=5)
 
 
 def test_the_recipe_says_what_is_wrong_with_a_shard_size():
