@@ -50,6 +50,7 @@ class NodeAgent:
         self.workers: dict[int, Worker] = {}
         self.exited: dict[int, int] = {}  # wid -> exit code, as reported to the coordinator
         self.seq = 0  # health records written
+        self.beaten: set[int] = set()  # workers whose heartbeat key exists (read in one call)
         # the node store: its workers' heartbeats and the barrier's first gathering
         self.node_server, self.node_store = membership.host("127.0.0.1")
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
@@ -202,15 +203,18 @@ class NodeAgent:
         this node ("run", "fenced: ...", "shutdown"), read in the same call. `final`: the
         agent is leaving, its workers stopped."""
         live = [wid for wid, w in self.workers.items() if wid not in self.exited]
-        beats = detection.read_beats(self.node_store, live)
+        beats = detection.read_beats(self.node_store, live, self.beaten)
         now = time.time()
         self.seq += 1
         record = {"seq": self.seq, "t": now,
                   "beats": {str(w): [b["step"], round(now - b["t"], 3), b["gen"], b["phase"],
                                     b.get("pace", [])]
                             for w, b in beats.items() if b},
-                  "stopped": [w for w in live
-                              if detection.process_stopped(self.workers[w].proc.pid)],
+                  # only a silent worker can be judged hung, and a stopped one beats no more:
+                  # /proc is read for those whose beat is older than STOPPED_AFTER_S
+                  "stopped": [w for w in live if (not beats.get(w) or now - beats[w]["t"] >
+                                                  detection.STOPPED_AFTER_S)
+                              and detection.process_stopped(self.workers[w].proc.pid)],
                   "exited": {str(k): v for k, v in self.exited.items()}, "final": final}
         self.store.set(protocol.node_health_key(self.node), json.dumps(record))
         if news:

@@ -24,6 +24,12 @@ def read_beat(store, worker_id: int):
     return protocol.read_json(store, protocol.heartbeat_key(worker_id))
 
 
+# A stopped process writes no heartbeat (a live worker's reporter beats at least every 0.5 s), and
+# being stopped matters only for a worker silent for heartbeat_timeout_s: /proc is read only for
+# workers whose beat is older than this (a timeout below it is judged at this age instead).
+STOPPED_AFTER_S = 1.0
+
+
 def process_stopped(pid: int) -> bool:
     """True when the process is stopped (SIGSTOP, a debugger, a frozen container)."""
     try:
@@ -34,13 +40,21 @@ def process_stopped(pid: int) -> bool:
         return False
 
 
-def read_beats(store, worker_ids) -> dict:
-    """worker id -> its last heartbeat (None: none yet), in two store operations when every one
-    has beaten (the check of them all, one multi_get), else two per worker."""
+def read_beats(store, worker_ids, beaten: set | None = None) -> dict:
+    """worker id -> its last heartbeat (None: none yet): one multi_get when every one is known
+    to have beaten (`beaten`, kept by the caller: a heartbeat key, once written, stays), else a
+    check of them all first, and two operations per worker when some have not beaten yet.
+    `beaten` is updated with every worker found beating."""
     keys = [protocol.heartbeat_key(w) for w in worker_ids]
-    if keys and hasattr(store, "multi_get") and store.check(keys):
+    if keys and hasattr(store, "multi_get") and (
+            (beaten is not None and beaten.issuperset(worker_ids)) or store.check(keys)):
+        if beaten is not None:
+            beaten.update(worker_ids)
         return {w: json.loads(v) for w, v in zip(worker_ids, store.multi_get(keys))}
-    return {w: read_beat(store, w) for w in worker_ids}
+    out = {w: read_beat(store, w) for w in worker_ids}
+    if beaten is not None:
+        beaten.update(w for w, b in out.items() if b)
+    return out
 
 
 def find_hung(beats: dict[int, dict], pids: dict[int, int], timeout_s: float,

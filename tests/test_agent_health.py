@@ -1,0 +1,91 @@
+"""A node agent's health record, in-process on real stores and a real process: what it reports
+of its workers (heartbeats, a stopped process), in as few store calls as it can."""
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import json  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+from checkpointless import detection, membership, protocol  # noqa: E402
+from checkpointless.agent import NodeAgent  # noqa: E402
+
+
+class _Counted:
+    """A store client whose calls are counted by name."""
+
+    def __init__(self, store):
+        self.store, self.calls = store, []
+
+    def __getattr__(self, name):
+        attr = getattr(self.store, name)
+
+        def call(*a, **k):
+            self.calls.append(name)
+            return attr(*a, **k)
+        return call
+
+
+def _beat(store, wid: int, age_s: float) -> None:
+    store.set(protocol.heartbeat_key(wid), json.dumps(
+        {"t": time.time() - age_s, "step": 3, "gen": 0, "phase": "step"}))
+
+
+def test_a_stopped_worker_is_reported_once_silent_and_beats_are_read_in_one_call():
+    server, job = membership.host("127.0.0.1")
+    job.set(protocol.node_state_key(1), "run")
+    procs = []
+    agent = NodeAgent(job, 1, [sys.executable, "-c", "import time; time.sleep(60)"], {},
+                      "127.0.0.1", server.port, 3.0, log=lambda m: None,
+                      starter=lambda cmd, env: procs.append(subprocess.Popen(cmd)) or procs[-1])
+    try:
+        agent._spawn(10, 0, False)
+        agent._spawn(11, 1, False)
+        # worker 10 has beaten just now, worker 11 not yet: a check first, read one by one
+        _beat(agent.node_store, 10, 0.0)
+        agent.node_store = _Counted(agent.node_store)
+        assert agent.health(news=False) == "run"
+        record = json.loads(job.get(protocol.node_health_key(1)))
+        assert set(record["beats"]) == {"10"} and record["stopped"] == []
+        assert agent.beaten == {10}
+
+        # both beat: from now on one multi_get and no check
+        _beat(agent.node_store.store, 11, 0.0)
+        agent.health(news=False)
+        agent.node_store.calls.clear()
+        agent.health(news=False)
+        assert agent.node_store.calls == ["multi_get"]
+        assert agent.beaten == {10, 11}
+
+        # worker 11 stopped (SIGSTOP) and silent: reported; worker 10 stopped but its beat is
+        # fresh (it cannot be judged hung yet): /proc is not read for it
+        for p in procs:
+            os.kill(p.pid, signal.SIGSTOP)
+        _beat(agent.node_store.store, 11, detection.STOPPED_AFTER_S + 1.0)
+        agent.health(news=False)
+        record = json.loads(job.get(protocol.node_health_key(1)))
+        assert record["stopped"] == [11]
+        assert record["beats"]["11"][1] > detection.STOPPED_AFTER_S
+        _beat(agent.node_store.store, 10, detection.STOPPED_AFTER_S + 1.0)
+        agent.health(news=False)
+        assert json.loads(job.get(protocol.node_health_key(1)))["stopped"] == [10, 11]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_read_beats_without_a_known_set_checks_first():
+    server, store = membership.host("127.0.0.1")
+    counted = _Counted(store)
+    _beat(store, 1, 0.0)
+    assert detection.read_beats(counted, [1, 2])[2] is None
+    assert counted.calls[0] == "check"
+    beaten: set = set()
+    _beat(store, 2, 0.0)
+    counted.calls.clear()
+    beats = detection.read_beats(counted, [1, 2], beaten)
+    assert set(beats) == {1, 2} and beaten == {1, 2} and counted.calls == ["check", "multi_get"]
