@@ -1,0 +1,149 @@
+"""The coordinator's role held through an etcd lease, on a real 3-member etcd cluster: the client,
+a holder SIGKILLed (the role moves within its lease), a holder paused past its lease (it comes
+back fenced and writes nothing), and a majority of the members lost (the holder knows it).
+
+Candidates run in processes of their own (tests/scripts/role_candidate.py), killed and stopped
+for real."""
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+import pytest  # noqa: E402
+
+from checkpointless.etcd import Etcd, EtcdUnavailable  # noqa: E402
+from checkpointless.leadership import Fenced, Role  # noqa: E402
+from tests.etcd_cluster import Cluster  # noqa: E402
+
+# in `make test`, not `make test-fast`: three etcd members and a few candidate processes, ~20 s
+pytestmark = pytest.mark.slow
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "tests", "scripts", "role_candidate.py")
+TTL = 2
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(3)
+    yield c
+    c.close()
+
+
+class Candidate:
+    """A role_candidate.py process; its lines kept with the time each arrived."""
+
+    def __init__(self, endpoints: list[str], name: str):
+        self.proc = subprocess.Popen([sys.executable, SCRIPT, ",".join(endpoints), name, str(TTL)],
+                                     stdout=subprocess.PIPE, text=True)
+        self.lines: list[tuple[float, str]] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append((time.time(), line.strip()))
+
+    def wait_for(self, prefix: str, timeout_s: float = 30.0) -> tuple[float, str]:
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            for t, line in list(self.lines):
+                if line.startswith(prefix):
+                    return t, line
+            time.sleep(0.02)
+        raise AssertionError(f"no '{prefix}' line in {timeout_s} s: {self.lines[-5:]}")
+
+    def end(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+def test_the_client_reads_writes_and_fences_on_a_real_cluster(cluster):
+    c = Etcd(cluster.endpoints)
+    c.put("t/a", "1")
+    assert c.get("t/a").value == b"1" and c.get("t/none") is None
+    ok, _ = c.create("t/b", "first")
+    again, there = c.create("t/b", "second")
+    assert ok and not again and there.value == b"first"
+    assert [e.key for e in c.get_prefix("t/")] == ["t/a", "t/b"]
+    guard = c.get("t/b").create_revision
+    assert c.put_if("t/c", "x", "t/b", guard)
+    assert not c.put_if("t/c", "y", "t/b", guard + 1000) and c.get("t/c").value == b"x"
+    lease = c.grant(5)
+    c.put("t/leased", "v", lease=lease)
+    assert c.keepalive(lease) == 5
+    c.revoke(lease)
+    assert c.get("t/leased") is None and c.keepalive(lease) == 0
+    # a client given one dead endpoint first goes on to the next
+    assert Etcd(["http://127.0.0.1:9"] + cluster.endpoints).get("t/a").value == b"1"
+
+
+def test_a_killed_holder_hands_the_role_on_within_its_lease(cluster):
+    a = Candidate(cluster.endpoints, "a")
+    try:
+        _, held = a.wait_for("holds")
+        token_a = int(held.split()[1])
+        a.wait_for("wrote")
+        b = Candidate(cluster.endpoints, "b")
+        try:
+            time.sleep(1.5)  # b is campaigning: it holds nothing while a lives
+            assert not any(line.startswith("holds") for _, line in b.lines)
+            t_kill = time.time()
+            a.proc.send_signal(signal.SIGKILL)
+            t_held, held = b.wait_for("holds", timeout_s=TTL + 10)
+            assert int(held.split()[1]) > token_a
+            # the lease runs out within its TTL (etcd's clock), then b looks every 0.2 s
+            assert t_held - t_kill < TTL + 1.5, t_held - t_kill
+            b.wait_for("wrote")
+        finally:
+            b.end()
+    finally:
+        a.end()
+
+
+def test_a_paused_holder_comes_back_fenced_and_writes_nothing(cluster):
+    client = Etcd(cluster.endpoints)
+    a = Candidate(cluster.endpoints, "p")
+    b = None
+    try:
+        a.wait_for("holds")
+        a.wait_for("wrote")
+        os.kill(a.proc.pid, signal.SIGSTOP)  # as a partition: it neither refreshes nor writes
+        last_by_a = client.get("by/p").value
+        b = Candidate(cluster.endpoints, "q")
+        b.wait_for("holds", timeout_s=TTL + 10)
+        os.kill(a.proc.pid, signal.SIGCONT)
+        assert a.proc.wait(15) == 3
+        assert any(line.startswith("fenced") for _, line in a.lines), a.lines[-3:]
+        assert client.get("by/p").value == last_by_a  # nothing written after it was replaced
+        b.wait_for("wrote")
+    finally:
+        a.end()
+        if b is not None:
+            b.end()
+
+
+def test_losing_a_majority_of_members_deposes_the_holder():
+    c = Cluster(3)
+    try:
+        lost = []
+        role = Role(Etcd(c.endpoints, timeout_s=0.5), "job/coordinator", {"node": 0},
+                    ttl_s=TTL, on_lost=lost.append)
+        assert role.campaign()
+        role.write("job/x", "1")
+        c.kill(1)
+        c.kill(2)
+        t0 = time.time()
+        assert role.lost.wait(TTL + 3), "the holder still believes it holds the role"
+        assert time.time() - t0 <= TTL + 1.0 and lost
+        with pytest.raises((Fenced, EtcdUnavailable)):
+            role.write("job/x", "2")
+        with pytest.raises(EtcdUnavailable):
+            Etcd(c.endpoints, timeout_s=0.5).get("job/x")
+    finally:
+        c.close()
