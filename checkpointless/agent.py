@@ -41,7 +41,7 @@ class NodeAgent:
 
     def __init__(self, store, node: int, cmd: list[str], env: dict, store_host: str,
                  store_port: int, node_timeout_s: float, log=print, starter=start_process,
-                 connect=membership.connect):
+                 connect=membership.connect, role_watch=None):
         self.store, self.node, self.cmd, self.env = store, node, cmd, env
         self.host, self.port = store_host, store_port
         self.node_timeout_s = node_timeout_s
@@ -50,6 +50,11 @@ class NodeAgent:
         self.workers: dict[int, Worker] = {}
         self.exited: dict[int, int] = {}  # wid -> exit code, as reported to the coordinator
         self.seq = 0  # health records written
+        self.spare_wids: set[int] = set()  # started as spares (said in a hello)
+        self.next_cmd = 0  # the number of the coordinator's next command
+        # coordinator=etcd (role_watch.py): who coordinates is looked up in etcd, the store is
+        # reached through the node's door, and the coordinator's loss is waited out
+        self.role_watch = role_watch
         self.beaten: set[int] = set()  # workers whose heartbeat key exists (read in one call)
         # the node store: its workers' heartbeats and the barrier's first gathering
         self.node_server, self.node_store = membership.host("127.0.0.1")
@@ -81,17 +86,52 @@ class NodeAgent:
                 pass
 
     def hello(self, procs_here: int) -> None:
+        """Say who this node is, and (to a coordinator taking over) what runs here: every
+        process it started (its slot, spare or not, its exit code if it exited) and the number
+        of the next command it waits for."""
+        self.procs_here = procs_here
         self.health(news=False)  # the coordinator finds a record at once
+        lost_at = self.role_watch.coordinator_lost_at if self.role_watch else None
         self.store.set(protocol.node_hello_key(self.node), json.dumps(
             {"host": os.uname().nodename, "procs": procs_here, "pid": os.getpid(),
-             "t": time.time(), "node_store_port": self.node_server.port}))
+             "t": time.time(), "node_store_port": self.node_server.port,
+             "next_cmd": self.next_cmd, "coordinator_lost_at": lost_at,
+             "workers": {str(wid): {"slot": w.slot, "spare": wid in self.spare_wids,
+                                    "code": self.exited.get(wid), "pid": w.proc.pid,
+                                    "ready": self._ready(wid)}
+                         for wid, w in self.workers.items()}}))
+
+    def _ready(self, wid: int) -> bool:
+        """The worker said it is warm (joining.py writes it into the node store too)."""
+        try:
+            return bool(self.node_store.check([protocol.ready_key(wid)]))
+        except (RuntimeError, OSError):
+            return False
 
     def _serve(self, asked: list[str]) -> int:
         last_ok, next_health = time.time(), 0.0
         while True:
+            rw = self.role_watch
+            if rw is not None:
+                if rw.fenced:
+                    self.log(f"[node {self.node}] fenced ({rw.fenced}): stopping this node's "
+                             "workers")
+                    return 3
+                if rw.gave_up:
+                    self.log(f"[node {self.node}] {rw.gave_up}; stopping this node's workers. "
+                             "Resume from the newest durable checkpoint "
+                             "(checkpoint.resume=auto)")
+                    return 4
             try:
-                if self.serve_commands() == "shutdown":
+                if rw is not None and rw.moved.is_set():  # a new coordinator: say hello to it
+                    rw.moved.clear()
+                    self.hello(self.procs_here)
+                said = self.serve_commands()
+                if said == "shutdown":
                     return 0
+                if said:  # the job failed: the coordinator stopped it (its log says why)
+                    self.log(f"[node {self.node}] the coordinator {said}")
+                    return 4
                 news = self.new_exits()
                 if news or time.time() >= next_health:
                     state = self.health(news=bool(news))
@@ -102,12 +142,15 @@ class NodeAgent:
                         return 3
                     if state == "shutdown":
                         return 0
+                    if state.startswith("stopped"):
+                        self.log(f"[node {self.node}] the coordinator {state}")
+                        return 4
                 if asked:
                     self.store.set(protocol.PREEMPT_ASK, f"{asked[0]} on node {self.node}")
                     asked.clear()
                 last_ok = time.time()
             except (RuntimeError, OSError) as exc:  # the store (the coordinator) is gone
-                if time.time() - last_ok > self.node_timeout_s:
+                if rw is None and time.time() - last_ok > self.node_timeout_s:
                     self.log(f"[node {self.node}] the coordinator has been unreachable for "
                              f"{self.node_timeout_s:g} s ({type(exc).__name__}); stopping "
                              "this node's workers. Losing the coordinator cannot be "
@@ -130,6 +173,7 @@ class NodeAgent:
                 key = protocol.node_cmd_key(self.node, i)
                 store.wait([key], timedelta(days=1))
                 c = json.loads(store.get(key))
+                self.next_cmd = i + 1
                 self._cmds.put(c)
                 os.write(self._wake_w, b"c")
                 if c["op"] == "shutdown":  # nothing follows; a thread still blocked in the
@@ -175,13 +219,15 @@ class NodeAgent:
             elif c["op"] == "kill" and c["wid"] in self.workers:
                 kill_tree(self.workers[c["wid"]].proc)
             elif c["op"] == "shutdown":
-                return "shutdown"
+                return f"stopped: {c['why']}" if c.get("why") else "shutdown"
         return None
 
     def _spawn(self, wid: int, slot: int, spare: bool) -> None:
         env = dict(self.env, **protocol.worker_env(self.host, self.port, wid, slot, spare,
                                                    self.node, self.node_server.port))
         proc = self.starter(self.cmd, env)
+        if spare:
+            self.spare_wids.add(wid)
         fd = proc.open_fd() if hasattr(proc, "open_fd") else open_pidfd(proc.pid)
         self.workers[wid] = Worker(wid=wid, proc=proc, slot=slot, started=time.time(),
                                    node=self.node, pidfd=fd)

@@ -91,6 +91,62 @@ class ClusterPool(WorkerPool):
         self._cmds: dict[int, int] = {}
         self._events = -1  # the agents' event counter when last read
         self._health_at = 0.0  # when every node's record was last read
+        self.on_fence = lambda k, why: None  # the supervisor's facts (etcd) learn of a fence
+
+    def adopt(self, store, plan: dict, known) -> dict[int, dict]:
+        """Take over a running job (coordinator=etcd): wait up to node_timeout_s for every
+        node's agent to say hello to this store, with its processes (alive or not, spare or
+        not) and its next command's number; every worker of `plan` is adopted, with those of
+        nodes that never answered (which fence_silent_nodes declares lost at its next look).
+        Returns the hellos, by node."""
+        self.store, self.port = store, store.port
+        for k, why in known.fenced.items():
+            if k in self.nodes:
+                self.nodes[k].lost = True
+                store.set(protocol.node_state_key(k), why)
+        waiting = {k: protocol.node_hello_key(k) for k, n in self.nodes.items() if not n.lost}
+        deadline = time.time() + self.node_timeout_s
+        while time.time() < deadline and not store.check(list(waiting.values())):
+            time.sleep(0.05)
+        heard = [k for k, key in waiting.items() if store.check([key])]
+        hellos = dict(zip(heard, (json.loads(v) for v in store.multi_get(
+            [waiting[k] for k in heard])))) if heard else {}
+        now, top = time.time(), known.next_wid
+        # a node that never answered was last heard of when the coordinator was lost (as the
+        # first node to see it gone says): it is lost at the next look, its failure dated then
+        t_lost = min((h["coordinator_lost_at"] for h in hellos.values()
+                      if h.get("coordinator_lost_at")), default=now - self.node_timeout_s - 1)
+        for k, n in self.nodes.items():
+            h = hellos.get(k)
+            n.beat_seen_at = now if h else min(t_lost, now - self.node_timeout_s - 0.01)
+            if not h:
+                # a record that never changes (refresh reads every live node's in one call,
+                # which would wait for a missing one): silent, so lost at the next look
+                store.set(protocol.node_health_key(k), json.dumps(
+                    {"seq": -1, "t": 0, "beats": {}, "stopped": [], "exited": {}}))
+                continue
+            self._cmds[k] = h.get("next_cmd", 0)
+            for wid_s, info in h.get("workers", {}).items():
+                wid = int(wid_s)
+                w = self._adopted(wid, k, info["slot"], now)
+                w.proc.returncode, w.proc._pid = info.get("code"), info.get("pid")
+                if info.get("ready") and info.get("code") is None:  # warm, as it told its node
+                    store.set(protocol.ready_key(wid), f"{now:.6f}")
+                top = max(top, wid + 1)
+        for wid_s, rank in plan["ranks"].items():
+            wid = int(wid_s)
+            store.set(protocol.ready_key(wid), f"{now:.6f}")  # it trained: it had started
+            w = self.workers.get(wid) or self._adopted(wid, plan["nodes"][wid_s],
+                                                       rank % self.per_node, now)
+            w.rank = rank
+            top = max(top, wid + 1)
+        self._next_wid = top
+        return hellos
+
+    def _adopted(self, wid: int, node: int, slot: int, now: float) -> Worker:
+        w = Worker(wid=wid, proc=RemoteProc(self, node, wid), slot=slot, started=now, node=node)
+        self.workers[wid] = w
+        return w
 
     def start(self, store) -> list[Worker]:
         """Every node's agent joins; then each active node K starts ranks K*P..K*P+P-1 in its
@@ -251,6 +307,7 @@ class ClusterPool(WorkerPool):
         next record, stops its processes."""
         self.nodes[k].lost = True
         self.store.set(protocol.node_state_key(k), f"fenced: {why}")
+        self.on_fence(k, f"fenced: {why}")
 
     def lost_node_ids(self) -> set[int]:
         return {k for k, n in self.nodes.items() if n.lost}
@@ -266,9 +323,11 @@ class ClusterPool(WorkerPool):
         record (its exits, written as it leaves) is waited for, at most `grace_s`: an agent
         that finds the coordinator gone before it heard of the end would take it for lost."""
         live = [k for k, n in self.nodes.items() if self.remote(k) and not n.lost]
+        why = getattr(self, "stop_why", None)  # a job that failed: its agents say why
         for k in live:
-            self.store.set(protocol.node_state_key(k), "shutdown")
-            self._command(k, op="shutdown")
+            self.store.set(protocol.node_state_key(k),
+                           f"stopped: {why}" if why else "shutdown")
+            self._command(k, op="shutdown", **({"why": why} if why else {}))
         stop_all([w for w in self.workers.values() if not self.remote(w.node)], grace_s)
         deadline = time.time() + grace_s
         while time.time() < deadline:

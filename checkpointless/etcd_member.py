@@ -38,6 +38,12 @@ class MemberSpec:
     peer_port: int = PEER_PORT
 
     @property
+    def listen_host(self) -> str:
+        """etcd listens on addresses only: a host name is looked up here."""
+        import socket
+        return socket.gethostbyname(self.host)
+
+    @property
     def client_url(self) -> str:
         return f"http://{self.host}:{self.client_port}"
 
@@ -58,9 +64,12 @@ def command(me: MemberSpec, members: list[MemberSpec], data_dir: str, token: str
     if exe is None:
         raise FileNotFoundError("no etcd binary: install Debian's etcd-server package "
                                 "(apt-get install etcd-server) or set CHECKPOINTLESS_ETCD")
+    ip = me.listen_host
     return [exe, "--name", me.name, "--data-dir", data_dir,
-            "--listen-client-urls", me.client_url, "--advertise-client-urls", me.client_url,
-            "--listen-peer-urls", me.peer_url, "--initial-advertise-peer-urls", me.peer_url,
+            "--listen-client-urls", f"http://{ip}:{me.client_port}",
+            "--advertise-client-urls", me.client_url,
+            "--listen-peer-urls", f"http://{ip}:{me.peer_port}",
+            "--initial-advertise-peer-urls", me.peer_url,
             "--initial-cluster", initial_cluster(members), "--initial-cluster-state", "new",
             "--initial-cluster-token", token, "--heartbeat-interval", "100",
             "--election-timeout", "1000", "--logger", "zap", "--log-level", "error"]

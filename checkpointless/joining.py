@@ -54,6 +54,8 @@ def join(seed: int | None = None, backend: str | None = None):
                                    spec.health, int(os.environ.get(protocol.ENV_DEVICE_SLOT, 0)))
         watch.first(store)
     store.set(protocol.ready_key(worker_id), f"{time.time():.6f}")
+    if job._rec.node_store is not store:  # its node's agent says so to a coordinator taking over
+        job._rec.node_store.set(protocol.ready_key(worker_id), f"{time.time():.6f}")
     job.take_rank()
     if watch is not None:
         watch.stop()

@@ -146,6 +146,7 @@ class StoreDoor:
         self.port = self._lsock.getsockname()[1]
         self._target: tuple[str, int] | None = None
         self.epoch = 0  # moves with every retarget
+        self.broke_at: float | None = None  # a connection to the current target first broke
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._lsock, selectors.EVENT_READ, "listen")
         self._wake_r, self._wake_w = os.pipe()
@@ -157,9 +158,11 @@ class StoreDoor:
         self.thread.start()
 
     def retarget(self, host: str, port: int) -> None:
-        """The coordinator is now at host:port: calls waiting for an answer go there."""
+        """The coordinator is now at host:port: calls waiting for an answer go there, and every
+        connection to the one before is closed."""
         self._target = (host, port)
         self.epoch += 1
+        self.broke_at = None
         os.write(self._wake_w, b"t")
 
     def close(self) -> None:
@@ -183,6 +186,10 @@ class StoreDoor:
                     if c in self._clients:
                         self._from_client(c) if side == "client" else self._from_up(c)
             for c in list(self._clients):
+                if c.up is not None and c.up_epoch != self.epoch:
+                    # retargeted: the old coordinator was deposed, even if its connection is
+                    # still open (a partition drops packets, it resets nothing)
+                    self._up_broke(c)
                 self._connect_up(c)
         for c in list(self._clients):
             self._drop(c)
@@ -292,6 +299,8 @@ class StoreDoor:
                 pass
             c.up.close()
         c.up, c.up_ready, c.broken_at = None, False, time.time()
+        if c.up_epoch == self.epoch and self.broke_at is None:
+            self.broke_at = c.broken_at
 
     def _from_up(self, c: _Client) -> None:
         try:

@@ -24,6 +24,8 @@ import time
 
 from . import membership, policy, protocol
 from .cluster import ClusterPool, pool_for
+from .facts import Deposed, NoFacts
+from .takeover import take_over
 from .processes import Worker
 from .protocol import SupervisorConfig
 from .health import fit_spares
@@ -47,13 +49,20 @@ class Supervisor:
     and the failure records; the processes themselves belong to its pool."""
 
     def __init__(self, cmd: list[str], cfg: SupervisorConfig, env: dict | None = None, log=print,
-                 on_start=None, wrap_store=None, on_straggler=None):
+                 on_start=None, wrap_store=None, on_straggler=None, facts=None):
         self.cfg = cfg
+        # what must outlive this process (facts.py): in etcd under coordinator=etcd, where the
+        # next holder of the role takes over from it; nowhere on one machine
+        self.facts = facts or NoFacts()
+        self.moves: list[dict] = []  # the coordinator's moves (takeovers) in this job
+        self.deposed: str | None = None  # why this coordinator lost its role (depose())
         self.log = log
         self.on_start = on_start
         self.wrap_store = wrap_store  # the scale harness counts the store's operations
         self.pool = pool_for(cfg, cmd, dict(os.environ if env is None else env), log)
         self.cluster = isinstance(self.pool, ClusterPool)
+        if self.cluster:
+            self.pool.on_fence = self.facts.record_fence
         self.workers = self.pool.workers
         self.failures: list[Failure] = []
         self.gen = -1
@@ -92,28 +101,53 @@ class Supervisor:
         if self.wrap_store:
             self.store = self.wrap_store(self.store)
         self.stragglers.store = self.store  # where its lines go (a loop's trackers follow)
-        self.store.set(protocol.SPEC, cfg.spec().to_json())
+        known = self.facts.known()
+        spec = known.spec or cfg.spec().to_json()
+        self.store.set(protocol.SPEC, spec)
         try:  # before any worker: a busy port stops nothing
             stop_metrics = serve_metrics(self, self.log)
         except OSError as exc:
             raise JobFailed(str(exc)) from None
         self.t_start = time.time()
-        for w in self.pool.start(self.store):
-            self.ranks[w.wid] = w.rank
-        self.pids_at_start = {w.rank: w.proc.pid for w in self.workers.values() if w.rank >= 0}
-        self._publish()
+        if known.gen >= 0:
+            take_over(self, known)
+        else:
+            self.facts.record_spec(spec)
+            if self.facts.durable:  # the first holder of the role: where the job began
+                self.moves = [dict(self.facts.taking, start=True)]
+                self.facts.record_move(self.moves[0])
+            for w in self.pool.start(self.store):
+                self.ranks[w.wid] = w.rank
+            self.pids_at_start = {w.rank: w.proc.pid for w in self.workers.values()
+                                  if w.rank >= 0}
+            self._publish()
         if self.on_start:
             self.on_start(self)
         try:
             self._watch()
+        except Deposed as exc:
+            self.depose(str(exc))
+            raise JobFailed(str(exc)) from None
+        except JobFailed as exc:
+            if self.facts.durable:  # every launcher is an agent: each exits saying so
+                self.pool.stop_why = f"stopped the job: {exc}"
+            raise
         finally:
             if stop_metrics:
                 stop_metrics()
-            self.store.set(protocol.SHUTDOWN, "1")
-            time.sleep(0.05)
-            self.pool.stop_all()
+            # a deposed coordinator tells nobody anything: the agents may already serve its
+            # successor (they stop by themselves when etcd is gone for good, role_watch.py)
+            if not self.deposed:
+                self.store.set(protocol.SHUTDOWN, "1")
+                time.sleep(0.05)
+                self.pool.stop_all()
         self._say_recoveries()
         return self._report()
+
+    def depose(self, why: str) -> None:
+        """Its role was lost (leadership.py, from the lease's thread): it stops at once and
+        changes nothing more."""
+        self.deposed = why
 
     def _watch(self) -> None:
         """Every wake-up (an exit, or poll_s): exits. Every poll_s: reported errors, hung
@@ -121,6 +155,8 @@ class Supervisor:
         store_checks, beat_reads = policy.Every(self.cfg.poll_s), policy.Every(D.beats_every_s)
         while True:
             self.pool.sleep(list(self.ranks), self.cfg.poll_s)
+            if self.deposed:
+                raise Deposed(self.deposed)
             lost = [(w, False) for w in self._exited()]
             now = time.time()
             checks = store_checks.due(now)
@@ -359,7 +395,8 @@ class Supervisor:
         plan = membership.Plan(gen=self.gen, world_size=self.cfg.nproc, ranks=dict(self.ranks),
                                lost=membership.counter(self.store, protocol.LOST),
                                nodes={wid: self.workers[wid].node for wid in self.ranks})
-        membership.publish(self.store, plan, self._plan)
+        self.facts.record_plan(plan, plan.lost, self.pool._next_wid)  # etcd first: a takeover
+        membership.publish(self.store, plan, self._plan)  # finds every published plan there
         self._plan = plan
 
     # ---- preemption ----------------------------------------------------------------------
@@ -387,6 +424,7 @@ class Supervisor:
         """A notice every worker's watch learns of (protocol.notice_key), in order."""
         self.store.set(protocol.notice_key(self._notices), json.dumps(notice))
         self._notices += 1
+        self.facts.record_notices(self._notices)
 
     # ---- reporting -----------------------------------------------------------------------
     def _say_recoveries(self) -> None:

@@ -112,6 +112,11 @@ def train(cfg, on_start=None, coordinator: bool = False) -> dict | None:
     out = Path(cfg.run.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     d = cfg.distributed
+    if cfg.checkpointless.coordinator == "etcd":  # every node alike: an agent and a candidate
+        recipe_file = out / f"recipe.node{d.node_rank}.yaml"
+        recipe_file.write_text(OmegaConf.to_yaml(cfg))
+        from .etcd_node import run_node
+        return run_node(cfg, recipe_file, out)
     if d.node_rank > 0 or (d.standalone_coordinator and not coordinator):
         # this node's agent, with its own copy of the recipe (output folders may be shared)
         recipe_file = out / f"recipe.node{d.node_rank}.yaml"

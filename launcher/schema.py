@@ -161,6 +161,17 @@ class HealthConfig:
 
 
 @dataclass
+class EtcdConfig:
+    endpoints: str = ""  # an etcd cluster you run, host:port,host:port (empty: the embedded default, one member in each of the first three nodes' launchers)
+    member_hosts: str = ""  # embedded: the addresses of nodes 0, 1 and 2, where their members listen (empty: the first three hosts of Slurm's node list)
+    node_addr: str = ""  # this node's address, where its store listens if it coordinates (empty: the one it reaches etcd from)
+    client_port: int = ranged(2379, "[1, 65535]", fix="1..65535")  # embedded members: the clients' port
+    peer_port: int = ranged(2380, "[1, 65535]", fix="1..65535")  # embedded members: the peers' port
+    ttl_s: int = ranged(3, ">= 2", " seconds")  # the coordinator's lease: the role moves within this after its holder is lost
+    prefix: str = ""  # the job's keys in etcd (empty: /checkpointless/<run.name>)
+
+
+@dataclass
 class CheckpointlessConfig:
     enabled: bool = True  # recover in-process from worker failures (off: a failure stops the run)
     spares: int = ranged(CL.spares, ">= 0")  # warm spare workers waiting to take over a failed rank
@@ -173,6 +184,8 @@ class CheckpointlessConfig:
     max_replacement_failures: int = ranged(CL.max_replacement_failures, ">= 1")  # replacements dying before a first step, in a row, before the run stops
     spare_nodes: int = ranged(0, ">= 0")  # extra nodes whose launchers start nproc_per_node warm spares each: a lost node's ranks move to one of them together
     node_timeout_s: float = ranged(CL.node_timeout_s, "> 0", " seconds")  # silence of a node's launcher after which the node is lost, failed whole and fenced
+    coordinator: str = one_of("store", "etcd")  # store: the coordinator is node 0's (or a stand-alone) launcher, and its loss ends the run; etcd: the job's facts live in etcd, any launcher can coordinate, and the role moves when its node is lost (docs/multinode.md)
+    etcd: EtcdConfig = field(default_factory=EtcdConfig)
     metrics_port: int = ranged(0, "[0, 65535]", " (0: off)")  # >0: the coordinator serves Prometheus metrics at http://<its host>:PORT/metrics (goodput, steps, tokens/s, recoveries by cause and phase, spares, nodes, stragglers); needs prometheus_client
     replication: ReplicationConfig = field(default_factory=ReplicationConfig)
     straggler: StragglerConfig = field(default_factory=StragglerConfig)

@@ -106,6 +106,35 @@ def check_nodes(cfg: DictConfig) -> None:
              "collectives failed with a lost node wait that long to hear of the loss")
 
 
+def check_etcd(cfg: DictConfig) -> None:
+    """coordinator=etcd: where etcd is, and survivors that wait out the role's move."""
+    d, c = cfg.distributed, cfg.checkpointless
+    if c.coordinator != "etcd":
+        return
+    e = c.etcd
+    need(not d.standalone_coordinator, "distributed.standalone_coordinator",
+         d.standalone_coordinator, "under checkpointless.coordinator=etcd any launcher "
+         "coordinates (an election): run no stand-alone coordinator")
+    need(d.master_port > 0, "distributed.master_port", d.master_port,
+         "under checkpointless.coordinator=etcd the coordinator's store listens on this port "
+         "on whichever node holds the role: set one, e.g. 29400, the same on every node")
+    if not e.endpoints:
+        total = d.num_nodes + c.spare_nodes
+        need(total >= 3, "checkpointless.etcd.endpoints", e.endpoints,
+             f"the embedded etcd runs one member on each of the first three nodes, and this job "
+             f"has {total}: name an etcd cluster you run (host:port,...) or use three nodes")
+        hosts = [h for h in e.member_hosts.split(",") if h.strip()]
+        need(len(hosts) == 3 or (not hosts and os.environ.get("SLURM_JOB_NODELIST")),
+             "checkpointless.etcd.member_hosts", e.member_hosts,
+             "the embedded etcd needs the addresses of nodes 0, 1 and 2 (host,host,host), "
+             "or Slurm's node list to read them from")
+    need(c.confirm_s > c.node_timeout_s + e.ttl_s + 2, "checkpointless.confirm_s", c.confirm_s,
+         f"must exceed node_timeout_s + etcd.ttl_s + 2 = {c.node_timeout_s + e.ttl_s + 2:g} "
+         "under coordinator=etcd: a survivor whose collective failed with the coordinator's "
+         "node waits this long for the next coordinator to record the loss, e.g. "
+         f"checkpointless.confirm_s={math.ceil(c.node_timeout_s + e.ttl_s + 5)}")
+
+
 def check_trackers(cfg: DictConfig) -> None:
     for i, name in enumerate(cfg.logging.trackers):
         need(name in TRACKERS, f"logging.trackers[{i}]", name,
@@ -217,5 +246,6 @@ def check_dir(key: str, value: str, example: str) -> None:
 
 
 # in this order: the folders last, as they look at the disk
-CROSS_FIELD = (check_precision, check_sources, check_nodes, check_trackers, check_eval,
-               check_peft, check_faults, check_replication, check_sharding, check_folders)
+CROSS_FIELD = (check_precision, check_sources, check_nodes, check_etcd, check_trackers,
+               check_eval, check_peft, check_faults, check_replication, check_sharding,
+               check_folders)

@@ -1,0 +1,111 @@
+"""A candidate for the coordinator's role under checkpointless.coordinator=etcd.
+
+    python -m launcher.etcd_coordinator RECIPE_FILE NODE_ADDR      (started by launcher/etcd_node.py)
+
+Every node's launcher starts one. It waits in the election (checkpointless/leadership.py); the one
+that holds the role runs the supervisor with its store on NODE_ADDR:distributed.master_port and
+every node served by an agent: the job's start when etcd holds no generation yet, else a
+takeover (checkpointless/takeover.py). It writes report.json as the job ends, with the
+coordinator's moves, then clears the job's keys in etcd. A holder that loses its role (its lease
+ran out: its node was cut off, or etcd lost its quorum) stops at once and writes nothing.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+
+def main(argv: list[str]) -> int:
+    recipe_file, addr = Path(argv[0]), argv[1]
+    cfg = OmegaConf.load(recipe_file)
+    d, c = cfg.distributed, cfg.checkpointless
+    from checkpointless.etcd import Etcd
+    from checkpointless.facts import JobFacts
+    from checkpointless.leadership import Role
+    from checkpointless.supervisor import JobFailed, Supervisor
+
+    from .etcd_node import endpoints_of, prefix_of
+    from .launch import _log, _metrics_line, _report, supervisor_config
+
+    prefix = prefix_of(cfg)
+    etcd = Etcd(endpoints_of(cfg), timeout_s=1.0)
+    sup = None
+
+    def lost(why: str) -> None:
+        print(f"[coordinator] node {d.node_rank} lost the coordinator's role: {why}",
+              file=sys.stderr, flush=True)
+        if sup is not None:
+            sup.depose(why)
+        else:
+            os._exit(5)
+
+    role = Role(etcd, f"{prefix}/coordinator",
+                {"node": d.node_rank, "host": addr, "port": d.master_port},
+                ttl_s=c.etcd.ttl_s, on_lost=lost)
+    facts = JobFacts(etcd, prefix, role)
+    if facts.known().gen < 0:
+        # a new job: node 0's candidate first, the others a second apart after it, so that
+        # the coordinator starts where users look for it (any node takes it over later)
+        time.sleep(min(d.node_rank, 4) * 1.0)
+    role.campaign()
+    facts.taking.update(token=role.token, t_taken=role.taken_at)
+    out = Path(cfg.run.output_dir)
+    fresh = facts.known().gen < 0
+    print(f"[coordinator] node {d.node_rank} holds the coordinator's role (token {role.token})"
+          f", its store on {addr}:{d.master_port}" + ("" if fresh else ": taking over"),
+          flush=True)
+    if fresh and cfg.checkpoint.resume != "auto":
+        (out / "metrics.jsonl").write_text("")  # a new run starts a new metrics file
+    sup_cfg = supervisor_config(cfg)
+    sup_cfg.standalone, sup_cfg.host, sup_cfg.port = True, addr, d.master_port
+    sup = Supervisor([sys.executable, "-m", "launcher.loop", str(recipe_file)], sup_cfg,
+                     log=_log, on_straggler=_metrics_line(out), facts=facts)
+    t0 = time.time()
+    try:
+        run = sup.run()
+    except JobFailed as exc:
+        if sup.deposed:
+            print(f"[coordinator] node {d.node_rank} stopped, writing nothing: {exc}. If no "
+                  "other node took over (etcd lost its quorum), resume from the newest durable "
+                  "checkpoint with checkpoint.resume=auto", file=sys.stderr, flush=True)
+            os._exit(5)
+        print(f"[coordinator] run failed: {exc}. Resume from the newest durable checkpoint "
+              "with checkpoint.resume=auto", file=sys.stderr, flush=True)
+        if exc.report is not None:
+            report = _report(cfg, exc.report, t0, status="failed", error=str(exc))
+            report["coordinator_moves"] = sup.moves
+            (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+        facts.forget()
+        role.resign()
+        return 1
+    if sup.deposed or not role.held():
+        os._exit(5)
+    report = _report(cfg, run, t0, status="ok")
+    report["coordinator_moves"] = sup.moves
+    agree = len(set(report["params_sha256_by_rank"].values())) == 1
+    if not agree:
+        report.update(status="failed", error="ranks ended with different params_sha256")
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(f"[coordinator] done: {report['steps_completed']} steps, params_sha256 "
+          f"{str(report['params_sha256'])[:16]}, {len(sup.moves) - 1} coordinator move(s), "
+          f"report {out / 'report.json'}", flush=True)
+    facts.forget()
+    role.resign()
+    return 0 if agree else 1
+
+
+if __name__ == "__main__":
+    try:
+        code = main(sys.argv[1:])
+    except BaseException:  # noqa: BLE001  said here: the exit below would swallow it
+        import traceback
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # threads blocked in the store must not be unwound at exit
