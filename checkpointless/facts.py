@@ -9,7 +9,9 @@ Kept under one prefix per job (`<prefix>/...`):
 - `gen`, `lost`, `next_wid`: the newest generation, the workers declared lost so far, the next
   worker id to hand out;
 - `fence/<k>`: node k was declared lost (its agent, reading this, stops its processes);
-- `moves/<token>`: each takeover (who, from which node, when, how long it took).
+- `moves/<token>`: each takeover (who, from which node, when, how long it took);
+- `done`: the job ended ("ok", or "failed: why"): no candidate takes the role after it, and a new
+  launch under the same prefix is refused until the keys are removed.
 
 Every write goes through the role's fence (`Role.write`): a deposed coordinator changes nothing.
 The supervisor sees only `JobFacts`; on one machine (a TCPStore coordinator) it is `NoFacts`.
@@ -19,7 +21,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from .etcd import Etcd, EtcdError, EtcdUnavailable, _b64, _prefix_end
+from .etcd import Etcd, EtcdError, EtcdUnavailable
 from .leadership import Fenced, Role
 
 
@@ -38,6 +40,7 @@ class Known:
     next_wid: int = 0
     fenced: dict = field(default_factory=dict)  # node -> why
     notices: int = 0  # notices the coordinators wrote so far (protocol.notice_key)
+    done: str | None = None  # the job ended ("ok" or "failed: ..."): nobody coordinates it again
     moves: list = field(default_factory=list)
 
 
@@ -85,36 +88,13 @@ class JobFacts(NoFacts):
             raise Deposed(f"the coordinator cannot record the job's facts in etcd ({exc})") \
                 from None
 
-    def forget(self) -> None:
-        """The job is over: its keys go (a new launch under the same prefix starts afresh)."""
+    def finish(self, outcome: str) -> None:
+        """The job is over: said once, so that no candidate left takes the role to start it
+        again (a new launch under the same prefix is refused until the keys are removed)."""
         try:
-            self.etcd.call("/v3/kv/deleterange", {"key": _b64(self.prefix + "/"),
-                                                  "range_end": _prefix_end(self.prefix + "/")})
-        except (EtcdUnavailable, EtcdError):
+            self._write("done", outcome)
+        except Deposed:
             pass
-
-    def known(self) -> Known:
-        k = Known()
-        for e in self.etcd.get_prefix(self.prefix + "/"):
-            name = e.key[len(self.prefix) + 1:]
-            if name == "spec":
-                k.spec = e.value.decode()
-            elif name == "gen":
-                k.gen = int(e.value)
-            elif name == "lost":
-                k.lost = int(e.value)
-            elif name == "next_wid":
-                k.next_wid = int(e.value)
-            elif name.startswith("plan/"):
-                k.plans[int(name[5:])] = json.loads(e.value)
-            elif name.startswith("fence/"):
-                k.fenced[int(name[6:])] = e.value.decode()
-            elif name == "notices":
-                k.notices = int(e.value)
-            elif name.startswith("moves/"):
-                k.moves.append(json.loads(e.value))
-        k.moves.sort(key=lambda m: m.get("token", 0))
-        return k
 
     def record_spec(self, spec_json: str) -> None:
         self._write("spec", spec_json)

@@ -75,5 +75,5 @@ class RoleWatch:
                 self.first.set()
 
     def _end(self, code: int, why: str) -> None:
-        if self.on_end is not None:
+        if self.on_end is not None and not self._stop.is_set():
             self.on_end(code, why)

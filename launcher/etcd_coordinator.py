@@ -6,7 +6,8 @@ Every node's launcher starts one. It waits in the election (checkpointless/leade
 that holds the role runs the supervisor with its store on NODE_ADDR:distributed.master_port and
 every node served by an agent: the job's start when etcd holds no generation yet, else a
 takeover (checkpointless/takeover.py). It writes report.json as the job ends, with the
-coordinator's moves, then clears the job's keys in etcd. A holder that loses its role (its lease
+coordinator's moves, then says in etcd that the job is over (`done`), so that no candidate left
+starts it again. A holder that loses its role (its lease
 ran out: its node was cut off, or etcd lost its quorum) stops at once and writes nothing.
 """
 from __future__ import annotations
@@ -48,14 +49,20 @@ def main(argv: list[str]) -> int:
                 {"node": d.node_rank, "host": addr, "port": d.master_port},
                 ttl_s=c.etcd.ttl_s, on_lost=lost)
     facts = JobFacts(etcd, prefix, role)
+    if facts.known().done:  # this launch's job is over: its last coordinator said so
+        return 0
     if facts.known().gen < 0:
         # a new job: node 0's candidate first, the others a second apart after it, so that
         # the coordinator starts where users look for it (any node takes it over later)
         time.sleep(min(d.node_rank, 4) * 1.0)
     role.campaign()
     facts.taking.update(token=role.token, t_taken=role.taken_at)
+    known = facts.known()
+    if known.done:  # the role came free because the job ended
+        role.resign()
+        return 0
     out = Path(cfg.run.output_dir)
-    fresh = facts.known().gen < 0
+    fresh = known.gen < 0
     print(f"[coordinator] node {d.node_rank} holds the coordinator's role (token {role.token})"
           f", its store on {addr}:{d.master_port}" + ("" if fresh else ": taking over"),
           flush=True)
@@ -80,11 +87,11 @@ def main(argv: list[str]) -> int:
             report = _report(cfg, exc.report, t0, status="failed", error=str(exc))
             report["coordinator_moves"] = sup.moves
             (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-        facts.forget()
+        facts.finish(f"failed: {exc}")
         role.resign()
         return 1
-    if sup.deposed or not role.held():
-        os._exit(5)
+    # every rank's result reached this coordinator's store: the job ended under it, even if
+    # its lease lapses now (the launchers stop their etcd members as the job ends)
     report = _report(cfg, run, t0, status="ok")
     report["coordinator_moves"] = sup.moves
     agree = len(set(report["params_sha256_by_rank"].values())) == 1
@@ -94,7 +101,7 @@ def main(argv: list[str]) -> int:
     print(f"[coordinator] done: {report['steps_completed']} steps, params_sha256 "
           f"{str(report['params_sha256'])[:16]}, {len(sup.moves) - 1} coordinator move(s), "
           f"report {out / 'report.json'}", flush=True)
-    facts.forget()
+    facts.finish("ok" if agree else "failed: replicas disagree")
     role.resign()
     return 0 if agree else 1
 

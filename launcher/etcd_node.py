@@ -103,6 +103,13 @@ def run_node(cfg, recipe_file: Path, out: Path) -> None:
         os._exit(1)
     addr = own_address(cfg, endpoints)
     etcd = Etcd(endpoints, timeout_s=1.0)
+    done = etcd.get(prefix_of(cfg) + "/done")
+    if done is not None:  # an etcd of the user's, still holding an earlier launch's job
+        say(f"[launcher] node {k}: the job under checkpointless.etcd.prefix={prefix_of(cfg)} in "
+            f"etcd is over ({done.value.decode()}): set checkpointless.etcd.prefix to a new "
+            "one for a new launch, or remove the old keys (etcdctl del --prefix PREFIX)")
+        _stop(member)
+        os._exit(1)
     door = StoreDoor(log=say)
     candidate = start_process([sys.executable, "-m", "launcher.etcd_coordinator",
                                str(recipe_file), addr], dict(os.environ))
@@ -129,6 +136,9 @@ def run_node(cfg, recipe_file: Path, out: Path) -> None:
                       dict(os.environ), "127.0.0.1", door.port, c.node_timeout_s, log=say,
                       role_watch=watch)
     rc = agent.run(here)
+    watch.stop()  # the job is over here: etcd's members going away now is no news
+    if (watch.holder or {}).get("node") != k:  # a candidate only: nothing left for it to do
+        _stop(candidate)
     why = {0: "the job is over", 3: "this node was fenced (declared lost)",
            4: "nothing can coordinate this node any more"}.get(rc, f"exit {rc}")
     print(f"[launcher] node {k}: {why}", flush=True)
