@@ -342,3 +342,31 @@ def test_cli_ls_and_validate():
     assert r.returncode == 0 and all(n in r.stdout for n in recipe_names())
     r = _cli("validate")
     assert r.returncode == 0 and r.stdout.count("ok ") == len(recipe_names())
+
+
+ETCD = ["distributed.num_nodes=3", "distributed.nproc_per_node=2", "checkpointless.spare_nodes=1",
+        "distributed.master_port=29400", "checkpointless.coordinator=etcd"]
+
+
+@pytest.mark.parametrize("extra, key", [
+    ([], "checkpointless.etcd.member_hosts"),  # the embedded etcd needs its members' addresses
+    (["checkpointless.etcd.member_hosts=a,b,c"], "checkpointless.confirm_s"),  # 5 <= 3 + 3 + 2
+    (["checkpointless.etcd.endpoints=e:2379", "checkpointless.confirm_s=12",
+      "distributed.standalone_coordinator=true"], "distributed.standalone_coordinator"),
+    (["checkpointless.etcd.endpoints=e:2379", "checkpointless.confirm_s=12",
+      "checkpointless.etcd.ttl_s=1"], "checkpointless.etcd.ttl_s"),
+])
+def test_coordinator_etcd_refuses_what_could_not_survive_a_move(extra, key):
+    with pytest.raises(RecipeError) as err:
+        load("tiny-llama", ETCD + extra)
+    assert str(err.value).startswith(key), str(err.value)
+
+
+def test_coordinator_etcd_on_too_few_nodes_for_the_embedded_members():
+    with pytest.raises(RecipeError, match="checkpointless.etcd.endpoints"):
+        load("tiny-llama", ["distributed.num_nodes=2", "distributed.nproc_per_node=2",
+                            "distributed.master_port=29400", "checkpointless.coordinator=etcd",
+                            "checkpointless.confirm_s=12"])
+    cfg = load("tiny-llama", ETCD + ["checkpointless.etcd.member_hosts=a,b,c",
+                                     "checkpointless.confirm_s=12"])
+    assert cfg.checkpointless.coordinator == "etcd"
