@@ -88,6 +88,31 @@ class JobFacts(NoFacts):
             raise Deposed(f"the coordinator cannot record the job's facts in etcd ({exc})") \
                 from None
 
+    def known(self) -> Known:
+        k = Known()
+        for e in self.etcd.get_prefix(self.prefix + "/"):
+            name = e.key[len(self.prefix) + 1:]
+            if name == "spec":
+                k.spec = e.value.decode()
+            elif name == "gen":
+                k.gen = int(e.value)
+            elif name == "lost":
+                k.lost = int(e.value)
+            elif name == "next_wid":
+                k.next_wid = int(e.value)
+            elif name == "done":
+                k.done = e.value.decode()
+            elif name == "notices":
+                k.notices = int(e.value)
+            elif name.startswith("plan/"):
+                k.plans[int(name[5:])] = json.loads(e.value)
+            elif name.startswith("fence/"):
+                k.fenced[int(name[6:])] = e.value.decode()
+            elif name.startswith("moves/"):
+                k.moves.append(json.loads(e.value))
+        k.moves.sort(key=lambda m: m.get("token", 0))
+        return k
+
     def finish(self, outcome: str) -> None:
         """The job is over: said once, so that no candidate left takes the role to start it
         again (a new launch under the same prefix is refused until the keys are removed)."""

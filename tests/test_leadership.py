@@ -147,3 +147,37 @@ def test_losing_a_majority_of_members_deposes_the_holder():
             Etcd(c.endpoints, timeout_s=0.5).get("job/x")
     finally:
         c.close()
+
+
+def test_the_jobs_facts_round_trip_and_a_deposed_holder_records_none(cluster):
+    from checkpointless.facts import Deposed, JobFacts
+    from checkpointless.membership import Plan
+    etcd = Etcd(cluster.endpoints)
+    role = Role(etcd, "facts/coordinator", {"node": 1}, ttl_s=TTL)
+    assert role.campaign()
+    facts = JobFacts(etcd, "facts", role)
+    assert facts.known().gen == -1
+    facts.record_spec('{"nproc": 4}')
+    for g in range(3):
+        facts.record_plan(Plan(gen=g, world_size=2, ranks={10 + g: 0, 1: 1},
+                               nodes={10 + g: g, 1: 0}), lost=g, next_wid=11 + g)
+    facts.record_fence(0, "fenced: silent")
+    facts.record_move({"token": role.token, "node": 1})
+    facts.record_notices(2)
+    k = facts.known()
+    assert (k.spec, k.gen, k.lost, k.next_wid, k.notices, k.done) == ('{"nproc": 4}', 2, 2, 13, 2,
+                                                                     None)
+    assert sorted(k.plans) == [1, 2]  # the newest two
+    assert k.plans[2] == {"ranks": {"12": 0, "1": 1}, "nodes": {"12": 2, "1": 0},
+                          "world_size": 2}
+    assert k.fenced == {0: "fenced: silent"} and k.moves == [{"token": role.token, "node": 1}]
+    facts.finish("ok")
+    assert facts.known().done == "ok"
+    # a holder whose key was taken over writes nothing more
+    etcd.delete("facts/coordinator")
+    other = Role(etcd, "facts/coordinator", {"node": 2}, ttl_s=TTL)
+    assert other.try_take()
+    with pytest.raises(Deposed):
+        facts.record_fence(3, "fenced: too late")
+    assert 3 not in facts.known().fenced
+    other.resign()
