@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import time
 from dataclasses import dataclass
@@ -98,12 +97,3 @@ def wait_healthy(endpoints: list[str], timeout_s: float = 30.0) -> None:
         time.sleep(0.1)
     raise TimeoutError(f"etcd at {', '.join(endpoints)} had no quorum after {timeout_s:g} s")
 
-
-def stop(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()

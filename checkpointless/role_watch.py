@@ -24,7 +24,6 @@ class RoleWatch:
         self.token = 0  # the holder the door points at
         self.holder: dict | None = None
         self.moved = threading.Event()  # a holder after the first: say hello to it
-        self.first = threading.Event()  # some holder is known
         self.fenced: str | None = None
         self.gave_up: str | None = None
         self.role_gone_at: float | None = None  # the role's key vanished (its lease ran out)
@@ -72,7 +71,6 @@ class RoleWatch:
                     self.moved.set()
                 self.token = role.create_revision
                 self.role_gone_at = None
-                self.first.set()
 
     def _end(self, code: int, why: str) -> None:
         if self.on_end is not None and not self._stop.is_set():

@@ -117,6 +117,16 @@ def _answer_end(buf, shape: str) -> int:
     raise ValueError(shape)
 
 
+def _recv(sock: socket.socket) -> bytes | None:
+    """What a readable socket holds: None if nothing after all, b"" once it is closed."""
+    try:
+        return sock.recv(1 << 16)
+    except BlockingIOError:
+        return None
+    except OSError:
+        return b""
+
+
 class _Client:
     """One worker's connection through the door."""
 
@@ -217,12 +227,9 @@ class StoreDoor:
                 s.close()
 
     def _from_client(self, c: _Client) -> None:
-        try:
-            data = c.sock.recv(1 << 16)
-        except BlockingIOError:
+        data = _recv(c.sock)
+        if data is None:
             return
-        except OSError:
-            data = b""
         if not data:  # the worker closed it (or died)
             return self._drop(c)
         c.inbuf += data
@@ -303,12 +310,9 @@ class StoreDoor:
             self.broke_at = c.broken_at
 
     def _from_up(self, c: _Client) -> None:
-        try:
-            data = c.up.recv(1 << 16)
-        except BlockingIOError:
+        data = _recv(c.up)
+        if data is None:
             return
-        except OSError:
-            data = b""
         if not data:  # the coordinator is gone: its answers come from the next one
             return self._up_broke(c)
         c.upbuf += data
