@@ -69,6 +69,7 @@ class Role:
         self.token, self.taken_at = e.create_revision, time.time()
         self._valid_until = sent + self.ttl_s
         threading.Thread(target=self._keep, daemon=True, name="role-lease").start()
+        threading.Thread(target=self._watch, daemon=True, name="role-expiry").start()
         return True
 
     def campaign(self, stop: threading.Event | None = None) -> bool:
@@ -120,8 +121,18 @@ class Role:
                 self._valid_until = sent + self.ttl_s
             elif ttl == 0:
                 return self._depose("its lease expired")
-            if time.time() >= self._valid_until:
+            if self.lost.is_set():
+                return
+
+    def _watch(self) -> None:
+        # apart from _keep: a refresh may block for every endpoint's timeout in turn, and the
+        # holder must count itself deposed when its lease may have run out, not after that call
+        while not self.lost.is_set():
+            left = self._valid_until - time.time()
+            if left <= 0:
                 return self._depose(f"its lease could not be refreshed for {self.ttl_s} s")
+            if self._stop.wait(min(left, self.poll_s)):
+                return
 
     def _depose(self, why: str) -> None:
         if self.lost.is_set():

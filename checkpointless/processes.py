@@ -12,7 +12,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 
-from . import protocol
+from . import forkserver, protocol
 
 
 def die_with_parent() -> None:
@@ -30,15 +30,22 @@ def step_wide_sigterm(env) -> bool:
     return "SLURM_JOB_ID" in env
 
 
+_SERVERS = forkserver.ForkServers(per_worker_prefix=protocol.ENV_PREFIX)
+
+
 def start_process(cmd: list[str], env: dict, nice: int = 0) -> subprocess.Popen:
     """A worker process in its own process group (its children, such as DataLoader workers, die
-    with it), which dies with its parent, even a SIGKILLed one.
+    with it), which dies with its parent, even a SIGKILLed one. The command the launcher names in
+    CHECKPOINTLESS_FORKSERVER is forked from a server that has imported its libraries already
+    (forkserver.py).
 
     Under Slurm it ignores SIGTERM (the disposition survives exec): a preemption is its
     launcher's to handle, which stops the job at a step boundary with a checkpoint; a worker
     dying of the same signal would turn that into a failure. It still dies with its launcher,
     and is ended with SIGKILL (stop_all)."""
     ignore_term = step_wide_sigterm(env)
+    if forkserver.forkable(cmd, env):
+        return _SERVERS.start(cmd, env, nice, ignore_term)
 
     def setup():
         os.setpgid(0, 0)

@@ -67,6 +67,7 @@ from .settings import (DEFAULTS, Defaults, Spec, SupervisorConfig,  # noqa: F401
                        default_replication, recovery_timeout_s)
 
 # ---- environment variables the supervisor sets for each process it starts -------------------
+ENV_PREFIX = "CL_"  # every per-worker variable below starts with it (read after a fork)
 ENV_STORE_HOST = "CL_STORE_HOST"  # address of the coordination store
 ENV_STORE_PORT = "CL_STORE_PORT"  # its port
 ENV_WORKER_ID = "CL_WORKER_ID"  # this process's id, unique over the job (spares included)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from checkpointless import forkserver
 from checkpointless.protocol import replica_offset
 from checkpointless.supervisor import JobFailed, Supervisor, SupervisorConfig
 
@@ -103,6 +104,9 @@ def train(cfg, on_start=None, coordinator: bool = False) -> dict | None:
     stand-alone coordinator, `coordinator=True` is that process, and every node's launcher is an
     agent."""
     sup_cfg = supervisor_config(cfg)  # refuses bad settings before anything is written
+    # workers forked from a server that imported the loop's libraries once (6 s of a core each
+    # here); CHECKPOINTLESS_FORKSERVER=0 starts each as a fresh interpreter
+    os.environ.setdefault(forkserver.ENV_PRELOAD, "launcher.loop:preload")
     preflight(cfg)  # devices, model, tokenizer, data, memory: once, here, not in every worker
     if not coordinator:
         check_node_health(cfg)  # this node trains: is it fit to?

@@ -85,12 +85,7 @@ class Run:
     last_eval: dict | None = None
 
 
-def warm(cfg):
-    """Everything a worker needs before it holds a rank: a spare is warm when it takes one."""
-    _, device = setup(cfg)
-    tokenizer, model, sampler = build(cfg, device)
-    evalset = build_eval(cfg, tokenizer)
-    # accelerate imported while warm; so are the trackers a replacement rank 0 opens at once
+def _import_trackers(cfg) -> None:
     import importlib
     importlib.import_module(".accelerator", __package__)
     if cfg.logging.trackers:
@@ -99,6 +94,36 @@ def warm(cfg):
                              ("mlflow", "mlflow")):
             if name in cfg.logging.trackers:
                 importlib.import_module(module)
+
+
+def preload(args) -> None:
+    """What a fork server (checkpointless/forkserver.py) imports once for the workers it forks:
+    the loop's libraries and the recipe's model classes; no torch operation runs here."""
+    import importlib
+    import importlib.util
+    import datasets  # noqa: F401
+    import transformers
+    from .model_setup import build  # noqa: F401
+    cfg = OmegaConf.merge(OmegaConf.structured(Recipe), OmegaConf.load(args[0]))
+    _import_trackers(cfg)  # accelerate, and the trackers the recipe names
+    model_type = cfg.model.name.replace("-", "_")
+    for name in (f"transformers.models.{model_type}.modeling_{model_type}",
+                 "peft" if cfg.peft.method != "none" else None):
+        if name and importlib.util.find_spec(name.split(".", 1)[0]):
+            try:
+                importlib.import_module(name)
+            except ImportError:  # a model_type transformers names otherwise: built by name later
+                pass
+    transformers.AutoModelForCausalLM  # noqa: B018  (its lazy module, loaded)
+
+
+def warm(cfg):
+    """Everything a worker needs before it holds a rank: a spare is warm when it takes one."""
+    _, device = setup(cfg)
+    tokenizer, model, sampler = build(cfg, device)
+    evalset = build_eval(cfg, tokenizer)
+    # accelerate imported while warm; so are the trackers a replacement rank 0 opens at once
+    _import_trackers(cfg)
     catch_up_threads = torch.get_num_threads()
     if checkpointless.started_as_spare() and cfg.distributed.strategy == "ddp":
         catch_up_threads = warm_up(model, sampler, cfg, device)

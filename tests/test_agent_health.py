@@ -29,6 +29,13 @@ class _Counted:
         return call
 
 
+def _until_stopped(procs, within_s: float = 10.0) -> None:
+    deadline = time.time() + within_s
+    while not all(detection.process_stopped(p.pid) for p in procs):
+        assert time.time() < deadline, "SIGSTOP not delivered"
+        time.sleep(0.01)
+
+
 def _beat(store, wid: int, age_s: float) -> None:
     store.set(protocol.heartbeat_key(wid), json.dumps(
         {"t": time.time() - age_s, "step": 3, "gen": 0, "phase": "step"}))
@@ -64,6 +71,7 @@ def test_a_stopped_worker_is_reported_once_silent_and_beats_are_read_in_one_call
         # fresh (it cannot be judged hung yet): /proc is not read for it
         for p in procs:
             os.kill(p.pid, signal.SIGSTOP)
+        _until_stopped(procs)  # the signal is delivered when the process is next scheduled
         _beat(agent.node_store.store, 11, detection.STOPPED_AFTER_S + 1.0)
         agent.health(news=False)
         record = json.loads(job.get(protocol.node_health_key(1)))

@@ -140,7 +140,9 @@ def test_losing_a_majority_of_members_deposes_the_holder():
         c.kill(2)
         t0 = time.time()
         assert role.lost.wait(TTL + 3), "the holder still believes it holds the role"
-        assert time.time() - t0 <= TTL + 1.0 and lost
+        # a TTL after the last refresh etcd answered; a leader left alone answers them until it
+        # sees it lost its quorum (its election timeout, 1 s)
+        assert time.time() - t0 <= TTL + 2.0 and lost
         with pytest.raises((Fenced, EtcdUnavailable)):
             role.write("job/x", "2")
         with pytest.raises(EtcdUnavailable):
