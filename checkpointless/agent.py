@@ -26,8 +26,8 @@ import time
 from datetime import timedelta
 
 from . import detection, membership, protocol
-from .processes import (Worker, close_reaped, kill_tree, open_pidfd, start_process, stop_all,
-                        wait_for_exit)
+from .processes import (SERVER_WAIT_S, Worker, close_reaped, kill_tree, open_pidfd,
+                        start_process, stop_all, wait_for_exit, warm_server)
 
 D = protocol.DEFAULTS
 
@@ -62,10 +62,14 @@ class NodeAgent:
         self._leaving = False
         self._wake_r, self._wake_w = os.pipe()  # the command thread wakes the loop through it
         os.set_blocking(self._wake_r, False)
+        if starter is start_process:  # the fork server preloads while the agent connects
+            warm_server(cmd, env, 0)
 
     def run(self, procs_here: int) -> int:
         """Serve the coordinator until the job ends (0), this node is fenced (3) or the
         coordinator is unreachable (4)."""
+        if self.starter is start_process:  # before the hello: the loop must not wait on it
+            warm_server(self.cmd, self.env, SERVER_WAIT_S)
         self.hello(procs_here)
         asked: list[str] = []
         if threading.current_thread() is threading.main_thread():

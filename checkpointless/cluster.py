@@ -76,7 +76,7 @@ class ClusterPool(WorkerPool):
                  per_node: int, spares_per_node: int, node_timeout_s: float,
                  join_timeout_s: float = D.spare_wait_s, refill: bool = D.refill, log=print,
                  local: bool = True):
-        super().__init__(cmd, env, host, per_node, refill_nice, spares_per_node, refill)
+        super().__init__(cmd, env, host, per_node, refill_nice, spares_per_node, refill, local)
         # local: node 0 is this process's own machine (the coordinator runs in node 0's
         # launcher); else every node, 0 included, is served by an agent (a stand-alone
         # coordinator on a login node)
@@ -153,6 +153,8 @@ class ClusterPool(WorkerPool):
         slots 0..P-1 and its own spares after them, and each spare node P spares."""
         self.store, self.port = store, store.port
         self.wait_for_nodes(self.join_timeout_s)
+        if self.local:
+            self.forks_ready()
         per_node, out = self.per_node, []
         for node, n in self.nodes.items():
             for slot in range(n.procs):

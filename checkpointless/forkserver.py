@@ -8,7 +8,9 @@ a refill started during a recovery takes cores from it for as long.
 So where the launcher sets CHECKPOINTLESS_FORKSERVER=MODULE:FUNCTION, the workers' command
 `python -m MODULE ARGS` is not exec'd: a node starts one server (`forkserver.main`) with the
 workers' environment, which imports MODULE and calls FUNCTION(ARGS) once, then waits for
-requests on its stdin. For each, it forks: the child sets the worker's environment, its process group and
+requests on its stdin. The launcher starts it early (`processes.warm_server`) and waits for it
+where waiting costs nothing; a worker asked for while it still preloads starts as a fresh
+process instead, so no caller blocks on it. For each, it forks: the child sets the worker's environment, its process group and
 death signal, and runs MODULE as `python -m MODULE ARGS` would. The server is the child's parent:
 it reaps it and reports its exit code on a pipe, which `Forked` (a stand-in for Popen) reads.
 
@@ -96,6 +98,7 @@ class _Server:
         os.close(w)
         self.reports = os.fdopen(r, "r")
         self.codes: dict[int, int] = {}
+        self.ready = threading.Event()  # its preload is done: a fork now takes milliseconds
         self.changed = threading.Condition()
         self._pids: list[int] = []  # forked, not yet handed out
         self._forked: set[int] = set()
@@ -118,6 +121,9 @@ class _Server:
     def _read(self) -> None:
         for line in self.reports:
             msg = json.loads(line)
+            if "ready" in msg:
+                self.ready.set()
+                continue
             with self.changed:
                 if "code" in msg:
                     self.codes[msg["pid"]] = msg["code"]
@@ -147,7 +153,8 @@ class ForkServers:
         self._servers: dict[tuple, _Server] = {}
         self._lock = threading.Lock()
 
-    def start(self, cmd: list[str], env: dict, nice: int, ignore_term: bool) -> Forked:
+    def server(self, cmd: list[str], env: dict) -> _Server:
+        """The server for `cmd` in `env`, started now if there is none (it preloads then)."""
         module, args = cmd[2], cmd[3:]
         base = {k: v for k, v in env.items() if not k.startswith(self.per_worker_prefix)}
         key = (module, tuple(sorted(base.items())))
@@ -155,7 +162,15 @@ class ForkServers:
             server = self._servers.get(key)
             if server is None or server.proc.poll() is not None:
                 server = self._servers[key] = _Server(module, base, args)
-        return server.fork(args, env, nice, ignore_term)
+            return server
+
+    def start(self, cmd: list[str], env: dict, nice: int, ignore_term: bool) -> Forked | None:
+        """The worker forked, or None while its server is still preloading: the caller starts
+        it as a fresh process then rather than wait (a node agent's loop must keep reporting)."""
+        server = self.server(cmd, env)
+        if not server.ready.is_set():
+            return None
+        return server.fork(cmd[3:], env, nice, ignore_term)
 
     def close(self) -> None:
         with self._lock:
@@ -190,6 +205,7 @@ def serve(module: str, report_fd: int, args: list[str]):
         print(f"[checkpointless] fork server: preloading {module} failed ({e!r})",
               file=sys.stderr)
     report = os.fdopen(report_fd, "w", buffering=1)
+    report.write(json.dumps({"ready": True}) + "\n")
     requests = sys.stdin.buffer
     children: dict[int, int] = {}  # pidfd -> pid
     pending = b""

@@ -6,8 +6,8 @@ generation on its own store prefix, so nothing left from an older, broken group 
 leak into the new one. The store lives in the supervisor, never in a training worker, so losing
 any worker, rank 0 included, loses no coordination state.
 
-What a rank reads per generation does not grow with the job: the plan's head (world size, nodes
-with members) and its own node's part (who joined or left there). A rank's own rank never changes
+What a rank reads per generation does not grow with the job: its own node's part (who joined or
+left there), which carries the plan's head (world size, nodes with members). A rank's own rank never changes
 while it lives (a lost rank goes to a spare), so a survivor only learns whether it is still in.
 """
 from __future__ import annotations
@@ -83,7 +83,8 @@ def host(host: str, port: int = 0, timeout_s: float = 60.0):
 
 
 def current_gen(store) -> int:
-    return int(store.get(protocol.GEN)) if store.check([protocol.GEN]) else -1
+    gen = peek(store, protocol.GEN)
+    return -1 if gen is None else int(gen)
 
 
 def publish(store, plan: Plan, before: Plan | None = None) -> None:
@@ -92,12 +93,12 @@ def publish(store, plan: Plan, before: Plan | None = None) -> None:
     stop waiting for it."""
     plan.t_published = time.time()
     by_node = parts(plan, before)
+    head = {"gen": plan.gen, "world_size": plan.world_size, "t": plan.t_published,
+            "lost": plan.lost, "nodes": sum(1 for v in by_node.values() if v["members"])}
+    # each part carries the head too: a rank reads its node's part and nothing else
     store.multi_set([protocol.plan_node_key(plan.gen, k) for k in by_node],
-                    [json.dumps(v) for v in by_node.values()])
-    members = sum(1 for v in by_node.values() if v["members"])
-    store.set(protocol.plan_key(plan.gen), json.dumps(
-        {"gen": plan.gen, "world_size": plan.world_size, "t": plan.t_published,
-         "lost": plan.lost, "nodes": members}))
+                    [json.dumps(dict(v, **head)) for v in by_node.values()])
+    store.set(protocol.plan_key(plan.gen), json.dumps(head))
     if plan.gen > 0:
         store.compare_set(protocol.barrier_done_key(plan.gen - 1), "", "stale")
     store.set(protocol.GEN, str(plan.gen))
@@ -118,26 +119,38 @@ def run(steps, stores: dict):
 
 
 def follow_steps(wid: int, node: int, rank: int, after_gen: int, gen: int):
-    """The store calls of `follow`, as steps (see `run`); all of them go to the node store."""
-    gens = list(range(after_gen + 1, gen + 1))
-    if rank < 0:  # a spare's node may have had no members (a spare node): no part of its own
-        with_part = []
-        for g in gens:
-            if (yield ("node", "check", [protocol.plan_node_key(g, node)])):
-                with_part.append(g)
-        gens = with_part
-    keys = [protocol.plan_key(gen)] + [protocol.plan_node_key(g, node) for g in gens]
-    head, *node_parts = (json.loads(v) for v in (yield ("node", "multi_get", keys)))
-    for part in node_parts:
+    """The store calls of `follow`, as steps (see `run`); all of them go to the node store. One
+    read per generation (a recovery has one): a node's part carries the plan's head."""
+    part = None
+    for g in range(after_gen + 1, gen + 1):
+        part = yield from peek_steps("node", protocol.plan_node_key(g, node))
+        if part is None:  # nothing here in g: no member, nobody joined or left (a spare node)
+            continue
+        part = json.loads(part)
         if wid in part["left"]:
             rank = -1
         rank = part["joined"].get(str(wid), rank)
-    if rank < 0:
+    if rank < 0 or part is None:  # a member's node always has a part (it has members)
         return None
-    # a member's node always has a part (it has members)
-    return Seat(gen=gen, world_size=head["world_size"], rank=rank, node=node,
-                members_here=node_parts[-1]["members"], nodes=head["nodes"], lost=head["lost"],
-                t_published=head["t"])
+    return Seat(gen=gen, world_size=part["world_size"], rank=rank, node=node,
+                members_here=part["members"], nodes=part["nodes"], lost=part["lost"],
+                t_published=part["t"])
+
+
+# what `peek` asks compare_set to expect and set: a value no key of the protocol ever holds
+_ABSENT = "\x00absent"
+
+
+def peek_steps(where: str, key: str):
+    """`key`'s value, or None where it is not set, in one round trip: torch's client makes a get
+    two (it waits for the key first). A compare_set that expects, and would set, a value no key
+    holds changes nothing and answers the value; on a missing key it answers what it expected."""
+    value = yield (where, "compare_set", key, _ABSENT, _ABSENT)
+    return None if value == _ABSENT.encode() else value
+
+
+def peek(store, key: str) -> bytes | None:
+    return run(peek_steps("store", key), {"store": store})
 
 
 def follow(store, wid: int, node: int, rank: int, after_gen: int, gen: int) -> Seat | None:
@@ -161,7 +174,7 @@ def barrier_steps(seat: Seat):
             yield ("job", "compare_set", done, "", "go")
     # the outcome is read where the plan was: the node store (its agent copies it there)
     yield ("node", "wait", [done], timedelta(days=1))
-    return (yield ("node", "get", done)) == b"go"
+    return (yield from peek_steps("node", done)) == b"go"
 
 
 def barrier(store, node_store, seat: Seat) -> bool:
@@ -182,12 +195,15 @@ def relay(store, node_store, node: int, gen: int) -> None:
     and copy that. The job's store then wakes one waiter per node for each, not one per rank:
     every rank waits, and reads, in its node's store."""
     store.wait([protocol.plan_key(gen)], timedelta(days=1))
-    part = protocol.plan_node_key(gen, node)
-    keys = ([part] if store.check([part]) else []) + [protocol.plan_key(gen)]
-    node_store.multi_set(keys + [protocol.GEN], store.multi_get(keys) + [str(gen)])
+    part_key = protocol.plan_node_key(gen, node)
+    part = peek(store, part_key)  # written before the head: absent means none for this node
+    keys, values = ([part_key], [part]) if part is not None else ([], [])
+    keys += [protocol.plan_key(gen), protocol.GEN]
+    values += [peek(store, protocol.plan_key(gen)), str(gen)]
+    node_store.multi_set(keys, values)
     done = protocol.barrier_done_key(gen)
     store.wait([done], timedelta(days=1))
-    node_store.set(done, store.get(done))
+    node_store.set(done, peek(store, done))
 
 
 def results_in(store, world_size: int) -> bool:

@@ -33,6 +33,18 @@ def step_wide_sigterm(env) -> bool:
 _SERVERS = forkserver.ForkServers(per_worker_prefix=protocol.ENV_PREFIX)
 
 
+SERVER_WAIT_S = 120.0  # past this, the first workers start as fresh processes
+
+
+def warm_server(cmd: list[str], env: dict, wait_s: float) -> bool:
+    """Start the fork server for `cmd` (if the launcher asked for one) and wait up to `wait_s`
+    for its preload; True when workers will be forked. Call it from a thread that lives as long
+    as the workers: the server dies with the thread that started it (PR_SET_PDEATHSIG)."""
+    if not forkserver.forkable(cmd, env):
+        return False
+    return _SERVERS.server(cmd, env).ready.wait(wait_s)
+
+
 def start_process(cmd: list[str], env: dict, nice: int = 0) -> subprocess.Popen:
     """A worker process in its own process group (its children, such as DataLoader workers, die
     with it), which dies with its parent, even a SIGKILLed one. The command the launcher names in
@@ -45,7 +57,9 @@ def start_process(cmd: list[str], env: dict, nice: int = 0) -> subprocess.Popen:
     and is ended with SIGKILL (stop_all)."""
     ignore_term = step_wide_sigterm(env)
     if forkserver.forkable(cmd, env):
-        return _SERVERS.start(cmd, env, nice, ignore_term)
+        forked = _SERVERS.start(cmd, env, nice, ignore_term)
+        if forked is not None:
+            return forked
 
     def setup():
         os.setpgid(0, 0)
@@ -150,7 +164,8 @@ class WorkerPool:
     """Owns the processes this supervisor started (active workers and spares) and their ids."""
 
     def __init__(self, cmd: list[str], env: dict, host: str, spares_from_slot: int,
-                 refill_nice: int, spares_per_node: int = 0, refill: bool = True):
+                 refill_nice: int, spares_per_node: int = 0, refill: bool = True,
+                 local: bool = True):
         self.cmd, self.env, self.host = cmd, env, host
         self.spares_from_slot = spares_from_slot  # slots at or past this start as spares
         self.spares_per_node = spares_per_node  # spares started beside the first ranks
@@ -161,11 +176,19 @@ class WorkerPool:
         self.workers: dict[int, Worker] = {}
         self._next_wid = 0
         self._refills: list[tuple[float, Worker]] = []  # (when, lost worker) of delayed refills
+        if local:  # workers start on this machine: the fork server preloads from now on
+            warm_server(cmd, env, 0)
+
+    def forks_ready(self) -> None:
+        """Before the first generation is started: wait for the fork server's preload (its
+        imports take the time the workers' own would; see forkserver.py)."""
+        warm_server(self.cmd, self.env, SERVER_WAIT_S)
 
     def start(self, store) -> list[Worker]:
         """The first generation: ranks 0..R-1 in slots of the same number (R: spares_from_slot),
         spares after them. Returns the active workers, their ranks set."""
         self.store, self.port = store, store.port
+        self.forks_ready()
         out = []
         for slot in range(self.spares_from_slot + self.spares_per_node):
             w = self.spawn(slot)

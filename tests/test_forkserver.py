@@ -21,6 +21,11 @@ def _env(**extra):
                                                     **extra))
 
 
+def _start(servers, cmd, env, nice=0, ignore_term=False):
+    assert servers.server(cmd, env).ready.wait(30), "the server never finished preloading"
+    return servers.start(cmd, env, nice, ignore_term)
+
+
 def _read(path, within_s=20.0):
     deadline = time.time() + within_s
     while not (os.path.exists(path) and os.path.getsize(path)):
@@ -33,8 +38,8 @@ def _read(path, within_s=20.0):
 def test_workers_are_forked_from_one_preloaded_server_with_their_own_environment(tmp_path):
     servers = forkserver.ForkServers(per_worker_prefix="CL_")
     try:
-        a = servers.start(CMD + [str(tmp_path / "a"), "0"], _env(CL_WORKER_ID="1"), 0, False)
-        b = servers.start(CMD + [str(tmp_path / "b"), "3"], _env(CL_WORKER_ID="2"), 5, False)
+        a = _start(servers, CMD + [str(tmp_path / "a"), "0"], _env(CL_WORKER_ID="1"))
+        b = _start(servers, CMD + [str(tmp_path / "b"), "3"], _env(CL_WORKER_ID="2"), nice=5)
         assert a.wait(20) == 0 and b.wait(20) == 3
         ra, rb = _read(tmp_path / "a"), _read(tmp_path / "b")
         # one server ran preload, and both children are its forks
@@ -47,7 +52,7 @@ def test_workers_are_forked_from_one_preloaded_server_with_their_own_environment
         assert len(servers._servers) == 1
 
         # another base environment (read by imports) gets a server of its own
-        c = servers.start(CMD + [str(tmp_path / "c"), "0"], _env(BASE_VAR="b"), 0, False)
+        c = _start(servers, CMD + [str(tmp_path / "c"), "0"], _env(BASE_VAR="b"))
         assert c.wait(20) == 0
         rc = _read(tmp_path / "c")
         assert rc["base"] == "b" and rc["preloaded_by"] != ra["preloaded_by"]
@@ -59,7 +64,7 @@ def test_workers_are_forked_from_one_preloaded_server_with_their_own_environment
 def test_a_killed_worker_reports_its_signal_and_its_group_dies_with_it(tmp_path):
     servers = forkserver.ForkServers(per_worker_prefix="CL_")
     try:
-        w = servers.start(CMD + [str(tmp_path / "w"), "0", "60"], _env(), 0, True)
+        w = _start(servers, CMD + [str(tmp_path / "w"), "0", "60"], _env(), ignore_term=True)
         info = _read(tmp_path / "w")
         assert w.pid == info["pid"] and w.poll() is None
         with pytest.raises(subprocess.TimeoutExpired):
@@ -75,7 +80,7 @@ def test_a_killed_worker_reports_its_signal_and_its_group_dies_with_it(tmp_path)
 def test_workers_die_with_a_killed_server(tmp_path):
     servers = forkserver.ForkServers(per_worker_prefix="CL_")
     try:
-        w = servers.start(CMD + [str(tmp_path / "w"), "0", "60"], _env(), 0, False)
+        w = _start(servers, CMD + [str(tmp_path / "w"), "0", "60"], _env())
         _read(tmp_path / "w")
         (server,) = servers._servers.values()
         server.proc.kill()
@@ -90,11 +95,18 @@ def test_workers_die_with_a_killed_server(tmp_path):
         servers.close()
 
 
-def test_start_process_forks_only_the_named_module_and_only_when_asked(tmp_path):
-    p = processes.start_process(CMD + [str(tmp_path / "f"), "0"], _env())
+def test_start_process_forks_only_the_named_module_once_its_server_is_warm(tmp_path):
+    # while the server preloads, a worker starts as a fresh process: no caller waits on it
+    env = _env(PRELOAD_S="3")
+    p = processes.start_process(CMD + [str(tmp_path / "early"), "0"], env)
+    assert isinstance(p, subprocess.Popen) and p.wait(20) == 0
+    assert processes.warm_server(CMD, env, 30)
+    p = processes.start_process(CMD + [str(tmp_path / "f"), "0"], env)
     assert isinstance(p, forkserver.Forked) and p.wait(20) == 0
-    for i, env in enumerate((_env(CHECKPOINTLESS_FORKSERVER="0"),
-                             _env(CHECKPOINTLESS_FORKSERVER="launcher.loop:preload"))):
-        p = processes.start_process(CMD + [str(tmp_path / f"s{i}"), "4"], env)
+    assert _read(tmp_path / "f")["preloaded_by"] is not None
+    for i, other in enumerate((_env(CHECKPOINTLESS_FORKSERVER="0"),
+                               _env(CHECKPOINTLESS_FORKSERVER="launcher.loop:preload"))):
+        assert not processes.warm_server(CMD, other, 1)
+        p = processes.start_process(CMD + [str(tmp_path / f"s{i}"), "4"], other)
         assert isinstance(p, subprocess.Popen) and p.wait(20) == 4
         assert _read(tmp_path / f"s{i}")["preloaded_by"] is None

@@ -252,7 +252,23 @@ def test_plans_are_read_by_node_as_changes_and_the_barrier_gives_way_to_a_newer_
                            nodes={10: 0, 14: 2, 12: 1, 13: 1})
     membership.publish(store, gen1, gen0)
     part = json.loads(store.get(protocol.plan_node_key(1, 0)))
-    assert part == {"joined": {}, "left": [11], "members": 1}
+    assert {k: part[k] for k in ("joined", "left", "members")} == \
+        {"joined": {}, "left": [11], "members": 1}
+    assert (part["world_size"], part["nodes"], part["gen"]) == (4, 3, 1)  # the head, carried
+
+    # a recovery's read is one round trip (a get is two: torch's client waits first), and a
+    # peek at a missing key neither waits nor sets it
+    class Counted:
+        def __init__(self):
+            self.calls = []
+
+        def __getattr__(self, name):
+            self.calls.append(name)
+            return getattr(store, name)
+    counted = Counted()
+    assert membership.follow(counted, 14, 2, 0, 0, 1).rank == 1 and counted.calls == \
+        ["compare_set"]
+    assert membership.peek(store, "never/set") is None and not store.check(["never/set"])
     assert json.loads(store.get(protocol.plan_node_key(1, 1)))["joined"] == {}
     assert membership.follow(store, 14, 2, -1, -1, 1).rank == 1  # read both generations
     assert membership.follow(store, 10, 0, 0, 0, 1).members_here == 1

@@ -10,6 +10,7 @@ import time
 def preload(args) -> None:
     # kept where the child's fresh run of this module as __main__ can see it
     sys.fork_target_preloaded_by = os.getpid()
+    time.sleep(float(os.environ.get("PRELOAD_S", "0")))  # a slow preload
 
 
 if __name__ == "__main__":
