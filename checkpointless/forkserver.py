@@ -15,6 +15,8 @@ death signal, and runs MODULE as `python -m MODULE ARGS` would. The server is th
 it reaps it and reports its exit code on a pipe, which `Forked` (a stand-in for Popen) reads.
 
 What a fork keeps from the server and a fresh process would not have:
+- /proc/PID/cmdline and environ show the server's (the kernel keeps those of the last exec):
+  each worker is named `cl-worker-<id>` instead (ps, /proc/PID/comm);
 - the server's environment, read by the imports: a request whose environment differs from the
   server's in anything but the per-worker keys gets a server of its own (`ForkServers.start`);
 - Python's `random` and numpy's global state: reseeded from the OS in the child, as at a start;
@@ -105,9 +107,11 @@ class _Server:
         self._lock = threading.Lock()
         threading.Thread(target=self._read, daemon=True, name="forkserver-reports").start()
 
-    def fork(self, args: list[str], env: dict, nice: int, ignore_term: bool) -> Forked:
+    def fork(self, args: list[str], env: dict, nice: int, ignore_term: bool,
+             name: str = "") -> Forked:
         with self._lock:
-            request = {"args": args, "env": env, "nice": nice, "ignore_term": ignore_term}
+            request = {"args": args, "env": env, "nice": nice, "ignore_term": ignore_term,
+                       "name": name}
             self.proc.stdin.write((json.dumps(request) + "\n").encode())
             self.proc.stdin.flush()
             with self.changed:
@@ -164,13 +168,15 @@ class ForkServers:
                 server = self._servers[key] = _Server(module, base, args)
             return server
 
-    def start(self, cmd: list[str], env: dict, nice: int, ignore_term: bool) -> Forked | None:
+    def start(self, cmd: list[str], env: dict, nice: int, ignore_term: bool,
+              name: str = "") -> Forked | None:
         """The worker forked, or None while its server is still preloading: the caller starts
-        it as a fresh process then rather than wait (a node agent's loop must keep reporting)."""
+        it as a fresh process then rather than wait (a node agent's loop must keep reporting).
+        `name`: the process's name in ps and /proc/PID/comm (15 bytes at most)."""
         server = self.server(cmd, env)
         if not server.ready.is_set():
             return None
-        return server.fork(cmd[3:], env, nice, ignore_term)
+        return server.fork(cmd[3:], env, nice, ignore_term, name)
 
     def close(self) -> None:
         with self._lock:
@@ -247,6 +253,8 @@ def become_worker(module: str, request: dict) -> None:
     import runpy
     os.setpgid(0, 0)
     _die_with_parent()
+    if request.get("name"):
+        _set_name(request["name"])
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a fresh interpreter
     signal.signal(signal.SIGTERM, signal.SIG_IGN if request["ignore_term"] else signal.SIG_DFL)
     if request["nice"]:
@@ -263,6 +271,17 @@ def become_worker(module: str, request: dict) -> None:
     # run as __main__ as `python -m` does, where the preloaded copy is not in sys.modules
     sys.modules.pop(module, None)
     runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def _set_name(name: str) -> None:
+    """The process's name (PR_SET_NAME): what ps, top and /proc/PID/comm show. A forked worker's
+    /proc/PID/environ and cmdline are the server's (the kernel keeps those of the last exec), so
+    this is how one tells the workers apart from outside."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 def main() -> None:

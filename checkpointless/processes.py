@@ -57,7 +57,9 @@ def start_process(cmd: list[str], env: dict, nice: int = 0) -> subprocess.Popen:
     and is ended with SIGKILL (stop_all)."""
     ignore_term = step_wide_sigterm(env)
     if forkserver.forkable(cmd, env):
-        forked = _SERVERS.start(cmd, env, nice, ignore_term)
+        wid = env.get(protocol.ENV_WORKER_ID)
+        forked = _SERVERS.start(cmd, env, nice, ignore_term,
+                                name=f"cl-worker-{wid}" if wid is not None else "")
         if forked is not None:
             return forked
 

@@ -33,9 +33,21 @@ def worker_pids(run_dir: Path, worker_id: int) -> list[int]:
             env = (p / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if f"CL_WORKER_ID={worker_id}".encode() in env:
+        if is_worker(p, env, worker_id):
             found.append(int(p.name))
     return found
+
+
+def is_worker(proc: Path, env: list[bytes], worker_id: int) -> bool:
+    """/proc/PID is worker `worker_id`: started fresh, its environment says so; forked from the
+    fork server (checkpointless/forkserver.py), its environment and command line are the
+    server's, and its name says so."""
+    if f"CL_WORKER_ID={worker_id}".encode() in env:
+        return True
+    try:
+        return (proc / "comm").read_text().strip() == f"cl-worker-{worker_id}"
+    except OSError:
+        return False
 
 
 def steps_logged(run_dir: Path) -> int:

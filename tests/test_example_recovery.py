@@ -22,10 +22,15 @@ TWIN = ROOT / "examples/train_checkpointless.py"
 
 def torchrun(script, nproc=4, **env) -> str:
     """Run `script` under torchrun; the one digest its ranks print."""
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc_per_node", str(nproc), str(script)],
-                       capture_output=True, text=True, timeout=180,
-                       env=dict(os.environ, **ENV, **env), cwd=ROOT)
+    for attempt in range(2):
+        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            "--nproc_per_node", str(nproc), str(script)],
+                           capture_output=True, text=True, timeout=180,
+                           env=dict(os.environ, **ENV, **env), cwd=ROOT)
+        # plain torch, none of ours: once in CI a rank aborted in gloo's teardown (std::terminate
+        # in destroy_process_group); that one signature gets a second run, nothing else does
+        if r.returncode == 0 or "terminate called without an active exception" not in r.stderr:
+            break
     assert r.returncode == 0, r.stderr[-3000:]
     # the processes print at once, so lines may interleave: pick the digests out by pattern
     found = re.findall(r'"params_sha256": "([0-9a-f]{64})"', r.stdout)

@@ -77,6 +77,7 @@ def test_a_killed_worker_reports_its_signal_and_its_group_dies_with_it(tmp_path)
         servers.close()
 
 
+@pytest.mark.slow  # make test-fast keeps the two above (each server imports torch: seconds)
 def test_workers_die_with_a_killed_server(tmp_path):
     servers = forkserver.ForkServers(per_worker_prefix="CL_")
     try:
@@ -95,14 +96,19 @@ def test_workers_die_with_a_killed_server(tmp_path):
         servers.close()
 
 
+@pytest.mark.slow
 def test_start_process_forks_only_the_named_module_once_its_server_is_warm(tmp_path):
     # while the server preloads, a worker starts as a fresh process: no caller waits on it
     env = _env(PRELOAD_S="3")
     p = processes.start_process(CMD + [str(tmp_path / "early"), "0"], env)
     assert isinstance(p, subprocess.Popen) and p.wait(20) == 0
     assert processes.warm_server(CMD, env, 30)
-    p = processes.start_process(CMD + [str(tmp_path / "f"), "0"], env)
-    assert isinstance(p, forkserver.Forked) and p.wait(20) == 0
+    p = processes.start_process(CMD + [str(tmp_path / "f"), "0", "1"], dict(env, CL_WORKER_ID="7"))
+    assert isinstance(p, forkserver.Forked)
+    _read(tmp_path / "f")
+    # its environment and command line in /proc are the server's; its name says who it is
+    assert open(f"/proc/{p.pid}/comm").read().strip() == "cl-worker-7"
+    assert p.wait(20) == 0
     assert _read(tmp_path / "f")["preloaded_by"] is not None
     for i, other in enumerate((_env(CHECKPOINTLESS_FORKSERVER="0"),
                                _env(CHECKPOINTLESS_FORKSERVER="launcher.loop:preload"))):

@@ -23,7 +23,9 @@ def reference(fsdp_12_steps):
 
 # Under all three savers at once; the fp32 path's recovery from a peer's memory is the one of
 # test_peers_lost_in_the_middle_of_a_background_replica_exchange below (and of the multi-node
-# fsdp test), so it is not run a third time here: make test must stay under 25 minutes.
+# fsdp and the kill-anywhere tests). In make test-scale: bf16 on CPU makes its two runs take 3
+# minutes, and make test must stay under 25.
+@pytest.mark.extended
 def test_a_killed_shard_comes_back_from_a_peers_memory(tmp_path, references):
     _, reference, _ = references.train("tiny-llama", *BASE, *SAVERS)
     _, rep, r = train(tmp_path, "kill", "tiny-llama", *BASE, *SAVERS, "checkpointless.spares=1",

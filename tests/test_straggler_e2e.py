@@ -9,10 +9,12 @@ import signal
 import statistics
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from tests.conftest import ROOT, assert_same_bits, final_digest, supervised, train
+from tests.external_kill import is_worker
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +39,7 @@ def worker_pid(wid: int, marker: str, timeout_s: float = 60) -> int:
                 env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
             except OSError:
                 continue
-            if f"CL_WORKER_ID={wid}".encode() in env and f"MARKER_DIR={marker}".encode() in env:
+            if f"MARKER_DIR={marker}".encode() in env and is_worker(Path("/proc", pid), env, wid):
                 return int(pid)
         time.sleep(0.2)
     raise AssertionError(f"worker {wid} never started")
