@@ -52,7 +52,15 @@ def forkable(cmd: list[str], env: dict) -> bool:
     without a main guard would run there."""
     spec = preload_spec(env)
     return (spec is not None and len(cmd) >= 3 and cmd[0] == sys.executable and cmd[1] == "-m"
-            and cmd[2] == spec[0])
+            and cmd[2] == spec[0] and not gpu_host())
+
+
+def gpu_host() -> bool:
+    """An NVIDIA or AMD GPU's device files exist here. No fork server there, for now: CUDA
+    cannot be used in a child forked after it was initialized, and a library that asks
+    torch.cuda.is_available() while imported initializes it (the default check calls the
+    runtime). Not yet checked on a GPU host (none was lent to this project's sessions)."""
+    return os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/kfd")
 
 
 # ---- the launcher's side ----------------------------------------------------------------------

@@ -97,6 +97,7 @@ def test_workers_die_with_a_killed_server(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(forkserver.gpu_host(), reason="no fork server on a GPU host (forkserver.py)")
 def test_start_process_forks_only_the_named_module_once_its_server_is_warm(tmp_path):
     # while the server preloads, a worker starts as a fresh process: no caller waits on it
     env = _env(PRELOAD_S="3")
