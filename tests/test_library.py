@@ -355,7 +355,7 @@ def test_a_relay_whose_connection_breaks_connects_again_and_misses_no_generation
 
         def __getattr__(self, name):
             attr = getattr(self.store, name)
-            if name == "multi_get" and not broken:
+            if name == "compare_set" and not broken:  # the relay reads by compare_set (peek)
                 def fail(*a):
                     broken.append(1)
                     raise RuntimeError("connection reset by peer")
