@@ -202,6 +202,7 @@ class Harness:
                 "decide_s": round(head["t"] - t_detect, 4),
                 "plan_to_every_rank_s": round(t_plan - head["t"], 4),
                 "barrier_complete_s": round(t_barrier - head["t"], 4),
+                # from the detection: the decision's gather window and publication included
                 "decision_to_barrier_s": round(t_barrier - t_detect, 4),
                 # where the CPU went from the kill to every rank ready: the simulated ranks'
                 # own client work runs here on two cores, the coordinator's in its process
