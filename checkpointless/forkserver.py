@@ -89,9 +89,6 @@ class Forked:
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
 
 _SERVER_MAIN = "from checkpointless.forkserver import main; main()"
 
@@ -180,11 +177,17 @@ class ForkServers:
               name: str = "") -> Forked | None:
         """The worker forked, or None while its server is still preloading: the caller starts
         it as a fresh process then rather than wait (a node agent's loop must keep reporting).
-        `name`: the process's name in ps and /proc/PID/comm (15 bytes at most)."""
+        `name`: the process's name in ps and /proc/PID/comm (15 bytes at most). A server that
+        fails to fork gives None too: a worker is never lost to it."""
         server = self.server(cmd, env)
         if not server.ready.is_set():
             return None
-        return server.fork(cmd[3:], env, nice, ignore_term, name)
+        try:
+            return server.fork(cmd[3:], env, nice, ignore_term, name)
+        except (RuntimeError, OSError) as e:  # the server died or hung: start it fresh, say so
+            print(f"[checkpointless] fork server failed ({e}); starting the worker as a fresh "
+                  "process", file=sys.stderr, flush=True)
+            return None
 
     def close(self) -> None:
         with self._lock:

@@ -7,8 +7,8 @@ leak into the new one. The store lives in the supervisor, never in a training wo
 any worker, rank 0 included, loses no coordination state.
 
 What a rank reads per generation does not grow with the job: its own node's part (who joined or
-left there), which carries the plan's head (world size, nodes with members). A rank's own rank never changes
-while it lives (a lost rank goes to a spare), so a survivor only learns whether it is still in.
+left there), which carries the plan's head (world size, nodes with members). A rank's own rank
+never changes while it lives (a lost rank goes to a spare), so a survivor only learns whether it is still in.
 """
 from __future__ import annotations
 

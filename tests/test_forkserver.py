@@ -85,6 +85,8 @@ def test_workers_die_with_a_killed_server(tmp_path):
         _read(tmp_path / "w")
         (server,) = servers._servers.values()
         server.proc.kill()
+        # asked for a worker at once: no exception, None (the caller starts it fresh)
+        assert servers.start(CMD + [str(tmp_path / "x"), "0"], _env(), 0, False) is None
         assert w.wait(10) == -signal.SIGKILL
         deadline = time.time() + 10
         while os.path.exists(f"/proc/{w.pid}") and time.time() < deadline:
