@@ -50,6 +50,9 @@ class NodeAgent:
         self.workers: dict[int, Worker] = {}
         self.exited: dict[int, int] = {}  # wid -> exit code, as reported to the coordinator
         self.seq = 0  # health records written
+        # what this node's health key holds, as of this agent's last write: its own last record,
+        # or the coordinator's word ("fenced: ...", "shutdown") that replaced it
+        self._held = ""
         self.spare_wids: set[int] = set()  # started as spares (said in a hello)
         self.next_cmd = 0  # the number of the coordinator's next command
         # coordinator=etcd (role_watch.py): who coordinates is looked up in etcd, the store is
@@ -266,12 +269,34 @@ class NodeAgent:
                                                   detection.STOPPED_AFTER_S)
                               and detection.process_stopped(self.workers[w].proc.pid)],
                   "exited": {str(k): v for k, v in self.exited.items()}, "final": final}
-        self.store.set(protocol.node_health_key(self.node), json.dumps(record))
+        state = self._write(json.dumps(record))
+        if final and state != "run" and not state.startswith("fenced"):
+            state = self._write(json.dumps(record))  # the job's end: its last record lands
         if news:
             self.store.add(protocol.NODE_EVENTS, 1)
-        state = protocol.node_state_key(self.node)
-        return self.store.compare_set(state, "run", "run").decode()
+        return state
 
+    def _write(self, raw: str) -> str:
+        """Write the record `raw` unless the coordinator replaced this node's record with its
+        word ("fenced: <why>", "shutdown", "stopped: <why>"), in one call (a compare_set that
+        expects what this agent wrote last): the word comes back instead, and a fenced node
+        cannot write again. Returns "run" or the word."""
+        if self._held.startswith("fenced"):
+            return self._held
+        key, want = protocol.node_health_key(self.node), raw.encode()
+        for _ in range(3):
+            got = self.store.compare_set(key, self._held, raw)
+            if got == want:
+                self._held = raw
+                return "run"
+            text = got.decode()
+            if not text.startswith("{"):
+                self._held = text
+                return text
+            # a record not this one: the key is absent (a new coordinator's store; compare_set
+            # then answers what it expected), or the coordinator wrote one for a silent node
+            self._held = "" if text == self._held else text
+        raise RuntimeError(f"node {self.node}'s health record could not be written")
 
 def run_agent(node: int, cmd: list[str], host: str, port: int, node_timeout_s: float,
               procs_here: int, connect_timeout_s: float = 300.0) -> int:

@@ -103,7 +103,7 @@ class ClusterPool(WorkerPool):
         for k, why in known.fenced.items():
             if k in self.nodes:
                 self.nodes[k].lost = True
-                store.set(protocol.node_state_key(k), why)
+                store.set(protocol.node_health_key(k), why)  # its agent's next write reads it
         waiting = {k: protocol.node_hello_key(k) for k, n in self.nodes.items() if not n.lost}
         deadline = time.time() + self.node_timeout_s
         while time.time() < deadline and not store.check(list(waiting.values())):
@@ -254,7 +254,8 @@ class ClusterPool(WorkerPool):
             return
         records = self.store.multi_get([protocol.node_health_key(k) for k in live])
         for k, raw in zip(live, records):
-            self._read_health(k, json.loads(raw), now)
+            if raw.startswith(b"{"):  # not yet replaced by this coordinator's word (stop_all)
+                self._read_health(k, json.loads(raw), now)
 
     def _read_health(self, k: int, record: dict, now: float) -> None:
         n = self.nodes[k]
@@ -306,9 +307,10 @@ class ClusterPool(WorkerPool):
 
     def fence(self, k: int, why: str) -> None:
         """Node `k` takes no further part: lost to the spare choice, and its agent, told at its
-        next record, stops its processes."""
+        next record (the word replaces the record, and its write answers it), stops its
+        processes."""
         self.nodes[k].lost = True
-        self.store.set(protocol.node_state_key(k), f"fenced: {why}")
+        self.store.set(protocol.node_health_key(k), f"fenced: {why}")
         self.on_fence(k, f"fenced: {why}")
 
     def lost_node_ids(self) -> set[int]:
@@ -327,7 +329,7 @@ class ClusterPool(WorkerPool):
         live = [k for k, n in self.nodes.items() if self.remote(k) and not n.lost]
         why = getattr(self, "stop_why", None)  # a job that failed: its agents say why
         for k in live:
-            self.store.set(protocol.node_state_key(k),
+            self.store.set(protocol.node_health_key(k),  # heard at its next record, too
                            f"stopped: {why}" if why else "shutdown")
             self._command(k, op="shutdown", **({"why": why} if why else {}))
         stop_all([w for w in self.workers.values() if not self.remote(w.node)], grace_s)

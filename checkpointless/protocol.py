@@ -52,9 +52,11 @@ coordinator's steady load grows with nodes, not ranks:
                                            <---  node/k/health    {seq, beats, stopped,
                                                  exited}: every node_beat_s, and at once on an
                                                  exit, then node_events (counter) moves
-    node/k/state     "fenced: <why>"       --->  kill every local worker, exit 3
+    node/k/health    "fenced: <why>"       --->  kill every local worker, exit 3
                      "shutdown"            --->  stop every local worker, exit 0
-                     (read in the same call as each health record is written)
+                     (the coordinator's word replaces the record; the agent writes each record
+                     with a compare_set that expects its last one, so one call writes it or
+                     answers the word, and a fenced node writes no more)
 """
 from __future__ import annotations
 
@@ -211,7 +213,9 @@ def node_hello_key(node: int) -> str:
 
 
 def node_health_key(node: int) -> str:
-    """The node agent's one record of its workers (agent.py's health())."""
+    """The node agent's one record of its workers (agent.py's health()), or the coordinator's
+    word that replaced it: "fenced: <why>" (the node was declared lost), "shutdown" or
+    "stopped: <why>" (the job is over)."""
     return f"node/{node}/health"
 
 
@@ -221,12 +225,6 @@ def node_cmd_key(node: int, i: int) -> str:
 
 def node_pid_key(node: int, wid: int) -> str:
     return f"node/{node}/pid/{wid}"
-
-
-def node_state_key(node: int) -> str:
-    """Set by the coordinator: "fenced: <why>" (the node was declared lost) or "shutdown"; the
-    agent reads it with each health record (absent: run on)."""
-    return f"node/{node}/state"
 
 
 def read_json(store, key: str):

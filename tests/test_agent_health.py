@@ -43,7 +43,6 @@ def _beat(store, wid: int, age_s: float) -> None:
 
 def test_a_stopped_worker_is_reported_once_silent_and_beats_are_read_in_one_call():
     server, job = membership.host("127.0.0.1")
-    job.set(protocol.node_state_key(1), "run")
     procs = []
     agent = NodeAgent(job, 1, [sys.executable, "-c", "import time; time.sleep(60)"], {},
                       "127.0.0.1", server.port, 3.0, log=lambda m: None,
@@ -97,3 +96,38 @@ def test_read_beats_without_a_known_set_checks_first():
     counted.calls.clear()
     beats = detection.read_beats(counted, [1, 2], beaten)
     assert set(beats) == {1, 2} and beaten == {1, 2} and counted.calls == ["check", "multi_get"]
+
+
+def test_one_call_writes_the_record_or_answers_the_coordinators_word():
+    """The coordinator replaces a node's record with its word; the agent's next write (a
+    compare_set expecting its own last record) answers it, and a fenced node writes no more."""
+    server, job = membership.host("127.0.0.1")
+    key = protocol.node_health_key(1)
+    agent = NodeAgent(job, 1, ["unused"], {}, "127.0.0.1", server.port, 3.0, log=lambda m: None,
+                      starter=lambda cmd, env: None)
+    agent.store = _Counted(job)
+    assert agent.health(news=False) == "run" and agent.health(news=False) == "run"
+    assert agent.store.calls == ["compare_set", "compare_set"]  # one call a record
+    assert json.loads(job.get(key))["seq"] == 2
+
+    # the job ends while the agent writes its last record: the word first, then the record
+    job.set(key, "stopped: a worker failed")
+    assert agent.health(news=False) == "stopped: a worker failed"
+    assert job.get(key) == b"stopped: a worker failed"  # the word is not overwritten...
+    agent.health(news=False, final=True)
+    assert json.loads(job.get(key))["final"] is True  # ...except by the agent's last record
+    job.set(key, "shutdown")
+    agent.health(news=False, final=True)  # its own last record expected: answered the word
+    assert json.loads(job.get(key))["final"] is True
+
+    # a coordinator that takes over has a new, empty store: the first write lands there
+    server2, job2 = membership.host("127.0.0.1")
+    agent.store = job2
+    assert agent.health(news=False) == "run"
+    assert json.loads(job2.get(key))["seq"] == agent.seq
+
+    # fenced: told at the next write, and nothing it writes after lands, its last record neither
+    job2.set(key, "fenced: silent for 3.1 s")
+    assert agent.health(news=False) == "fenced: silent for 3.1 s"
+    assert agent.health(news=True, final=True).startswith("fenced")
+    assert job2.get(key) == b"fenced: silent for 3.1 s"
