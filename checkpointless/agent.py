@@ -269,9 +269,10 @@ class NodeAgent:
                                                   detection.STOPPED_AFTER_S)
                               and detection.process_stopped(self.workers[w].proc.pid)],
                   "exited": {str(k): v for k, v in self.exited.items()}, "final": final}
-        state = self._write(json.dumps(record))
+        raw = json.dumps(record)
+        state = self._write(raw)
         if final and state != "run" and not state.startswith("fenced"):
-            state = self._write(json.dumps(record))  # the job's end: its last record lands
+            state = self._write(raw)  # the job's end: its last record replaces the word
         if news:
             self.store.add(protocol.NODE_EVENTS, 1)
         return state

@@ -329,8 +329,9 @@ class ClusterPool(WorkerPool):
         live = [k for k, n in self.nodes.items() if self.remote(k) and not n.lost]
         why = getattr(self, "stop_why", None)  # a job that failed: its agents say why
         for k in live:
-            self.store.set(protocol.node_health_key(k),  # heard at its next record, too
-                           f"stopped: {why}" if why else "shutdown")
+            if not self.nodes[k].left:  # a final record already read stays (its exits)
+                self.store.set(protocol.node_health_key(k),  # heard at its next record, too
+                               f"stopped: {why}" if why else "shutdown")
             self._command(k, op="shutdown", **({"why": why} if why else {}))
         stop_all([w for w in self.workers.values() if not self.remote(w.node)], grace_s)
         deadline = time.time() + grace_s
