@@ -16,14 +16,25 @@ Depends on torch only. The public API:
     Supervisor                start workers and spares, detect failures, hand ranks to spares
 Run a script under it with `python -m checkpointless --nproc N --spares S script.py`.
 """
-from .digest import model_sha256, state_sha256
-from .faults import Fault, InjectedFault, parse_faults
-from .ddp import DistributedDataParallel
-from .failures import Evicted, PeerFailure
-from .job import Job
-from .joining import join, started_as_spare
-from .seeding import step_seed
-from .supervisor import JobFailed, Supervisor, SupervisorConfig
+from .protocol.faults import Fault, parse_faults
+from .worker.ddp import DistributedDataParallel
+from .worker.digest import model_sha256, state_sha256
+from .worker.failures import Evicted, PeerFailure
+from .worker.injector import InjectedFault
+from .worker.job import Job
+from .worker.joining import join, started_as_spare
+from .worker.seeding import step_seed
+
+_CONTROL = ("Supervisor", "SupervisorConfig", "JobFailed")
+
+
+def __getattr__(name):
+    # PEP 562: a training script never loads the control plane; it loads when a name of it is asked
+    if name in _CONTROL:
+        from . import control
+        return getattr(control, name)
+    raise AttributeError(f"module 'checkpointless' has no attribute {name!r}")
+
 
 __all__ = ["DistributedDataParallel", "join", "started_as_spare", "Job", "Evicted", "PeerFailure", "step_seed",
            "Supervisor", "SupervisorConfig", "JobFailed", "Fault", "InjectedFault",

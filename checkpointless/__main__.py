@@ -11,9 +11,9 @@ import argparse
 import json
 import sys
 
-from .faults import parse_faults
+from .protocol.faults import parse_faults
 from .protocol import DEFAULTS
-from .supervisor import JobFailed, Supervisor, SupervisorConfig
+from .control.supervisor import JobFailed, Supervisor, SupervisorConfig
 
 
 def main(argv=None) -> int:

@@ -1,7 +1,7 @@
 """Durable checkpoints of the recipe loop: the fallback for what peer redundancy cannot cover,
 and what `checkpoint.resume=auto` continues from.
 
-Sharded (checkpointless/durable.py): each rank writes its own part of the model and optimizer
+Sharded (checkpointless/worker/durable.py): each rank writes its own part of the model and optimizer
 state in the background; `step-<n>/` appears only once every part is on disk. The state is
 saved with its sharding (DTensors under fsdp, plain tensors under ddp, written once) and loaded
 into whatever sharding the loading job has, so a job stopped at 4 workers resumes at 2 or 8.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from checkpointless import durable
+from checkpointless.worker import durable
 
 
 class CheckpointMismatch(RuntimeError):

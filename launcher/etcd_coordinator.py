@@ -2,10 +2,10 @@
 
     python -m launcher.etcd_coordinator RECIPE_FILE NODE_ADDR      (started by launcher/etcd_node.py)
 
-Every node's launcher starts one. It waits in the election (checkpointless/leadership.py); the one
+Every node's launcher starts one. It waits in the election (checkpointless/ha/leadership.py); the one
 that holds the role runs the supervisor with its store on NODE_ADDR:distributed.master_port and
 every node served by an agent: the job's start when etcd holds no generation yet, else a
-takeover (checkpointless/takeover.py). It writes report.json as the job ends, with the
+takeover (checkpointless/control/takeover.py). It writes report.json as the job ends, with the
 coordinator's moves, then says in etcd that the job is over (`done`), so that no candidate left
 starts it again. A holder that loses its role (its lease
 ran out: its node was cut off, or etcd lost its quorum) stops at once and writes nothing.
@@ -25,10 +25,10 @@ def main(argv: list[str]) -> int:
     recipe_file, addr = Path(argv[0]), argv[1]
     cfg = OmegaConf.load(recipe_file)
     d, c = cfg.distributed, cfg.checkpointless
-    from checkpointless.etcd import Etcd
-    from checkpointless.facts import JobFacts
-    from checkpointless.leadership import Role
-    from checkpointless.supervisor import JobFailed, Supervisor
+    from checkpointless.ha import Etcd
+    from checkpointless.ha import JobFacts
+    from checkpointless.ha import Role
+    from checkpointless.control import JobFailed, Supervisor
 
     from .etcd_node import endpoints_of, prefix_of
     from .launch import _log, _metrics_line, _report, supervisor_config

@@ -5,8 +5,8 @@ Each launcher
    its data under the run's output folder, and waits for etcd's quorum;
 2. starts a candidate for the coordinator's role (`python -m launcher.etcd_coordinator`), which
    waits in the election (leadership.py) and, once it holds the role, runs the supervisor: at
-   first the job's start, later a takeover (checkpointless/takeover.py);
-3. serves as its node's agent (checkpointless/agent.py), reaching the coordinator's store through
+   first the job's start, later a takeover (checkpointless/control/takeover.py);
+3. serves as its node's agent (checkpointless/control/agent.py), reaching the coordinator's store through
    its door (store_door.py), which `role_watch.py` points at each new holder; its workers are
    given the door's port as the coordinator's, so that a move is only a pause to them.
 Everything it starts dies with it (PR_SET_PDEATHSIG): a launcher SIGKILLed leaves nothing behind.
@@ -21,13 +21,14 @@ import sys
 import time
 from pathlib import Path
 
-from checkpointless import etcd_member, membership
-from checkpointless.agent import NodeAgent
-from checkpointless.etcd import Etcd, parse_endpoints
-from checkpointless.etcd_member import MemberSpec
-from checkpointless.processes import start_process, stop_all
-from checkpointless.role_watch import RoleWatch
-from checkpointless.store_door import StoreDoor
+from checkpointless.ha import member as etcd_member
+from checkpointless.protocol import membership
+from checkpointless.control import NodeAgent
+from checkpointless.ha import Etcd, parse_endpoints
+from checkpointless.ha import MemberSpec
+from checkpointless.control import start_process, stop_all
+from checkpointless.ha import RoleWatch
+from checkpointless.ha import StoreDoor
 
 from .recipes import RecipeError
 

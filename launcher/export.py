@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from checkpointless.digest import StateDigest
-from checkpointless.tensors import full_tensor
+from checkpointless.worker import StateDigest
+from checkpointless.worker import full_tensor
 
 from .schema import SHARDED
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from checkpointless import forkserver
+from checkpointless import protocol
 from checkpointless.protocol import replica_offset
-from checkpointless.supervisor import JobFailed, Supervisor, SupervisorConfig
+from checkpointless.control import JobFailed, Supervisor, SupervisorConfig
 
 from .memory import by_rank as memory_by_rank
 from .preflight import preflight
@@ -20,7 +20,7 @@ from .schema import SHARDED
 
 
 def health_settings(cfg) -> dict:
-    """The node checks (checkpointless/health.py), their disk where checkpoints go."""
+    """The node checks (checkpointless/worker/health.py), their disk where checkpoints go."""
     h = OmegaConf.to_container(cfg.checkpointless.health)
     h["disk_path"] = str(cfg.checkpoint.dir if cfg.checkpoint.interval else cfg.run.output_dir)
     if cfg.distributed.device == "cpu":
@@ -30,7 +30,7 @@ def health_settings(cfg) -> dict:
 
 def check_node_health(cfg) -> None:
     """As a launcher starts: its node is checked; an unhealthy one is refused with its reasons."""
-    from checkpointless import health
+    from checkpointless.worker import health
     problems, notes = health.check(health_settings(cfg))
     if cfg.checkpointless.health.gpu and cfg.distributed.device == "cpu":
         notes.append("health: a CPU run: the GPU checks (ECC, XID, throttling, device memory) "
@@ -106,7 +106,7 @@ def train(cfg, on_start=None, coordinator: bool = False) -> dict | None:
     sup_cfg = supervisor_config(cfg)  # refuses bad settings before anything is written
     # workers forked from a server that imported the loop's libraries once (6 s of a core each
     # here); CHECKPOINTLESS_FORKSERVER=0 starts each as a fresh interpreter
-    os.environ.setdefault(forkserver.ENV_PRELOAD, "launcher.loop:preload")
+    os.environ.setdefault(protocol.ENV_PRELOAD, "launcher.loop:preload")
     preflight(cfg)  # devices, model, tokenizer, data, memory: once, here, not in every worker
     if not coordinator:
         check_node_health(cfg)  # this node trains: is it fit to?
@@ -207,7 +207,7 @@ def _stop_on_signals(sup) -> None:
 
 def _node_agent(cfg, recipe_file: Path) -> dict | None:
     """Serve the coordinator as node `node_rank`; a report of this node's exit."""
-    from checkpointless.agent import run_agent
+    from checkpointless.control import run_agent
     d, c = cfg.distributed, cfg.checkpointless
     per_node = d.num_processes // d.num_nodes
     spare_node = d.node_rank >= d.num_nodes

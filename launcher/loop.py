@@ -10,7 +10,7 @@ the loss scaling of gradient accumulation, the fp16 GradScaler (GPU), gradient c
 main-process printing and the trackers, and on a GPU backend the FSDP2 sharding. Gradients of a
 ddp run are averaged in fixed-order buckets overlapped with backward
 (checkpointless.DistributedDataParallel) or, with distributed.grad_sync=flat, in one fixed-order
-all-reduce after it (checkpointless.grads); either keeps a recovered run bit-identical to an
+all-reduce after it (checkpointless.worker.grads); either keeps a recovered run bit-identical to an
 uninterrupted one. fsdp reduce-scatters through FSDP2.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 import checkpointless
-from checkpointless.tensors import full_tensor, local_tensor
+from checkpointless.worker import full_tensor, local_tensor
 
 from .checkpoints import durable_checkpoints
 from .data import to_device
@@ -97,7 +97,7 @@ def _import_trackers(cfg) -> None:
 
 
 def preload(args) -> None:
-    """What a fork server (checkpointless/forkserver.py) imports once for the workers it forks:
+    """What a fork server (checkpointless/control/forkserver.py) imports once for the workers it forks:
     the loop's libraries and the recipe's model classes; no torch operation runs here."""
     import importlib
     import importlib.util

@@ -43,7 +43,7 @@ def mark_baseline() -> None:
 
 
 def _local_bytes(t) -> int:
-    from checkpointless.tensors import local_part  # lazily, as torch: see mark_baseline
+    from checkpointless.worker import local_part  # lazily, as torch: see mark_baseline
     t = local_part(t)
     return t.numel() * t.element_size()
 

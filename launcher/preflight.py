@@ -91,7 +91,7 @@ def _checkpoints(cfg, model_ok: bool = True) -> str | None:
     newest checkpoint of another model (told from its `.metadata`, before any worker reads it)."""
     if cfg.checkpoint.resume != "auto":
         return None
-    from checkpointless import durable
+    from checkpointless.worker import durable
 
     from .checkpoints import CheckpointMismatch, old_format_error, refuse_another_model
     if (msg := old_format_error(cfg.checkpoint.dir)) is not None:

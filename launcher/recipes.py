@@ -23,7 +23,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from checkpointless.faults import split_fault
+from checkpointless.protocol import split_fault
 from checkpointless.protocol import DEFAULTS as CL_DEFAULTS
 
 from .schema import Recipe, RecipeError
@@ -271,7 +271,7 @@ def _delete(cfg: DictConfig, dotted: str) -> None:
 def _normalize_faults(cfg: DictConfig) -> None:
     """Accept 'kill:2:5' as shorthand for {kind: kill, rank: 2, step: 5}, 'kill:2:5@backward'
     for the same at another phase, and 'kill:2:5@random:7' for a seeded random moment (the
-    grammar is checkpointless.faults.split_fault's)."""
+    grammar is checkpointless.protocol.faults.split_fault's)."""
     faults = cfg.get("faults")
     if not isinstance(faults, ListConfig):
         return

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Dict, List, Optional
 
-from checkpointless.faults import Fault
+from checkpointless.protocol import Fault
 from checkpointless.protocol import DEFAULTS as CL
 
 
@@ -241,7 +241,7 @@ class Recipe:
     peft: PeftConfig = field(default_factory=PeftConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-    faults: List[Fault] = field(default_factory=list)  # failures to inject (rehearsal): checkpointless/faults.py
+    faults: List[Fault] = field(default_factory=list)  # failures to inject (rehearsal): checkpointless/protocol/faults.py
 
 
 def leaves(cls=Recipe, prefix: str = ""):

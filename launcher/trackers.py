@@ -30,7 +30,7 @@ def _job_store():
     """The job's store, under the supervisor (None under torchrun: no replacement to tell)."""
     if not os.environ.get("CL_STORE_PORT"):
         return None
-    from checkpointless import membership
+    from checkpointless.protocol import membership
     return membership.connect(os.environ["CL_STORE_HOST"], int(os.environ["CL_STORE_PORT"]))
 
 
@@ -96,7 +96,7 @@ class Trackers:
     def _follow_stragglers(self, since: float) -> None:
         """Block on the supervisor's next straggler line (no store call per step) and queue
         it for the training thread; a replacement rank 0 skips those logged before it came."""
-        from checkpointless import membership
+        from checkpointless.protocol import membership
         try:
             store = membership.connect(os.environ["CL_STORE_HOST"],
                                        int(os.environ["CL_STORE_PORT"]))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from checkpointless.faults import FaultError, parse_fault
+from checkpointless.protocol import FaultError, parse_fault
 
 from .schema import RecipeError, leaves
 
@@ -168,7 +168,7 @@ def check_peft(cfg: DictConfig) -> None:
 
 def check_faults(cfg: DictConfig) -> None:
     """Each fault strikes a rank and a step this run has; what a fault may be is
-    checkpointless.faults' to say, worded here with the recipe's key. Faults with
+    checkpointless.protocol.faults' to say, worded here with the recipe's key. Faults with
     checkpointless.enabled=false are allowed: they rehearse what a failure costs without
     recovery (the run stops; durable checkpoints are what is left)."""
     world, steps = cfg.distributed.num_processes, cfg.trainer.max_steps
@@ -195,7 +195,7 @@ def check_replication(cfg: DictConfig) -> None:
 
 def check_sharding(cfg: DictConfig) -> None:
     """hsdp's groups divide the world, and no one node holds every copy of a slice."""
-    from checkpointless.replica_groups import Layout
+    from checkpointless.worker import Layout
     d = cfg.distributed
     if d.strategy != "hsdp":
         need(d.shard_size == 0, "distributed.shard_size", d.shard_size,

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.overrides import TorchFunctionMode
 
-from checkpointless.tensors import is_dtensor, local_part
+from checkpointless.worker import is_dtensor, local_part
 
 # calls that replace every value of the tensor they are given: earlier calls on it are moot
 _INIT_FUNCTIONS = {"uniform_", "normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",

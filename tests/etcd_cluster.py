@@ -6,8 +6,8 @@ import tempfile
 
 import pytest
 
-from checkpointless import etcd_member
-from checkpointless.etcd_member import MemberSpec
+from checkpointless.ha import member as etcd_member
+from checkpointless.ha.member import MemberSpec
 
 
 def _free_ports(n: int) -> list[int]:

@@ -40,7 +40,7 @@ def worker_pids(run_dir: Path, worker_id: int) -> list[int]:
 
 def is_worker(proc: Path, env: list[bytes], worker_id: int) -> bool:
     """/proc/PID is worker `worker_id`: started fresh, its environment says so; forked from the
-    fork server (checkpointless/forkserver.py), its environment and command line are the
+    fork server (checkpointless/control/forkserver.py), its environment and command line are the
     server's, and its name says so."""
     if f"CL_WORKER_ID={worker_id}".encode() in env:
         return True

@@ -65,8 +65,8 @@ def test_the_dropin_changes_three_lines_and_reindents_none():
 
 
 def test_the_core_library_does_not_import_accelerate_or_transformers():
-    r = subprocess.run([sys.executable, "-c", "import sys, checkpointless, checkpointless.job, "
-                        "checkpointless.supervisor; "
+    r = subprocess.run([sys.executable, "-c", "import sys, checkpointless, checkpointless.worker.job, "
+                        "checkpointless.control.supervisor; "
                         "print(sorted(m for m in sys.modules if m.split('.')[0] in "
                         "('accelerate', 'transformers')))"],
                        capture_output=True, text=True, timeout=60, env=_env(), cwd=ROOT)

@@ -10,8 +10,10 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
-from checkpointless import detection, membership, protocol  # noqa: E402
-from checkpointless.agent import NodeAgent  # noqa: E402
+from checkpointless.control import detection  # noqa: E402
+from checkpointless.protocol import membership
+from checkpointless import protocol
+from checkpointless.control.agent import NodeAgent  # noqa: E402
 
 
 class _Counted:

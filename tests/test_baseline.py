@@ -63,7 +63,7 @@ def reference(tmp_path_factory):
 
 
 def newest_checkpoint(out) -> int:
-    from checkpointless.durable import latest
+    from checkpointless.worker.durable import latest
     found = latest(out / "checkpoints")
     return found[0] if found else 0
 

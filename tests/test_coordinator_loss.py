@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from checkpointless import etcd_member
+from checkpointless.ha import member as etcd_member
 from tests import netns
 from tests.conftest import ROOT, launcher_cmd
 
@@ -188,6 +188,6 @@ def test_losing_two_of_the_three_etcd_members_stops_cleanly_with_the_checkpoint_
             _kill_node(nodes, k)
     logs = _logs(tmp_path)
     assert "checkpoint.resume=auto" in logs, logs
-    from checkpointless import durable
+    from checkpointless.worker import durable
     step, path = durable.latest(tmp_path / "out" / "checkpoints")
     assert step >= 4 and path.exists()

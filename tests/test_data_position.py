@@ -1,4 +1,4 @@
-"""A loader's position (checkpointless/data.py): resuming mid-epoch draws the same batches as the
+"""A loader's position (checkpointless/worker/data.py): resuming mid-epoch draws the same batches as the
 uninterrupted epoch, a redone step gets its batch again, unsupported loaders are refused."""
 import os
 
@@ -10,8 +10,8 @@ from torch.utils.data import (DataLoader, DistributedSampler, IterableDataset, R
                               TensorDataset)
 
 from checkpointless import protocol
-from checkpointless.data import END, Cursor, check_loader, iterate_from
-from checkpointless.state import ProtectedState
+from checkpointless.worker.data import END, Cursor, check_loader, iterate_from
+from checkpointless.worker.state import ProtectedState
 
 DATA = TensorDataset(torch.arange(203).float().unsqueeze(1), torch.arange(203))
 

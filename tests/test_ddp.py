@@ -32,7 +32,7 @@ def _run(rank, port, q):
 
     model = _model()
     ddp = DistributedDataParallel(model, bucket_cap_mb=CAP_MB)
-    from checkpointless import ddp as ddp_module
+    from checkpointless.worker import ddp as ddp_module
     first_layer_done_at_launch = []
     real = ddp_module._Sender.put
 

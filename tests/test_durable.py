@@ -1,4 +1,4 @@
-"""Sharded durable checkpoints (checkpointless/durable.py) and the streamed digest and export
+"""Sharded durable checkpoints (checkpointless/worker/durable.py) and the streamed digest and export
 (launcher/export.py), in real gloo processes.
 
 The recipe-loop scenarios (a job stopped at 4 workers resumed at 2, a same-size resume ending
@@ -26,7 +26,7 @@ def _model():
 def _killed_mid_write(rank, port, q, directory):
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from checkpointless.durable import ShardedCheckpoints
+    from checkpointless.worker.durable import ShardedCheckpoints
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     model, ck = _model(), ShardedCheckpoints(directory, keep=1)
@@ -56,7 +56,7 @@ def _killed_mid_write(rank, port, q, directory):
 def test_a_rank_killed_mid_write_never_replaces_the_newest_checkpoint(tmp_path):
     import torch.multiprocessing as mp
 
-    from checkpointless import durable
+    from checkpointless.worker import durable
     d = tmp_path / "ckpt"
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
@@ -96,7 +96,7 @@ def _digest_and_export(rank, port, q, out):
     from torch.distributed.fsdp import fully_shard
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from checkpointless.digest import state_sha256
+    from checkpointless.worker.digest import state_sha256
     from launcher.export import digest_and_export
     from models import build_tokenizer
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
@@ -118,7 +118,7 @@ def _digest_and_export(rank, port, q, out):
 def test_the_streamed_digest_is_the_gathered_one_and_the_sharded_export_reloads(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from checkpointless.digest import model_sha256
+    from checkpointless.worker.digest import model_sha256
     out = tmp_path / "model"
     out.mkdir()  # an earlier export in the same folder, at other world sizes
     for stale in ("model.safetensors", "model-00003-of-00004.safetensors"):

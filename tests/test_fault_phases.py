@@ -7,7 +7,8 @@ unsharded parameters that a redo would add to, unless the recovery drops them (g
 import pytest
 import torch
 
-from checkpointless.faults import FaultInjector, InjectedFault, parse_faults
+from checkpointless.worker.injector import FaultInjector, InjectedFault
+from checkpointless.protocol.faults import parse_faults
 from tests.conftest import spawn_gloo
 
 
@@ -103,7 +104,7 @@ def _interrupted_backward_then_redo(rank, port, q):
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from checkpointless.group import reshard_all
+    from checkpointless.worker.group import reshard_all
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=1)
 

@@ -1,4 +1,4 @@
-"""Workers forked from a server that imported their libraries once (checkpointless/forkserver.py):
+"""Workers forked from a server that imported their libraries once (checkpointless/control/forkserver.py):
 real processes, in-process on plain Python; no torch."""
 import json
 import os
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from checkpointless import forkserver, processes
+from checkpointless.control import forkserver, processes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CMD = [sys.executable, "-m", "tests.scripts.fork_target"]

@@ -66,7 +66,7 @@ def stopped_at_step_8(reference, out):
 
 
 def test_the_checkpoint_directory_holds_one_set_of_shard_files_per_rank(reference):
-    from checkpointless import durable
+    from checkpointless.worker import durable
     ckpts = reference[0] / "checkpoints"
     assert [s for s, _ in durable.list_checkpoints(ckpts)] == [4, 8, 12]
     assert sorted(p.name for p in ckpts.iterdir()) == [f"step-{s:08d}" for s in (4, 8, 12)]
@@ -80,7 +80,7 @@ def test_the_checkpoint_directory_holds_one_set_of_shard_files_per_rank(referenc
 def test_the_sharded_export_reloads_with_from_pretrained_and_is_the_final_state(reference):
     from transformers import AutoModelForCausalLM
 
-    from checkpointless.digest import model_sha256
+    from checkpointless.worker.digest import model_sha256
     model_dir = reference[0] / "model"
     files = sorted(p.name for p in model_dir.glob("*.safetensors"))
     assert files == [f"model-{i:05d}-of-00004.safetensors" for i in range(1, 5)]
@@ -130,7 +130,7 @@ def test_with_checkpointless_off_a_failure_stops_the_run_and_its_checkpoints_sta
     assert "checkpointless is off" in r.stderr
     rep = json.loads((out / "report.json").read_text())
     assert rep["status"] == "failed" and rep["failures"][0]["rank"] == 1
-    from checkpointless.durable import latest, load
+    from checkpointless.worker.durable import latest, load
     step, path = latest(out / "checkpoints")
     assert step == 8 and load(path, {"step": -1})["step"] == 8  # the newest complete one, readable
     # and it is the failure-free run's state: resuming from it ends with the same bits

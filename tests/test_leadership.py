@@ -16,8 +16,8 @@ import time  # noqa: E402
 
 import pytest  # noqa: E402
 
-from checkpointless.etcd import Etcd, EtcdUnavailable  # noqa: E402
-from checkpointless.leadership import Fenced, Role  # noqa: E402
+from checkpointless.ha.etcd import Etcd, EtcdUnavailable  # noqa: E402
+from checkpointless.ha.leadership import Fenced, Role  # noqa: E402
 from tests.etcd_cluster import Cluster  # noqa: E402
 
 # in `make test`, not `make test-fast`: three etcd members and a few candidate processes, ~20 s
@@ -152,8 +152,9 @@ def test_losing_a_majority_of_members_deposes_the_holder():
 
 
 def test_the_jobs_facts_round_trip_and_a_deposed_holder_records_none(cluster):
-    from checkpointless.facts import Deposed, JobFacts
-    from checkpointless.membership import Plan
+    from checkpointless.control.facts import Deposed
+    from checkpointless.ha.etcd_facts import JobFacts
+    from checkpointless.protocol.membership import Plan
     etcd = Etcd(cluster.endpoints)
     role = Role(etcd, "facts/coordinator", {"node": 1}, ttl_s=TTL)
     assert role.campaign()

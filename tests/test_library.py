@@ -12,10 +12,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from checkpointless import (detection, failures, faults, goodput, membership, protocol, restore,
-                            transfer)
-from checkpointless.grads import all_reduce_grads
-from checkpointless.seeding import step_seed
+from checkpointless.control import detection, report
+from checkpointless.worker import failures, restore, transfer
+from checkpointless.protocol import faults, membership
+from checkpointless.worker import injector
+from checkpointless import protocol
+from checkpointless.worker.grads import all_reduce_grads
+from checkpointless.worker.seeding import step_seed
 from tests.conftest import spawn_gloo
 
 
@@ -92,7 +95,7 @@ def _start(rank, port, q):
     first restore; then again with rank 0 a spare holding nothing (one that took a rank lost
     during that restore)."""
     from checkpointless.protocol import Spec
-    from checkpointless.state import ProtectedState
+    from checkpointless.worker.state import ProtectedState
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=3)
     try:
@@ -215,8 +218,8 @@ def test_step_seed_depends_on_step_and_rank_only():
 
 def test_goodput_counts_committed_step_time_over_span():
     steps = {0: (0.0, 1.0), 1: (1.0, 2.0), 2: (5.0, 6.0)}  # 3 s of failure between 1 and 2
-    assert goodput.goodput_from_steps(steps) == pytest.approx(0.5)
-    assert goodput.goodput_from_steps({}) is None
+    assert report.goodput_from_steps(steps) == pytest.approx(0.5)
+    assert report.goodput_from_steps({}) is None
 
 
 def test_fault_specs_parse_and_reject():
@@ -230,11 +233,11 @@ def test_fault_specs_parse_and_reject():
 
 def test_a_fault_fires_once_even_when_the_step_is_redone():
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    inj = faults.FaultInjector([faults.Fault("raise", 1, 3)], store, worker_id=0)
+    inj = injector.FaultInjector([faults.Fault("raise", 1, 3)], store, worker_id=0)
     inj.raise_due(0, 3)  # other rank: nothing
-    with pytest.raises(faults.InjectedFault):
+    with pytest.raises(injector.InjectedFault):
         inj.raise_due(1, 3)
-    replacement = faults.FaultInjector([faults.Fault("raise", 1, 3)], store, worker_id=5)
+    replacement = injector.FaultInjector([faults.Fault("raise", 1, 3)], store, worker_id=5)
     replacement.raise_due(1, 3)  # the spare redoing step 3 does not fail again
     assert json.loads(store.get(protocol.fault_time_key(0)))["kind"] == "raise"
 
@@ -345,7 +348,7 @@ def test_a_relay_whose_connection_breaks_connects_again_and_misses_no_generation
     """The agent's relay thread loses its connection to the job's store in the middle of a
     generation (after its wait, before its read): it connects again, copies that generation
     again, and its node's ranks see every plan and barrier outcome."""
-    from checkpointless.agent import NodeAgent
+    from checkpointless.control.agent import NodeAgent
     main = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     broken, said = [], []
 
@@ -408,7 +411,7 @@ def test_watch_thread_asks_for_an_abort_at_once_when_membership_moves():
     communicator as soon as the supervisor publishes a new generation (no NCCL here, so the
     call that asks for the abort is observed; whether to abort is the worker's, see
     test_steploop)."""
-    from checkpointless.group import Watch
+    from checkpointless.worker.group import Watch
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     store.set(protocol.GEN, "0")
     calls = []
@@ -442,7 +445,7 @@ def test_unflatten_without_copy_views_aligned_tensors_and_copies_misaligned_ones
 
 def test_protecting_a_model_in_torchs_ddp_wrapper_is_refused_with_the_fix():
     from checkpointless.protocol import Spec
-    from checkpointless.state import ProtectedState
+    from checkpointless.worker.state import ProtectedState
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
@@ -457,7 +460,7 @@ def test_protecting_a_model_in_torchs_ddp_wrapper_is_refused_with_the_fix():
 
 
 def test_the_params_checksum_sees_one_flipped_bit_and_the_odd_rank_is_named():
-    from checkpointless import consistency
+    from checkpointless.worker import consistency
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2).to(torch.bfloat16))
     before = consistency.params_checksum([model])
@@ -473,7 +476,7 @@ def test_the_params_checksum_sees_one_flipped_bit_and_the_odd_rank_is_named():
 
 def test_frozen_parameters_are_not_sent_when_every_worker_rebuilds_them():
     from checkpointless import protocol
-    from checkpointless.state import ProtectedState
+    from checkpointless.worker.state import ProtectedState
 
     def model():
         torch.manual_seed(0)

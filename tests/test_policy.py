@@ -9,11 +9,12 @@ from types import SimpleNamespace as NS
 import pytest
 import torch.distributed as dist
 
-from checkpointless import policy, protocol
-from checkpointless.agent import NodeAgent
-from checkpointless.cluster import ClusterPool, RemoteProc
-from checkpointless.processes import Worker
-from checkpointless.supervisor import SupervisorConfig
+from checkpointless.control import policy
+from checkpointless import protocol
+from checkpointless.control.agent import NodeAgent
+from checkpointless.control.cluster import ClusterPool, RemoteProc
+from checkpointless.control.processes import Worker
+from checkpointless.control.supervisor import SupervisorConfig
 
 
 # ---- stop rules --------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The coordinator's Prometheus figures (checkpointless/prometheus.py), in one process: a real store
+"""The coordinator's Prometheus figures (checkpointless/control/prometheus.py), in one process: a real store
 with step records written as rank 0 writes them, a supervisor's failure list, a real HTTP scrape;
 and the example Grafana dashboard asks only for what is served. The scrape during a real run with
 three failures is in test_train_e2e.py."""
@@ -12,8 +12,8 @@ import pytest
 import torch.distributed as dist
 
 from checkpointless import protocol
-from checkpointless.prometheus import Figures, serve
-from checkpointless.report import Failure
+from checkpointless.control.prometheus import Figures, serve
+from checkpointless.control.report import Failure
 from tests.conftest import ROOT
 
 

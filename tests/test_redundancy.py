@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from checkpointless.redundancy import ShardReplicas
-from checkpointless.restore import pick_holders, restorable_step
+from checkpointless.worker.redundancy import ShardReplicas
+from checkpointless.worker.restore import pick_holders, restorable_step
 from tests.conftest import spawn_gloo
 
 
@@ -50,7 +50,7 @@ def test_load_is_spread_over_holders():
 
 def _side(port, gen, rank, world, timeout_s=60.0):
     """What the job's connect() builds: a gloo group of its own, per generation."""
-    from checkpointless.group import side_group
+    from checkpointless.worker.group import side_group
     return lambda: side_group("127.0.0.1", port, gen, rank, world, timeout_s)
 
 
@@ -61,7 +61,7 @@ def _exchange(rank, port, q):
                       gen=0, connect=_side(port, 0, rank, 3))
     rep.wait()
     src = rep.sources_for(rank, 3)[0]
-    from checkpointless.transfer import unflatten_state
+    from checkpointless.worker.transfer import unflatten_state
     skel, flat = rep.held[src][6]
     got = unflatten_state(skel, flat)["w"]
     q.put((rank, sorted(rep.own), sorted(rep.held[src]), got.tolist()))
@@ -126,8 +126,8 @@ class _PeerInProcess:
 @pytest.mark.parametrize("cut", [False, True])
 def test_a_version_is_restorable_only_once_every_byte_arrived(cut):
     import threading
-    from checkpointless.failures import PeerLost
-    from checkpointless.transfer import unflatten_state
+    from checkpointless.worker.failures import PeerLost
+    from checkpointless.worker.transfer import unflatten_state
     peer, me, gate = ShardReplicas(factor=2), ShardReplicas(factor=2), threading.Event()
     group = _PeerInProcess(peer, gated=7, gate=gate, cut=cut)
     for step in (5, 6, 7):
@@ -173,7 +173,7 @@ def _first_exchange_of_a_generation(rank, port, q):
     the side group's own timeout is 60 s."""
     import os
     import time
-    from checkpointless.failures import MembershipMoved, PeerLost
+    from checkpointless.worker.failures import MembershipMoved, PeerLost
     rep = ShardReplicas(factor=2)
     def die(r, step):
         if step == 2:

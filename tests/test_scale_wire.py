@@ -7,7 +7,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import queue  # noqa: E402
 import threading  # noqa: E402
 
-from checkpointless import membership, protocol  # noqa: E402
+from checkpointless.protocol import membership  # noqa: E402
+from checkpointless import protocol
 from launcher.bench import scale_wire as wire  # noqa: E402
 
 

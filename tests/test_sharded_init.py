@@ -16,7 +16,7 @@ def _tiny_cfg(**over):
 
 
 def _digest(state: dict) -> str:
-    from checkpointless.digest import state_sha256
+    from checkpointless.worker.digest import state_sha256
     return state_sha256(state)
 
 

@@ -14,11 +14,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from checkpointless import consistency, membership, protocol, restore
-from checkpointless.failures import PeerLost
-from checkpointless.group import Group
-from checkpointless.job import Job
-from checkpointless.recovery import Phase
+from checkpointless.worker import consistency, restore
+from checkpointless.protocol import membership
+from checkpointless import protocol
+from checkpointless.worker.failures import PeerLost
+from checkpointless.worker.group import Group
+from checkpointless.worker.job import Job
+from checkpointless.worker.recovery import Phase
 
 WID = 0
 

@@ -1,4 +1,4 @@
-"""A node's door to the coordinator's store (checkpointless/store_door.py), with torch's own
+"""A node's door to the coordinator's store (checkpointless/ha/store_door.py), with torch's own
 client and servers: every call the workers make passes through it unchanged, and when the
 coordinator's server is SIGKILLed and another takes its place, a call blocked in the old one is
 answered by the new one, and the client goes on as if nothing happened."""
@@ -15,7 +15,7 @@ from datetime import timedelta  # noqa: E402
 import pytest  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from checkpointless.store_door import StoreDoor  # noqa: E402
+from checkpointless.ha.store_door import StoreDoor  # noqa: E402
 
 # in `make test`, not `make test-fast`: five store servers in processes of their own, ~20 s
 pytestmark = pytest.mark.slow

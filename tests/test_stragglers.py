@@ -8,10 +8,13 @@ from types import SimpleNamespace as NS
 import pytest
 import torch.distributed as dist
 
-from checkpointless import faults, pace, policy
-from checkpointless.report import goodput_from_steps, slow_time
-from checkpointless.settings import SupervisorConfig
-from checkpointless.stragglers import Stragglers
+from checkpointless.protocol import faults
+from checkpointless.worker import injector
+from checkpointless.worker import pace
+from checkpointless.control import policy
+from checkpointless.control.report import goodput_from_steps, slow_time
+from checkpointless.protocol.settings import SupervisorConfig
+from checkpointless.control.stragglers import Stragglers
 
 
 def paces(n_ranks, steps, slow=None, factor=3.0, base=100.0, jitter=0.1):
@@ -205,20 +208,20 @@ def test_the_slow_fault_parses_with_and_without_a_factor_and_refuses_what_makes_
 def test_the_slow_fault_slows_the_worker_that_claims_it_and_not_the_one_after_it():
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     sched = [faults.Fault("slow", 1, 5, factor=3)]
-    first = faults.FaultInjector(sched, store, worker_id=1)
+    first = injector.FaultInjector(sched, store, worker_id=1)
     assert first.slow_down(1, 4, [0.02]) == 0.0  # before its step
     t0 = time.perf_counter()
     assert first.slow_down(1, 5, [0.02, 0.02, 0.02]) == pytest.approx(0.04)
     assert time.perf_counter() - t0 >= 0.04
     assert first.slow_down(1, 9, [0.01]) == pytest.approx(0.02)  # for the rest of its life
-    spare = faults.FaultInjector(sched, store, worker_id=5)  # takes rank 1 over later
+    spare = injector.FaultInjector(sched, store, worker_id=5)  # takes rank 1 over later
     assert spare.slow_down(1, 12, [0.02]) == 0.0
-    assert faults.FaultInjector(sched, store, 0).slow_down(0, 12, [0.02]) == 0.0
+    assert injector.FaultInjector(sched, store, 0).slow_down(0, 12, [0.02]) == 0.0
 
 
 # ---- node health ------------------------------------------------------------------------------
 def test_a_failing_health_command_a_memory_and_a_disk_floor_make_a_node_unhealthy(tmp_path):
-    from checkpointless import health
+    from checkpointless.worker import health
     assert health.check({"gpu": False}) == ([], [])
     assert not health.enabled({"gpu": False})  # nothing to check: no thread in the spares
     cmd = 'echo checking; [ "$CL_DEVICE_SLOT" != 3 ] || { echo "GPU 3: XID 79 seen"; exit 2; }'

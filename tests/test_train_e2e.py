@@ -32,7 +32,7 @@ def test_tiny_llama_trains_its_loss_falls_and_the_export_reloads_and_generates(
         [f"model-{i:05d}-of-00004.safetensors" for i in range(1, 5)]  # one per rank
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from checkpointless.digest import model_sha256
+    from checkpointless.worker.digest import model_sha256
     model = AutoModelForCausalLM.from_pretrained(out / "model")
     tok = AutoTokenizer.from_pretrained(out / "model")
     assert model_sha256(model) == rep["params_sha256"]  # the export is the trained state

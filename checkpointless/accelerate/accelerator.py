@@ -12,7 +12,7 @@ A generator cannot see an exception raised in its caller's loop body, so a peer'
 where it happens: every collective reached through the accelerator is guarded, and after a failure
 the rest of the body runs on as a void pass (stand-ins, no update) until the loop asks for its next
 batch, which recovers and yields the same batch again. The loop's turns are the job's public step
-boundary (checkpointless/steploop.py). What is supported, refused and different from accelerate's
+boundary (checkpointless/worker/steploop.py). What is supported, refused and different from accelerate's
 own: docs/accelerate.md.
 """
 from __future__ import annotations
@@ -33,10 +33,10 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.scheduler import AcceleratedScheduler
 
 from .. import join as _join
-from ..data import END, Position
-from ..ddp import DistributedDataParallel
-from ..digest import state_sha256
-from ..failures import communicating
+from ..worker.data import END, Position
+from ..worker.ddp import DistributedDataParallel
+from ..worker.digest import state_sha256
+from ..worker.failures import communicating
 from .arguments import loader_config, refuse_unsupported
 from .collectives import GuardedCollectives
 from .wrappers import (ShardCursor, VoidAwareOptimizer, VoidAwareScheduler, check_loader,

@@ -8,7 +8,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.scheduler import AcceleratedScheduler
 from torch.utils.data import DistributedSampler, IterableDataset, SequentialSampler
 
-from ..data import Cursor
+from ..worker.data import Cursor
 
 # samplers whose order is a function of (seed, epoch), which a replacement can draw again
 ORDERED = (SeedableRandomSampler, SequentialSampler, DistributedSampler)

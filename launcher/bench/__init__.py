@@ -23,7 +23,7 @@ The parts, each a module (arrows are imports; there are no cycles):
   paired    off, on (and plain) taking turns              -> modes, baseline, records
   plain_loop the plain mode's worker (torch only)         -> launcher.loop, launcher.data
   failures  the seeded failure schedule and the killer    -> records
-  records   figures from step records (metrics.jsonl)     -> checkpointless.goodput
+  records   figures from step records (metrics.jsonl)     -> checkpointless.control.goodput
   report    the tables and bench.json                     -> config, model, plot
   plot      steps over time, failures marked
   model     the goodput model at cluster scale, arithmetic only

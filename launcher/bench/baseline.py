@@ -171,7 +171,7 @@ def measure_consistency(rc_cfg, threads: int, repeats: int = 21) -> dict:
     one small message), and that cost spread over `checkpointless.consistency_every` steps."""
     import torch
 
-    from checkpointless.consistency import params_checksum
+    from checkpointless.worker.consistency import params_checksum
     model, _ = recipe_model(rc_cfg)
     before = torch.get_num_threads()
     torch.set_num_threads(max(1, threads))

@@ -16,8 +16,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from checkpointless import membership, protocol
-from checkpointless.job import Job
+from checkpointless.protocol import membership
+from checkpointless import protocol
+from checkpointless.worker.job import Job
 
 
 def main(steps: int = 1500) -> float:

@@ -16,7 +16,7 @@ import subprocess
 import threading
 import time
 
-from checkpointless.detection import process_stopped
+from checkpointless.control.detection import process_stopped
 
 from .baseline import PLAIN_LOOP, RECIPE_LOOP, torchrun_cmd, tree_pids
 from .modes import mode_recipe

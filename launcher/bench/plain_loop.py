@@ -6,8 +6,8 @@ The same model, tokenizer, data order, threads, precision, AdamW groups and lr s
 launcher/loop.py (imported from it, so the two cannot drift apart), but the step is torch alone:
 `torch.nn.parallel.DistributedDataParallel` with its default settings for ddp, FSDP2's
 `fully_shard` for fsdp, no supervisor, no join, nothing of checkpointless in the step (only the
-final digest is checkpointless.digest's, so equal bits show equal digests, and the count of local
-parameters is checkpointless.tensors'). It writes the recipe loop's metrics.jsonl records and
+final digest is checkpointless.worker.digest's, so equal bits show equal digests, and the count of local
+parameters is checkpointless.worker.tensors'). It writes the recipe loop's metrics.jsonl records and
 results/rank<r>.json, so the benchmark reads both the same way.
 
 `launcher.loop` imports checkpointless at module level, so the package is loaded here, but nothing
@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from checkpointless.digest import state_sha256
-from checkpointless.tensors import local_tensor
+from checkpointless.worker.digest import state_sha256
+from checkpointless.worker.tensors import local_tensor
 
 from ..data import to_device
 from ..loop import Metrics, build_optimizer, lr_at

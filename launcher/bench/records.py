@@ -11,7 +11,7 @@ import statistics
 from pathlib import Path
 from typing import Optional
 
-from checkpointless.goodput import goodput_from_steps
+from checkpointless.control.report import goodput_from_steps
 
 
 def read_records(run_dir: Path) -> list[dict]:

@@ -1,7 +1,7 @@
 """How long forming a new generation's group takes, by world size: `python -m launcher.bench.regroup`.
 
 What a recovery pays between the plan and the first collective of the new generation, done here
-exactly as the workers do it (checkpointless/membership.py, checkpointless/group.py): every member
+exactly as the workers do it (checkpointless/protocol/membership.py, checkpointless/worker/group.py): every member
 arrives at a counter on the coordinator's store, waits for the others, then builds a gloo process
 group on the generation's own store prefix, and one small all-reduce proves the group works. Each
 world size runs `generations` of these back to back in fresh processes; the figure is the median
@@ -21,17 +21,23 @@ import time
 from datetime import timedelta
 
 
+def bench_start_key(gen: int) -> str:
+    """The benchmark's own counter on the store: members ready for `gen`."""
+    return f"start/{gen}"
+
+
 def _member(rank: int, world: int, port: int, generations: int, out) -> None:
     import torch
     import torch.distributed as dist
 
-    from checkpointless import membership, protocol
+    from checkpointless.protocol import membership
+    from checkpointless import protocol
     torch.set_num_threads(1)
     store = membership.connect("127.0.0.1", port)
     times = []
     for gen in range(generations):
-        store.add(protocol.bench_start_key(gen), 1)  # all ready: time only the regroup itself
-        while membership.counter(store, protocol.bench_start_key(gen)) < world:
+        store.add(bench_start_key(gen), 1)  # all ready: time only the regroup itself
+        while membership.counter(store, bench_start_key(gen)) < world:
             time.sleep(0.001)
         t0 = time.perf_counter()
         key = protocol.barrier_key(gen)

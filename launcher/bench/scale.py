@@ -49,7 +49,7 @@ REGROUP_S_GIVEN = {1024: 2.0, 16384: 5.0}
 def _coordinator(cfg_fields: dict, pipe) -> None:
     """The real supervisor, its store counted; tells the harness its own count of store calls
     and its failures on request (through a pipe, not the store)."""
-    from checkpointless.supervisor import JobFailed, Supervisor
+    from checkpointless.control.supervisor import JobFailed, Supervisor
     counter = Counter()
     def say(m: str) -> None:  # SCALE_DEBUG: the coordinator's log, timed
         print(time.strftime("%X"), m, file=sys.stderr, flush=True)

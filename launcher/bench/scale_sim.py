@@ -17,8 +17,9 @@ import subprocess
 import threading
 import time
 
-from checkpointless import membership, protocol
-from checkpointless.agent import NodeAgent
+from checkpointless.protocol import membership
+from checkpointless import protocol
+from checkpointless.control.agent import NodeAgent
 
 from . import scale_wire as wire
 

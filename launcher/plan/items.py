@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from checkpointless.redundancy import KEEP as KEEP_VERSIONS  # versions of each replica kept
-from checkpointless.redundancy import ROLLBACK_KEEP as ROLLBACK_VERSIONS  # hsdp's own snapshots
+from checkpointless.worker import KEEP as KEEP_VERSIONS  # versions of each replica kept
+from checkpointless.worker import ROLLBACK_KEEP as ROLLBACK_VERSIONS  # hsdp's own snapshots
 
 from .budget import device_budget, host_budget, ranks_per_node
 from .model import ModelFacts, lora_targets

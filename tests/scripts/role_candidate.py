@@ -9,8 +9,8 @@ import time
 
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 
-from checkpointless.etcd import Etcd, EtcdError, EtcdUnavailable  # noqa: E402
-from checkpointless.leadership import Fenced, Role  # noqa: E402
+from checkpointless.ha.etcd import Etcd, EtcdError, EtcdUnavailable  # noqa: E402
+from checkpointless.ha.leadership import Fenced, Role  # noqa: E402
 
 endpoints, name, ttl = sys.argv[1], sys.argv[2], int(sys.argv[3])
 role = Role(Etcd(endpoints, timeout_s=1.0), "job/coordinator", {"name": name}, ttl_s=ttl,

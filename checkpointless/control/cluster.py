@@ -1,0 +1,355 @@
+"""Many machines, the coordinator's side: one launcher per node, whole nodes lost and replaced.
+
+The coordinator (the supervisor, in node 0's launcher or stand-alone) owns the store and the
+membership, as on one machine. Every other node runs an agent (agent.py) that starts and kills
+the workers the coordinator asks for, and judges them; the keys they share are in protocol.py.
+The coordinator's load grows with nodes, not ranks: one read of one counter per wake-up (agents
+move it when a worker exits), and every health_every_s one read of every node's health record
+(its workers' heartbeats, stopped processes and exits) in a single call.
+
+A node is lost when its health record has not changed for `node_timeout_s` (its launcher is gone,
+the machine is down, or the link is cut): every worker on it is failed together, in one
+generation, and the node is fenced. A fenced node that comes back finds the fence and kills its processes;
+they hold no rank in any newer plan, so nothing they do reaches the new generation.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+from .. import protocol
+from .processes import Worker, WorkerPool, stop_all
+
+D = protocol.DEFAULTS
+
+
+class RemoteProc:
+    """A worker process on another node, seen through its agent's exit notices (Popen's
+    interface as far as the supervisor uses it). Its exit code is what the pool last read from
+    the node's record (ClusterPool.refresh)."""
+
+    def __init__(self, pool: "ClusterPool", node: int, wid: int):
+        self.pool, self.node, self.wid = pool, node, wid
+        self.returncode: int | None = None
+        self._pid: int | None = None
+
+    @property
+    def pid(self) -> int:
+        key = protocol.node_pid_key(self.node, self.wid)
+        if self._pid is None and self.pool.store.check([key]):
+            self._pid = int(self.pool.store.get(key))
+        return self._pid if self._pid is not None else -1
+
+    def poll(self):
+        return self.returncode
+
+    def wait(self, timeout=None):
+        deadline = None if timeout is None else time.time() + timeout
+        while True:
+            self.pool.refresh(force=True)
+            if self.returncode is not None:
+                return self.returncode
+            if deadline is not None and time.time() > deadline:
+                raise subprocess.TimeoutExpired(f"worker {self.wid}", timeout)
+            time.sleep(0.02)
+
+
+@dataclass
+class NodeState:
+    procs: int  # processes this node runs (workers + spares)
+    spare_node: bool
+    seq: int = 0  # its health record's sequence number when last read
+    beat_seen_at: float = 0.0  # when that number last moved
+    lost: bool = False
+    beats: dict = field(default_factory=dict)  # wid -> heartbeat, as its record gave them
+    stopped: frozenset = frozenset()  # its workers whose processes are stopped
+    left: bool = False  # its agent wrote its last record: its workers are stopped
+
+
+class ClusterPool(WorkerPool):
+    """The supervisor's workers over every node: node 0's are local processes (WorkerPool's own),
+    the others' are started and killed through their nodes' agents. Worker ids are global."""
+
+    def __init__(self, cmd, env, host, refill_nice, *, nodes: int, spare_nodes: int,
+                 per_node: int, spares_per_node: int, node_timeout_s: float,
+                 join_timeout_s: float = D.spare_wait_s, refill: bool = D.refill, log=print,
+                 local: bool = True):
+        super().__init__(cmd, env, host, per_node, refill_nice, spares_per_node, refill, local)
+        # local: node 0 is this process's own machine (the coordinator runs in node 0's
+        # launcher); else every node, 0 included, is served by an agent (a stand-alone
+        # coordinator on a login node)
+        self.local = local
+        self.per_node = per_node
+        self.node_timeout_s = node_timeout_s
+        self.join_timeout_s = join_timeout_s  # how long start() waits for every agent
+        self.log = log
+        self.nodes = {k: NodeState(per_node + spares_per_node, False) for k in range(nodes)}
+        for k in range(nodes, nodes + spare_nodes):
+            self.nodes[k] = NodeState(per_node, True)
+        self._cmds: dict[int, int] = {}
+        self._events = -1  # the agents' event counter when last read
+        self._health_at = 0.0  # when every node's record was last read
+        self.on_fence = lambda k, why: None  # the supervisor's facts (etcd) learn of a fence
+
+    def adopt(self, store, plan: dict, known) -> dict[int, dict]:
+        """Take over a running job (coordinator=etcd): wait up to node_timeout_s for every
+        node's agent to say hello to this store, with its processes (alive or not, spare or
+        not) and its next command's number; every worker of `plan` is adopted, with those of
+        nodes that never answered (which fence_silent_nodes declares lost at its next look).
+        Returns the hellos, by node."""
+        self.store, self.port = store, store.port
+        for k, why in known.fenced.items():
+            if k in self.nodes:
+                self.nodes[k].lost = True
+                store.set(protocol.node_health_key(k), why)  # its agent's next write reads it
+        waiting = {k: protocol.node_hello_key(k) for k, n in self.nodes.items() if not n.lost}
+        deadline = time.time() + self.node_timeout_s
+        while time.time() < deadline and not store.check(list(waiting.values())):
+            time.sleep(0.05)
+        heard = [k for k, key in waiting.items() if store.check([key])]
+        hellos = dict(zip(heard, (json.loads(v) for v in store.multi_get(
+            [waiting[k] for k in heard])))) if heard else {}
+        now, top = time.time(), known.next_wid
+        # a node that never answered was last heard of when the coordinator was lost (as the
+        # first node to see it gone says): it is lost at the next look, its failure dated then
+        t_lost = min((h["coordinator_lost_at"] for h in hellos.values()
+                      if h.get("coordinator_lost_at")), default=now - self.node_timeout_s - 1)
+        for k, n in self.nodes.items():
+            h = hellos.get(k)
+            n.beat_seen_at = now if h else min(t_lost, now - self.node_timeout_s - 0.01)
+            if not h:
+                # a record that never changes (refresh reads every live node's in one call,
+                # which would wait for a missing one): silent, so lost at the next look
+                store.set(protocol.node_health_key(k), json.dumps(
+                    {"seq": -1, "t": 0, "beats": {}, "stopped": [], "exited": {}}))
+                continue
+            self._cmds[k] = h.get("next_cmd", 0)
+            for wid_s, info in h.get("workers", {}).items():
+                wid = int(wid_s)
+                w = self._adopted(wid, k, info["slot"], now)
+                w.proc.returncode, w.proc._pid = info.get("code"), info.get("pid")
+                if info.get("ready") and info.get("code") is None:  # warm, as it told its node
+                    store.set(protocol.ready_key(wid), f"{now:.6f}")
+                top = max(top, wid + 1)
+        for wid_s, rank in plan["ranks"].items():
+            wid = int(wid_s)
+            store.set(protocol.ready_key(wid), f"{now:.6f}")  # it trained: it had started
+            w = self.workers.get(wid) or self._adopted(wid, plan["nodes"][wid_s],
+                                                       rank % self.per_node, now)
+            w.rank = rank
+            top = max(top, wid + 1)
+        self._next_wid = top
+        return hellos
+
+    def _adopted(self, wid: int, node: int, slot: int, now: float) -> Worker:
+        w = Worker(wid=wid, proc=RemoteProc(self, node, wid), slot=slot, started=now, node=node)
+        self.workers[wid] = w
+        return w
+
+    def start(self, store) -> list[Worker]:
+        """Every node's agent joins; then each active node K starts ranks K*P..K*P+P-1 in its
+        slots 0..P-1 and its own spares after them, and each spare node P spares."""
+        self.store, self.port = store, store.port
+        self.wait_for_nodes(self.join_timeout_s)
+        if self.local:
+            self.forks_ready()
+        per_node, out = self.per_node, []
+        for node, n in self.nodes.items():
+            for slot in range(n.procs):
+                active = not n.spare_node and slot < per_node
+                w = self.spawn_on(node, slot, spare=not active)
+                if active:
+                    w.rank = node * per_node + slot
+                    out.append(w)
+        active_nodes = sum(1 for n in self.nodes.values() if not n.spare_node)
+        self.log(f"[checkpointless] {active_nodes} node(s) x {per_node} workers "
+                 f"(+{self.spares_per_node} spare(s) each) and "
+                 f"{len(self.nodes) - active_nodes} spare node(s) started")
+        return out
+
+    def wait_for_nodes(self, timeout_s: float) -> None:
+        """Every node's agent says hello, or the run stops naming the missing ones."""
+        deadline, said = time.time() + timeout_s, time.time()
+        keys = {k: protocol.node_hello_key(k) for k in self.nodes if self.remote(k)}
+        while keys and not self.store.check(list(keys.values())):  # one call while waiting
+            if time.time() > deadline or time.time() - said > 10:
+                missing = [k for k, key in keys.items() if not self.store.check([key])]
+                if time.time() > deadline:
+                    raise RuntimeError(
+                        f"node(s) {missing} never joined within {timeout_s:g} s: start "
+                        "`python -m launcher train ...` with distributed.node_rank=K on each, "
+                        "pointing at this node's master_addr:master_port")
+                self.log(f"[checkpointless] waiting for node(s) {missing} to join")
+                said = time.time()
+            time.sleep(0.1)
+        now = time.time()
+        for n in self.nodes.values():
+            n.beat_seen_at = now
+
+    def remote(self, node: int) -> bool:
+        return node != 0 or not self.local
+
+    def _command(self, node: int, **c) -> None:
+        """The node's next command: its agent blocks on this key (no counter, no polling)."""
+        i = self._cmds.get(node, 0)
+        self._cmds[node] = i + 1
+        self.store.set(protocol.node_cmd_key(node, i), json.dumps(c))
+
+    def spawn_on(self, node: int, slot: int, spare: bool, background: bool = False) -> Worker:
+        if not self.remote(node):
+            return self.spawn(slot, background=background, spare=spare)
+        wid = self._next_wid
+        self._next_wid += 1
+        self._command(node, op="spawn", wid=wid, slot=slot, spare=spare)
+        w = Worker(wid=wid, proc=RemoteProc(self, node, wid), slot=slot, started=time.time(),
+                   node=node)
+        self.workers[wid] = w
+        return w
+
+    def respawn(self, w: Worker) -> Worker | None:
+        """A refill for a worker lost on a healthy node: same node, same slot, as a spare; none
+        on a lost node (its spare node took the ranks)."""
+        if self.nodes[w.node].lost:
+            return None
+        return self.spawn_on(w.node, w.slot, spare=True, background=True)
+
+    def kill(self, w: Worker) -> None:
+        node = w.node
+        if not self.remote(node):
+            return WorkerPool.kill(w)
+        if not self.nodes[node].lost and w.proc.poll() is None:
+            # the newest records first (a lost node's whole set of workers needs none: its
+            # loss stands; reading every node's record per worker took 35 ms a worker at 512
+            # nodes, on the decision's critical path)
+            self.refresh(force=True)
+        if self.nodes[node].lost or w.proc.poll() is not None:
+            if w.proc.returncode is None:
+                w.proc.returncode = -9
+            return
+        self._command(node, op="kill", wid=w.wid)
+        try:
+            w.proc.wait(timeout=self.node_timeout_s + 1)
+        except subprocess.TimeoutExpired:  # the node went silent meanwhile: it will be fenced
+            w.proc.returncode = -9
+
+    def sleep(self, active, timeout_s: float) -> None:
+        local = [wid for wid in active if not self.remote(self.workers[wid].node)]
+        if len(local) == len(active):
+            return super().sleep(active, timeout_s)
+        super().sleep(local, min(timeout_s, D.remote_poll_s))
+
+    def refresh(self, force: bool = False) -> None:
+        """Learn what the agents reported: one read of the event counter (an exit moves it), and
+        every health_every_s, or when it moved, or `force`d, every live node's record in one
+        call."""
+        now = time.time()
+        events = self.store.add(protocol.NODE_EVENTS, 0)
+        if not force and events == self._events and now - self._health_at < D.health_every_s:
+            return
+        self._events, self._health_at = events, now
+        live = [k for k, n in self.nodes.items() if self.remote(k) and not n.lost]
+        if not live:
+            return
+        records = self.store.multi_get([protocol.node_health_key(k) for k in live])
+        for k, raw in zip(live, records):
+            if raw.startswith(b"{"):  # not yet replaced by this coordinator's word (stop_all)
+                self._read_health(k, json.loads(raw), now)
+
+    def _read_health(self, k: int, record: dict, now: float) -> None:
+        n = self.nodes[k]
+        if record["seq"] != n.seq:
+            n.seq, n.beat_seen_at = record["seq"], now
+        # a heartbeat's age as the agent saw it, on the coordinator's clock
+        n.beats = {int(w): {"t": now - b[1], "step": b[0], "gen": b[2], "phase": b[3],
+                            "pace": b[4] if len(b) > 4 else []}
+                   for w, b in record["beats"].items()}
+        n.stopped = frozenset(record["stopped"])
+        n.left = record.get("final", False)
+        for wid, code in record["exited"].items():
+            w = self.workers.get(int(wid))
+            if w is not None and w.proc.returncode is None:
+                w.proc.returncode = code
+
+    def beats(self, wids) -> dict:
+        """wid -> last heartbeat: node 0's read here, the others' from their nodes' records."""
+        local = [w for w in wids if not self.remote(self.workers[w].node)]
+        out = super().beats(local) if local else {}
+        for w in wids:
+            if w not in out:
+                out[w] = self.nodes[self.workers[w].node].beats.get(w)
+        return out
+
+    def stopped(self, w: Worker) -> bool:
+        if not self.remote(w.node):
+            return super().stopped(w)
+        return w.wid in self.nodes[w.node].stopped
+
+    def fence_silent_nodes(self) -> list[int]:
+        """Nodes whose health record has not changed for node_timeout_s: declared lost (once),
+        fenced, and every worker on them counted as exited."""
+        now, found = time.time(), []
+        for k, n in self.nodes.items():
+            if not self.remote(k) or n.lost or now - n.beat_seen_at <= self.node_timeout_s:
+                continue
+            self.log(f"[checkpointless] node {k} lost: its launcher has been silent for "
+                     f"{self.node_timeout_s:g} s; its workers fail together and the node is "
+                     "fenced")
+            self.fence(k, f"silent for {now - n.beat_seen_at:.1f} s")
+            for w in self.workers.values():
+                if w.node == k and w.proc.returncode is None:
+                    w.proc.returncode = -9
+                    w.node_lost = True
+                    w.lost_at = n.beat_seen_at  # its last sign of life
+            found.append(k)
+        return found
+
+    def fence(self, k: int, why: str) -> None:
+        """Node `k` takes no further part: lost to the spare choice, and its agent, told at its
+        next record (the word replaces the record, and its write answers it), stops its
+        processes."""
+        self.nodes[k].lost = True
+        self.store.set(protocol.node_health_key(k), f"fenced: {why}")
+        self.on_fence(k, f"fenced: {why}")
+
+    def lost_node_ids(self) -> set[int]:
+        return {k for k, n in self.nodes.items() if n.lost}
+
+    def spare_node_ids(self) -> set[int]:
+        return {k for k, n in self.nodes.items() if n.spare_node}
+
+    def spares(self, store, ready: bool) -> list[Worker]:
+        return [w for w in super().spares(store, ready) if not self.nodes[w.node].lost]
+
+    def stop_all(self, grace_s: float = 10.0) -> None:
+        """Node 0's processes here; every agent is told to stop its own, and its last health
+        record (its exits, written as it leaves) is waited for, at most `grace_s`: an agent
+        that finds the coordinator gone before it heard of the end would take it for lost."""
+        live = [k for k, n in self.nodes.items() if self.remote(k) and not n.lost]
+        why = getattr(self, "stop_why", None)  # a job that failed: its agents say why
+        for k in live:
+            if not self.nodes[k].left:  # a final record already read stays (its exits)
+                self.store.set(protocol.node_health_key(k),  # heard at its next record, too
+                               f"stopped: {why}" if why else "shutdown")
+            self._command(k, op="shutdown", **({"why": why} if why else {}))
+        stop_all([w for w in self.workers.values() if not self.remote(w.node)], grace_s)
+        deadline = time.time() + grace_s
+        while time.time() < deadline:
+            self.refresh(force=True)
+            if all(not w.alive() or self.nodes[w.node].lost for w in self.workers.values()) \
+                    and all(self.nodes[k].left or self.nodes[k].lost for k in live):
+                return
+            time.sleep(0.05)
+
+
+def pool_for(cfg, cmd: list[str], env: dict, log=print) -> WorkerPool:
+    """The supervisor's pool for `cfg` (a SupervisorConfig): one machine's, or every node's."""
+    if cfg.nodes > 1 or cfg.spare_nodes > 0 or cfg.standalone:
+        return ClusterPool(cmd, env, cfg.host, cfg.refill_nice, nodes=cfg.nodes,
+                           spare_nodes=cfg.spare_nodes, per_node=cfg.per_node,
+                           spares_per_node=cfg.spares, node_timeout_s=cfg.node_timeout_s,
+                           join_timeout_s=cfg.spare_wait_s, refill=cfg.refill, log=log,
+                           local=not cfg.standalone)
+    return WorkerPool(cmd, env, cfg.host, spares_from_slot=cfg.nproc, refill_nice=cfg.refill_nice,
+                      spares_per_node=cfg.spares, refill=cfg.refill)

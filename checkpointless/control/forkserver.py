@@ -1,0 +1,307 @@
+"""Workers forked from a process that has already imported what they need.
+
+A worker of the training loop spends most of its start importing torch, accelerate and the
+model's transformers classes (about 6 s of one core each here). Started side by side on a small
+machine, four workers and a spare queue for the cores for 15 s before any of them builds a model;
+a refill started during a recovery takes cores from it for as long.
+
+So where the launcher sets CHECKPOINTLESS_FORKSERVER=MODULE:FUNCTION, the workers' command
+`python -m MODULE ARGS` is not exec'd: a node starts one server (`forkserver.main`) with the
+workers' environment, which imports MODULE and calls FUNCTION(ARGS) once, then waits for
+requests on its stdin. The launcher starts it early (`processes.warm_server`) and waits for it
+where waiting costs nothing; a worker asked for while it still preloads starts as a fresh
+process instead, so no caller blocks on it. For each, it forks: the child sets the worker's environment, its process group and
+death signal, and runs MODULE as `python -m MODULE ARGS` would. The server is the child's parent:
+it reaps it and reports its exit code on a pipe, which `Forked` (a stand-in for Popen) reads.
+
+What a fork keeps from the server and a fresh process would not have:
+- /proc/PID/cmdline and environ show the server's (the kernel keeps those of the last exec):
+  each worker is named `cl-worker-<id>` instead (ps, /proc/PID/comm);
+- the server's environment, read by the imports: a request whose environment differs from the
+  server's in anything but the per-worker keys gets a server of its own (`ForkServers.start`);
+- Python's `random` and numpy's global state: reseeded from the OS in the child, as at a start;
+- the server's threads do not come along (a fork keeps only the calling thread), and it runs no
+  torch operation, so no thread pool needs rebuilding.
+CHECKPOINTLESS_FORKSERVER=0 starts every worker as a fresh process instead.
+"""
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+
+from ..protocol.keys import ENV_PRELOAD
+
+
+def preload_spec(env: dict) -> tuple[str, str] | None:
+    """(module, function) of the preload the launcher asked for, None when it asked for none."""
+    spec = env.get(ENV_PRELOAD, "")
+    if spec in ("", "0") or ":" not in spec:
+        return None
+    module, function = spec.split(":", 1)
+    return module, function
+
+
+def forkable(cmd: list[str], env: dict) -> bool:
+    """`python -m MODULE ...` of this interpreter where MODULE is the one the launcher named:
+    anything else is started as it is. Opt-in only: a server imports MODULE, and a script
+    without a main guard would run there."""
+    spec = preload_spec(env)
+    return (spec is not None and len(cmd) >= 3 and cmd[0] == sys.executable and cmd[1] == "-m"
+            and cmd[2] == spec[0] and not gpu_host())
+
+
+def gpu_host() -> bool:
+    """An NVIDIA or AMD GPU's device files exist here. No fork server there, for now: CUDA
+    cannot be used in a child forked after it was initialized, and a library that asks
+    torch.cuda.is_available() while imported initializes it (the default check calls the
+    runtime). Not yet checked on a GPU host (none was lent to this project's sessions)."""
+    return os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/kfd")
+
+
+# ---- the launcher's side ----------------------------------------------------------------------
+class Forked:
+    """A worker forked by a server; answers like the subprocess.Popen the supervisor expects."""
+
+    def __init__(self, pid: int, server: "_Server"):
+        self.pid, self._server = pid, server
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._server.codes.get(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        with self._server.changed:
+            if not self._server.changed.wait_for(lambda: self.poll() is not None, timeout):
+                raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout)
+        return self.returncode
+
+    def send_signal(self, sig) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+_SERVER_MAIN = "from checkpointless.control.forkserver import main; main()"
+
+
+class _Server:
+    """One server process and the thread that reads its reports."""
+
+    def __init__(self, module: str, env: dict, args: list[str]):
+        r, w = os.pipe()
+        # -c, not -m: the package's import already imports this module (runpy would warn)
+        self.proc = subprocess.Popen([sys.executable, "-c", _SERVER_MAIN, module, str(w), *args],
+                                     env=env, stdin=subprocess.PIPE, pass_fds=(w,),
+                                     preexec_fn=_own_group_dying_with_parent)
+        os.close(w)
+        self.reports = os.fdopen(r, "r")
+        self.codes: dict[int, int] = {}
+        self.ready = threading.Event()  # its preload is done: a fork now takes milliseconds
+        self.changed = threading.Condition()
+        self._pids: list[int] = []  # forked, not yet handed out
+        self._forked: set[int] = set()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._read, daemon=True, name="forkserver-reports").start()
+
+    def fork(self, args: list[str], env: dict, nice: int, ignore_term: bool,
+             name: str = "") -> Forked:
+        with self._lock:
+            request = {"args": args, "env": env, "nice": nice, "ignore_term": ignore_term,
+                       "name": name}
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())
+            self.proc.stdin.flush()
+            with self.changed:
+                if not self.changed.wait_for(lambda: self._pids or self.proc.poll() is not None,
+                                             60):
+                    raise RuntimeError("the fork server did not answer in 60 s")
+                if not self._pids:
+                    raise RuntimeError(f"the fork server exited (code {self.proc.poll()})")
+                return Forked(self._pids.pop(0), self)
+
+    def _read(self) -> None:
+        for line in self.reports:
+            msg = json.loads(line)
+            if "ready" in msg:
+                self.ready.set()
+                continue
+            with self.changed:
+                if "code" in msg:
+                    self.codes[msg["pid"]] = msg["code"]
+                else:
+                    self._pids.append(msg["pid"])
+                    self._forked.add(msg["pid"])
+                self.changed.notify_all()
+        with self.changed:  # the server is gone, and with it (death signal) its children
+            for pid in self._forked - set(self.codes):
+                self.codes[pid] = -signal.SIGKILL
+            self.changed.notify_all()
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+
+
+class ForkServers:
+    """The servers of one launcher or agent, one per module and base environment (the
+    environment less the per-worker keys, those starting with `per_worker_prefix`, which are
+    read after the fork)."""
+
+    def __init__(self, per_worker_prefix: str):
+        self.per_worker_prefix = per_worker_prefix
+        self._servers: dict[tuple, _Server] = {}
+        self._lock = threading.Lock()
+
+    def server(self, cmd: list[str], env: dict) -> _Server:
+        """The server for `cmd` in `env`, started now if there is none (it preloads then)."""
+        module, args = cmd[2], cmd[3:]
+        base = {k: v for k, v in env.items() if not k.startswith(self.per_worker_prefix)}
+        key = (module, tuple(sorted(base.items())))
+        with self._lock:
+            server = self._servers.get(key)
+            if server is None or server.proc.poll() is not None:
+                server = self._servers[key] = _Server(module, base, args)
+            return server
+
+    def start(self, cmd: list[str], env: dict, nice: int, ignore_term: bool,
+              name: str = "") -> Forked | None:
+        """The worker forked, or None while its server is still preloading: the caller starts
+        it as a fresh process then rather than wait (a node agent's loop must keep reporting).
+        `name`: the process's name in ps and /proc/PID/comm (15 bytes at most). A server that
+        fails to fork gives None too: a worker is never lost to it."""
+        server = self.server(cmd, env)
+        if not server.ready.is_set():
+            return None
+        try:
+            return server.fork(cmd[3:], env, nice, ignore_term, name)
+        except (RuntimeError, OSError) as e:  # the server died or hung: start it fresh, say so
+            print(f"[checkpointless] fork server failed ({e}); starting the worker as a fresh "
+                  "process", file=sys.stderr, flush=True)
+            return None
+
+    def close(self) -> None:
+        with self._lock:
+            for s in self._servers.values():
+                s.close()
+            self._servers.clear()
+
+
+def _die_with_parent() -> None:
+    from .processes import die_with_parent
+    die_with_parent()
+
+
+def _own_group_dying_with_parent() -> None:
+    # a Ctrl-C or a TERM to the launcher's group is the launcher's to handle, as for the workers
+    os.setpgid(0, 0)
+    _die_with_parent()
+
+
+# ---- the server's side ------------------------------------------------------------------------
+def serve(module: str, report_fd: int, args: list[str]):
+    """Import MODULE and run its preload function on the first request's arguments, then fork one
+    child per request; report pids and exit codes. Returns the request to run in the child that
+    this process has become, or None once stdin closes."""
+    import importlib
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher's to handle (see above);
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the server ends when its stdin closes
+    try:
+        _, function = preload_spec(os.environ)
+        getattr(importlib.import_module(module), function)(args)
+    except Exception as e:  # noqa: BLE001 - each worker then imports, and fails, on its own
+        print(f"[checkpointless] fork server: preloading {module} failed ({e!r})",
+              file=sys.stderr)
+    report = os.fdopen(report_fd, "w", buffering=1)
+    report.write(json.dumps({"ready": True}) + "\n")
+    requests = sys.stdin.buffer
+    children: dict[int, int] = {}  # pidfd -> pid
+    pending = b""
+    while True:
+        fds = [requests.fileno(), *children]
+        ready, _, _ = select.select(fds, [], [])
+        for fd in ready:
+            if fd in children:
+                pid = children.pop(fd)
+                os.close(fd)
+                _, status = os.waitpid(pid, 0)
+                report.write(json.dumps({"pid": pid, "code": os.waitstatus_to_exitcode(status)})
+                             + "\n")
+                continue
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:  # the launcher closed stdin (or died): the workers stay its own
+                for cfd, pid in children.items():
+                    os.waitpid(pid, 0)
+                return None
+            pending += chunk
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                request = json.loads(line)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:
+                    for cfd in children:
+                        os.close(cfd)
+                    report.close()
+                    return request
+                children[os.pidfd_open(pid)] = pid
+                report.write(json.dumps({"pid": pid}) + "\n")
+
+
+def become_worker(module: str, request: dict) -> None:
+    """In the forked child: what `python -m MODULE ARGS` with the request's environment is."""
+    import random
+    import runpy
+    os.setpgid(0, 0)
+    _die_with_parent()
+    if request.get("name"):
+        _set_name(request["name"])
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a fresh interpreter
+    signal.signal(signal.SIGTERM, signal.SIG_IGN if request["ignore_term"] else signal.SIG_DFL)
+    if request["nice"]:
+        os.nice(request["nice"])
+    devnull = os.open(os.devnull, os.O_RDONLY)  # not the server's request pipe
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    random.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    sys.argv = [module, *request["args"]]
+    # run as __main__ as `python -m` does, where the preloaded copy is not in sys.modules
+    sys.modules.pop(module, None)
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def _set_name(name: str) -> None:
+    """The process's name (PR_SET_NAME): what ps, top and /proc/PID/comm show. A forked worker's
+    /proc/PID/environ and cmdline are the server's (the kernel keeps those of the last exec), so
+    this is how one tells the workers apart from outside."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def main() -> None:
+    module, report_fd = sys.argv[1], int(sys.argv[2])
+    request = serve(module, report_fd, sys.argv[3:])
+    if request is None:
+        return
+    become_worker(module, request)  # an exception or SystemExit ends the child as `python -m`
+
+
+if __name__ == "__main__":
+    main()

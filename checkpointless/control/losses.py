@@ -1,0 +1,89 @@
+"""The supervisor's eyes: which active workers are lost, and why (an exit, an exception of their
+own, silence, a stopped process, a straggler, a silent node). A half of `Supervisor`
+(supervisor.py), kept apart for its size; what to make of what it sees is policy.py's."""
+from __future__ import annotations
+
+import time
+
+from ..protocol import membership
+from . import policy
+from .. import protocol
+from .processes import Worker
+
+D = protocol.DEFAULTS
+
+
+class FindingLosses:
+    """Mixed into `Supervisor`: reads its store, pool, ranks and stragglers."""
+
+    def _exited(self) -> list[Worker]:
+        """Ranks' workers that exited before they were done: lost. One that died after its
+        result was in (killed on its way out) is lost only while some other rank's result is
+        still missing, a moment later (those ranks may need it again, job.finish); once every
+        result is in, it finished."""
+        self.pool.refresh()
+        out = []
+        for wid in list(self.ranks):
+            w = self.workers[wid]
+            if w.alive() or wid in self.killed_after_done or \
+                    self.store.check([protocol.done_key(wid)]):
+                continue
+            if self.store.check([protocol.result_key(self.ranks[wid])]):
+                if membership.results_in(self.store, self.cfg.nproc):
+                    self.killed_after_done.append(wid)
+                    continue
+                seen = self._exit_seen.setdefault(wid, time.time())
+                if time.time() - seen < D.result_grace_s:
+                    continue
+            out.append(w)
+        return out
+
+    def _reported_errors(self, lost) -> list[tuple[Worker, bool]]:
+        """Workers that reported an exception of their own: killed at once, no need to wait."""
+        errors = membership.counter(self.store, protocol.ERRORS)
+        if errors == self._errors_seen:
+            return []
+        self._errors_seen, out = errors, []
+        for wid in list(self.ranks):
+            w = self.workers[wid]
+            if self.store.check([protocol.error_key(wid)]) and all(w is not x for x, _ in lost):
+                self.pool.kill(w)
+                out.append((w, False))
+        return out
+
+    def _hung(self) -> list[tuple[Worker, bool]]:
+        """Judged from the heartbeats of every active worker (a node's agent reports its own,
+        and which of its processes are stopped: only that node's /proc shows it)."""
+        active = {wid: self.workers[wid] for wid in self.ranks}
+        beats = self.pool.beats(list(active))
+        self.stragglers.note(beats)
+        hung = policy.find_hung(beats, self.cfg.heartbeat_timeout_s,
+                                time.time(), stopped=lambda wid: self.pool.stopped(active[wid]))
+        return [(active[wid], True) for wid in hung]
+
+    def _slow(self) -> list[tuple[Worker, bool]]:
+        """Stragglers to evict (stragglers.py judges them from the beats `_hung` read). One is
+        asked to leave at the next step boundary but one (a notice every worker learns of): it
+        exits there, the others wait there for the plan that gives its rank to a spare, and no
+        step is cut short. One that has not left within stragglers.LEAVE_S (it missed the
+        notice, or a failure moved the job on) is killed, as a slow node's ranks are at once:
+        the node is fenced, so that its ranks move together to a spare node."""
+        active = {wid: self.workers[wid] for wid in self.ranks}
+        evict, nodes = self.stragglers.judge(
+            active, self._job_step,
+            lambda: len(self._healthy(self.pool.spares(self.store, ready=True))),
+            self.pool.remote if self.cluster else None)
+        for k in nodes:
+            self.pool.fence(k, "slow: every rank of the node is a straggler")
+        out = [(w, False) for w in evict if w.node in nodes]
+        for w in evict:
+            if w.node not in nodes:  # as for a preemption, two steps on: all learn of it first
+                self.stragglers.ask_to_leave(w, self._job_step() + 2, self.gen, self._notice)
+        return out + [(self.workers[wid], False) for wid in self.stragglers.overdue(self.ranks)]
+
+    def _silent_nodes(self, lost) -> list[tuple[Worker, bool]]:
+        out = []
+        for node in self.pool.fence_silent_nodes():  # each said in the log
+            out += [(w, False) for w in self._exited() if w.node == node
+                    and all(w is not x for x, _ in lost + out)]
+        return out

@@ -1,0 +1,166 @@
+"""The coordinator's figures for Prometheus (`checkpointless.metrics_port`, `--metrics-port`).
+
+Served from the coordinator's process with prometheus_client (an optional package: the launcher
+names it before launch when the key asks for it). Everything is computed when Prometheus scrapes,
+on the scraping thread with a store connection of its own, so the supervisor's loop does no work
+for it and the coordinator's steady state is the same with or without a scraper:
+  * the steps read incrementally (each scrape reads the step records written since the last one,
+    and the newest few again, which a recovery may have rewritten);
+  * a recovery's record read once, when it is complete.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+from ..protocol import membership
+from .. import protocol
+from .report import goodput_from_steps, recovery_entry, slow_time
+
+RESCAN = 64  # newest step records read again at each scrape: a redone step rewrites its own
+RATE_STEPS = 20  # steps per second and tokens per second: over this many newest steps
+
+
+class Figures:
+    """What one scrape reports, from a running Supervisor."""
+
+    def __init__(self, sup, tokens_per_step: int = 0):
+        self.sup, self.tokens_per_step = sup, tokens_per_step
+        self.store = None
+        self.steps: dict[int, tuple[float, float]] = {}
+        self.next_step = None  # the first step record not read yet
+        self.recoveries: dict[int, dict] = {}  # failure index -> its complete recovery entry
+        self._lock = threading.Lock()
+
+    def _read_steps(self) -> None:
+        store = self.store
+        if self.next_step is None:
+            if not store.check([protocol.FIRST_STEP]):
+                return
+            self.next_step = int(store.get(protocol.FIRST_STEP))
+        s, misses = max(0, self.next_step - RESCAN), 0
+        while misses < 8:
+            key = protocol.step_key(s)
+            if store.check([key]):
+                t0, t1 = (float(x) for x in store.get(key).decode().split(","))
+                self.steps[s], misses = (t0, t1), 0
+                self.next_step = max(self.next_step, s + 1)
+            elif s >= self.next_step:
+                misses += 1
+            s += 1
+
+    def _read_recoveries(self) -> None:
+        sup = self.sup
+        for i, f in enumerate(list(sup.failures)):
+            if i in self.recoveries or f.gen < 0:
+                continue
+            e = recovery_entry(self.store, f, sup.cfg.nproc, sup.gen)
+            if e is not None:
+                self.recoveries[i] = e
+
+    def collect(self):
+        with self._lock:  # two scrapes at once share the cursor and the connection
+            return list(self._collect())
+
+    def _collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        sup = self.sup
+        if self.store is None:
+            self.store = membership.connect("127.0.0.1", sup.port)
+        self._read_steps()
+        self._read_recoveries()
+        steps = self.steps
+        entries = list(sup.stragglers.entries)
+        slow_s, _ = slow_time(steps, entries) if steps else (0.0, None)
+
+        def gauge(name, doc, value, unit=""):
+            g = GaugeMetricFamily(f"checkpointless_{name}", doc, unit=unit)
+            if value is not None:
+                g.add_metric([], float(value))
+            return g
+
+        yield gauge("steps_completed", "Steps committed in this launch", len(steps))
+        yield gauge("goodput_ratio", "Time in committed steps, less what stragglers cost, over "
+                    "the time since the first step began", goodput_from_steps(steps,
+                                                                             slow_s=slow_s))
+        yield gauge("slow_seconds", "Time lost to steps a straggler slowed", slow_s)
+        newest = sorted(steps)[-RATE_STEPS:]
+        rate = None
+        if len(newest) >= 2:
+            span = steps[newest[-1]][1] - steps[newest[0]][0]
+            rate = len(newest) / span if span > 0 else None
+        yield gauge("steps_per_second", f"Over the newest {RATE_STEPS} steps", rate)
+        if self.tokens_per_step:
+            yield gauge("tokens_per_second", f"Over the newest {RATE_STEPS} steps, all ranks",
+                        None if rate is None else rate * self.tokens_per_step)
+        yield gauge("generation", "The membership generation", sup.gen)
+        yield gauge("world_size", "Ranks training", len(sup.ranks))
+        try:
+            ready = len(sup.pool.spares(self.store, ready=True))
+        except Exception:  # noqa: BLE001  the pool changed under the scrape: said next time
+            ready = None
+        yield gauge("spares_ready", "Warm spares ready to take a rank", ready)
+        nodes = getattr(sup.pool, "nodes", None)
+        if nodes:
+            yield gauge("nodes_alive", "Nodes not lost", sum(not n.lost for n in nodes.values()))
+            yield gauge("nodes_lost", "Nodes lost", sum(n.lost for n in nodes.values()))
+        else:
+            yield gauge("nodes_alive", "Nodes not lost", 1)
+        failures = CounterMetricFamily("checkpointless_failures", "Workers lost, by cause",
+                                       labels=["cause"])
+        recovered = CounterMetricFamily("checkpointless_recoveries",
+                                        "Recoveries completed, by cause", labels=["cause"])
+        for cause in ("exit", "error", "hang", "node_lost", "diverged", "slow"):
+            failures.add_metric([cause], sum(f.cause == cause for f in list(sup.failures)))
+            recovered.add_metric([cause], sum(e["cause"] == cause
+                                              for e in self.recoveries.values()))
+        yield failures
+        yield recovered
+        phases = GaugeMetricFamily("checkpointless_last_recovery_seconds",
+                                   "The newest recovery, from the failure to the first step "
+                                   "after it, by phase", labels=["phase"])
+        if self.recoveries:
+            last = self.recoveries[max(self.recoveries)]
+            for phase, s in last["phases_s"].items():
+                phases.add_metric([phase], s)
+            phases.add_metric(["total"], last["recovery_s"])
+        yield phases
+        stragglers = CounterMetricFamily("checkpointless_stragglers",
+                                         "Stragglers found, by what was done", labels=["action"])
+        for action in sorted({e.get("action", "reported") for e in entries} | {"evicted"}):
+            stragglers.add_metric([action], sum(e.get("action", "reported") == action
+                                                for e in entries))
+        yield stragglers
+        yield gauge("uptime_seconds", "Since the coordinator started the job",
+                    time.time() - sup.t_start if sup.t_start else None)
+
+
+def serve(sup, port: int, tokens_per_step: int = 0, addr: str = "0.0.0.0"):
+    """Start serving /metrics on `port`; returns a function that stops it."""
+    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client.process_collector import ProcessCollector
+    registry = CollectorRegistry()
+    registry.register(Figures(sup, tokens_per_step))
+    ProcessCollector(registry=registry)  # the coordinator's own CPU and memory
+    server, thread = start_http_server(port, addr=addr, registry=registry)
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+    return stop
+
+
+def serve_metrics(sup, log):
+    """/metrics on the supervisor's cfg.metrics_port, if set; the function that stops it (None
+    when off). A port that cannot be served raises OSError with the key and the fix."""
+    port = sup.cfg.metrics_port
+    if not port:
+        return None
+    try:
+        stop = serve(sup, port, sup.cfg.tokens_per_step)
+    except OSError as exc:
+        raise OSError(f"checkpointless.metrics_port={port}: cannot serve Prometheus metrics "
+                      f"there ({exc.strerror or exc}); choose a free port, or 0 for none") from None
+    log(f"[checkpointless] Prometheus metrics at http://{sup.cfg.host}:{port}/metrics")
+    return stop

@@ -1,0 +1,163 @@
+"""The supervisor's hands on a failure: the loss recorded (the record first: survivors wait for
+it), the stop rules applied, each lost rank given to a ready, healthy spare, and the next
+generation published. A half of `Supervisor` (supervisor.py), kept apart for its size."""
+from __future__ import annotations
+
+import json
+import time
+
+from ..protocol import membership
+from . import policy
+from .. import protocol
+from .processes import Worker
+from .report import Failure
+
+D = protocol.DEFAULTS
+
+
+def fit_spares(store, ready: list, said: dict, log=print) -> list:
+    """The ready spares whose newest check in the store passed (policy.healthy_spares); each
+    one set aside is said once per reason (`said`: wid -> the reason last said)."""
+    found = [w for w in ready if store.check([protocol.health_key(w.wid)])]
+    records = dict(zip([w.wid for w in found],
+                       (json.loads(v) for v in store.multi_get(
+                           [protocol.health_key(w.wid) for w in found])))) if found else {}
+    fit, unfit = policy.healthy_spares(ready, records)
+    nodes = {w.wid: w.node for w in ready}
+    for wid, why in unfit.items():
+        if said.get(wid) != why:
+            said[wid] = why
+            log(f"[checkpointless] spare worker {wid} (node {nodes[wid]}) is not promoted: its "
+                f"node is unhealthy ({why}); the next spare is taken")
+    return fit
+
+
+class Replacing:
+    """Mixed into `Supervisor`: acts on its store, pool, ranks, failures and facts."""
+
+    def _handle(self, lost: list[tuple[Worker, bool]]) -> None:
+        # the record first: survivors whose collective failed are waiting for it (failures.py)
+        self.store.add(protocol.LOST, len(lost))
+        # failures often come together (a node, a switch): give the others a moment to show,
+        # so that one new generation replaces them all
+        t_seen = time.time()
+        time.sleep(D.gather_window_s)
+        seen = {w.wid for w, _ in lost}
+        more = [w for w in self._exited() if w.wid not in seen]
+        if more:
+            self.store.add(protocol.LOST, len(more))
+        lost += [(w, False) for w in more]
+        for w, hung in lost:
+            code = w.proc.returncode
+            self._stop_if(policy.startup_failure(w.wid, w.rank, code,
+                                                 self.store.check([protocol.ready_key(w.wid)])))
+            self._stop_if(policy.clean_exit(w.wid, w.rank, code, hung, w.node_lost))
+        for w, _ in lost:  # hung ones, and the children of dead ones (their sockets too)
+            self.pool.kill(w)
+        for w, hung in lost:
+            self._record_failure(w, hung, t_seen)
+        self._replace([f for f in self.failures if f.gen < 0])
+
+    def _record_failure(self, w: Worker, hung: bool, now: float) -> Failure:
+        """Take a lost worker out of the membership, say so, and stop if nothing is left."""
+        err = protocol.read_json(self.store, protocol.error_key(w.wid))
+        fault = protocol.read_json(self.store, protocol.fault_time_key(w.wid))
+        # the step the job was in: a worker's newest beat can be one step old when it dies (its
+        # reporter thread had not yet written it), so the others' progress counts too
+        beat = self.pool.beats([w.wid]).get(w.wid)
+        diverged = self.store.check([protocol.diverged_key(w.wid)])
+        slow = self.stragglers.evicted(w.wid)
+        if slow and not fault:  # slowed from outside: it began with its first slow step
+            fault = self.stragglers.began(self.store, w.wid)
+        f = Failure(wid=w.wid, rank=w.rank,
+                    cause=policy.cause(w.node_lost, hung, diverged, err, slow),
+                    t_fail=fault["t"] if fault else w.lost_at or now, t_detect=now,
+                    step=max(beat["step"] if beat else 0, self._job_step()),
+                    error=err["error"] if err else None, node=w.node)
+        self.failures.append(f)
+        where = f", node {w.node}" if self.cluster else ""
+        code = w.proc.returncode
+        self.log(f"[checkpointless] rank {w.rank} lost ({f.cause}, worker {w.wid}{where}, "
+                 f"exit code {code}) at step {f.step}; detected "
+                 f"{f.t_detect - f.t_fail:.2f} s after the " +
+                 ("slowdown began" if slow and fault else "failure"))
+        if f.error:
+            self.log(f"[checkpointless] rank {w.rank} raised:\n{f.error.rstrip()}")
+        del self.ranks[w.wid]
+        w.rank = -2
+        if w.took_over_gen is not None:  # a replacement: did it complete a step?
+            stepped = any(self.store.check([protocol.first_commit_key(g, f.rank)])
+                          for g in range(w.took_over_gen, self.gen + 1))
+            crashes = policy.crashes_after(self._crashes.get(f.rank, 0), stepped)
+            self._crashes[f.rank] = crashes
+            self._stop_if(policy.crash_loop(f.rank, crashes, self.cfg.max_replacement_failures,
+                                            f.error, code))
+        self._stop_if(policy.disabled(self.cfg.enabled, f.rank, w.wid, f.cause, code))
+        self._stop_if(policy.escalation(self.failures, f))
+        self._stop_if(policy.none_left(len(self.ranks),
+                                       [g.error for g in self.failures if g.error]))
+        return f
+
+    def _job_step(self) -> int:
+        """The step the job is at: the furthest of the active workers' heartbeats, or the step
+        after rank 0's newest committed one (heartbeats from other nodes come at most one
+        health record late)."""
+        last = protocol.read_json(self.store, protocol.LAST_STEP)  # an integer, or None
+        return max(policy.job_step(self.pool.beats(list(self.ranks)).values()),
+                   0 if last is None else last + 1)
+
+    def _replace(self, pending: list[Failure]) -> None:
+        """Give each lost rank to a ready spare, waiting for one (the refill) if none is ready."""
+        cfg = self.cfg
+        if cfg.refill:
+            # With spares enough for now, the refill starts a little later: its imports would
+            # otherwise compete for CPU with the recovery itself.
+            later = len(self.pool.spares(self.store, ready=True)) >= len(pending)
+            for f in pending:
+                self.pool.refill(self.workers[f.wid], later)
+        t0, said = time.time(), False
+        while (spares := self._choose_spares(pending)) is None:
+            ready = self.pool.spares(self.store, ready=True)
+            self._stop_if(policy.no_spare_left(
+                len(pending), len(self.pool.spares(self.store, ready=False)), cfg.spares,
+                cfg.refill))
+            if not said:
+                self.log(f"[checkpointless] waiting up to {cfg.spare_wait_s:.0f} s for a "
+                         f"spare to warm up ({len(ready)} ready, {len(pending)} needed)")
+                said = True
+            self._stop_if(policy.spare_wait_over(time.time() - t0, cfg.spare_wait_s))
+            for w in self._exited():  # another active worker may fail meanwhile: fold it in
+                self.store.add(protocol.LOST, 1)
+                self.pool.kill(w)  # its children, if any, hold its connections
+                self._record_failure(w, False, time.time())
+                self.pool.refill(w, later=False)
+                pending = [f for f in self.failures if f.gen < 0]
+            time.sleep(D.spare_poll_s)
+        t = time.time()
+        for f, spare in zip(pending, spares):
+            spare.rank = f.rank
+            self.ranks[spare.wid] = f.rank
+            f.t_spare, f.new_wid, f.new_node = t, spare.wid, spare.node
+        self._publish()
+        for f, spare in zip(pending, spares):
+            f.gen = spare.took_over_gen = self.gen
+
+    def _choose_spares(self, pending: list[Failure]) -> list[Worker] | None:
+        lost = [self.workers[f.wid] for f in pending]
+        return policy.choose_spares(self._healthy(self.pool.spares(self.store, ready=True)),
+                                    [(w.node, w.slot) for w in lost],
+                                    self.pool.lost_node_ids(), self.pool.spare_node_ids())
+
+    def _healthy(self, ready: list[Worker]) -> list[Worker]:
+        """The ready spares whose newest health check passed (fit_spares)."""
+        return fit_spares(self.store, ready, self._unhealthy_said, self.log)
+
+    def _publish(self) -> None:
+        """The next generation's plan: what changed since the last one, node by node."""
+        self.gen += 1
+        plan = membership.Plan(gen=self.gen, world_size=self.cfg.nproc, ranks=dict(self.ranks),
+                               lost=membership.counter(self.store, protocol.LOST),
+                               nodes={wid: self.workers[wid].node for wid in self.ranks})
+        self.facts.record_plan(plan, plan.lost, self.pool._next_wid)  # etcd first: a takeover
+        membership.publish(self.store, plan, self._plan)  # finds every published plan there
+        self._plan = plan

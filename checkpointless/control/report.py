@@ -1,0 +1,213 @@
+"""What a run tells its user: one entry per recovery, its phases, goodput, and the run's report.
+
+Every figure comes from records the workers left in the store (protocol.py): when each generation
+was entered, when its first step committed, which step ran when.
+
+Goodput: the share of wall time spent on training steps that count.
+
+    goodput = sum over committed steps of (step end - step start)
+              / (end of the last step - start of the first step)
+
+A step counts once, in its final committed attempt: the attempt cut short by a failure, the time
+spent detecting it, regrouping, moving state and any step redone after a rollback all fall in the
+denominator only. Start-up (imports, model build) is left out on purpose: it is the same for every
+method and says nothing about fault tolerance. goodput_from_steps is the one place it is computed:
+the supervisor's report and the benchmark both call it.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from .. import protocol
+
+
+@dataclass
+class Failure:
+    """One lost worker, as the supervisor saw it."""
+    wid: int
+    rank: int
+    cause: str  # exit, error, hang, slow, diverged, node_lost (policy.cause)
+    t_fail: float
+    t_detect: float
+    step: int
+    error: str | None = None  # the worker's own traceback, when it reported one
+    gen: int = -1  # the generation that replaced it
+    t_spare: float = 0.0  # when a spare was available
+    new_wid: int = -1
+    node: int = 0  # the node it was on
+    new_node: int = 0  # the node of the spare that took its rank
+
+
+def goodput_from_steps(steps: dict[int, tuple[float, float]], *,
+                       first_start: float | None = None, slow_s: float = 0.0) -> float | None:
+    """`steps`: step -> (start, end) of its final attempt.
+
+    `first_start`: when the earliest attempt of any step began, if earlier than every final
+    attempt. That happens when the first steps themselves were redone (a restart that found no
+    checkpoint): the time since then was spent, so the span must start there, not at the redo.
+    `slow_s`: the part of those steps a straggler cost (slow_time), not useful either.
+    """
+    if not steps:
+        return None
+    useful = sum(t1 - t0 for t0, t1 in steps.values()) - slow_s
+    start = min(t0 for t0, _ in steps.values())
+    if first_start is not None:
+        start = min(start, first_start)
+    end = max(t1 for _, t1 in steps.values())
+    return round(useful / (end - start), 4) if end > start else 1.0
+
+
+def slow_time(steps: dict[int, tuple[float, float]], stragglers: list[dict]):
+    """(seconds lost to slow steps, the healthy step time): over the steps a straggler was in
+    (from the first of its slow steps to its eviction, or to the end), each step's time above
+    the healthy one, which is the median of the other steps. (0, None) without stragglers or
+    without steps to measure the healthy time on."""
+    slow = set()
+    last = max(steps, default=-1)
+    for e in stragglers:
+        until = e.get("until_step")
+        slow.update(range(e["from_step"], last + 1 if until is None else until))
+    healthy = sorted(t1 - t0 for s, (t0, t1) in steps.items() if s not in slow)
+    if not slow or not healthy:
+        return 0.0, None
+    mid = healthy[len(healthy) // 2]
+    lost = sum(max(0.0, t1 - t0 - mid) for s, (t0, t1) in steps.items() if s in slow)
+    return round(lost, 4), round(mid, 4)
+
+
+def recovery_entry(store, f: Failure, nproc: int, last_gen: int) -> dict | None:
+    """The recovery of failure `f`, once every member entered its generation and one committed
+    a step there; None until then. A generation cut short by another failure is superseded by
+    the next one that completed."""
+    recs = []
+    for g in range(f.gen, last_gen + 1):
+        keys = [protocol.entered_key(g, rank) for rank in range(nproc)]
+        if store.check(keys):  # every member entered: all of them in one read
+            recs = [dict(json.loads(v), rank=rank)
+                    for rank, v in enumerate(store.multi_get(keys))]
+            break
+    if not recs:
+        return None
+    firsts = []
+    for g in range(f.gen, last_gen + 1):
+        keys = [protocol.first_commit_key(g, r) for r in range(nproc)]
+        if store.check(keys):
+            firsts += [float(v) for v in store.multi_get(keys)]
+        else:  # some never committed there (lost meanwhile): the others one by one
+            firsts += [float(store.get(k)) for k in keys if store.check([k])]
+    if not firsts:
+        return None
+    t_plan = recs[0]["t_plan"]
+    t_group = max(r["t_group"] for r in recs)
+    t_ready = max(r["t_ready"] for r in recs)
+    t_first = min(firsts)
+    mine = [r for r in recs if r["worker_id"] == f.new_wid]
+    return {
+        "failed_rank": f.rank, "cause": f.cause, "failed_worker": f.wid,
+        "failed_node": f.node, "replacement_node": f.new_node,
+        "replacement_worker": f.new_wid, "generation": f.gen, "failed_at_step": f.step,
+        "error": f.error,
+        "detect_s": round(f.t_detect - f.t_fail, 4),
+        "recovery_s": round(t_first - f.t_fail, 4),
+        "phases_s": {
+            "detection": round(f.t_detect - f.t_fail, 4),
+            "spare_wait": round(max(0.0, f.t_spare - f.t_detect), 4),
+            "regroup": round(t_group - t_plan, 4),
+            "state_transfer": round(t_ready - t_group, 4),
+            "resume": round(t_first - t_ready, 4),
+        },
+        "state_bytes": sum(r["bytes_received"] for r in recs),
+        "source_ranks": sorted({int(s) for r in recs for s in r["pairs"].values()}),
+        "source": mine[0]["source"] if mine else None,
+        "served": {str(k): v for k, v in recs[0]["pairs"].items()},
+        "resumed_step": recs[0]["resumed_step"],
+        "restored_from": recs[0].get("restored_from", "peer_memory"),
+        "steps_redone": recs[0].get("steps_redone", 0),
+        # survivors that redo the interrupted step from the gradients they kept
+        "ranks_reusing_grads": sorted(r["rank"] for r in recs if r.get("grads_kept")),
+    }
+
+
+def recovery_line(e: dict) -> str:
+    p = e["phases_s"]
+    return (f"[checkpointless] recovered rank {e['failed_rank']} ({e['cause']}): spare worker "
+            f"{e['replacement_worker']} got {e['state_bytes'] / 1e6:.1f} MB from rank(s) "
+            f"{e['source_ranks']}, resumed at step {e['resumed_step']}, {e['recovery_s']:.2f} s "
+            f"after the failure (detect {p['detection']:.2f}, regroup {p['regroup']:.2f}, "
+            f"transfer {p['state_transfer']:.2f}, resume {p['resume']:.2f})")
+
+
+def step_records(store) -> dict[int, tuple[float, float]]:
+    """step -> (start, end) of every step committed in this launch, as rank 0 recorded them.
+
+    A step may lack its record when rank 0 died between the others' commit and its own; the scan
+    goes past such gaps."""
+    first = int(store.get(protocol.FIRST_STEP)) if store.check([protocol.FIRST_STEP]) else 0
+    steps, misses, s = {}, 0, first
+    while misses < 64:
+        key = protocol.step_key(s)
+        if store.check([key]):
+            t0, t1 = (float(x) for x in store.get(key).decode().split(","))
+            steps[s], misses = (t0, t1), 0
+        else:
+            misses += 1
+        s += 1
+    return steps
+
+
+def new_recoveries(store, failures: list[Failure], said: set[int], nproc: int,
+                   last_gen: int) -> list[str]:
+    """The lines of recoveries completed since the last call (`said`: the failures' indexes
+    whose recovery was said, updated)."""
+    out = []
+    for i, f in enumerate(failures):
+        if i in said or f.gen < 0:
+            continue
+        # asked every turn of the supervisor's loop while the recovery runs: one call per
+        # generation until rank 0 (there is one in each) has committed a step after it, then
+        # the O(ranks) read, once; reading every rank's keys each turn loaded the job's store
+        # with thousands of calls a turn at thousands of ranks, during the recovery itself
+        if not any(store.check([protocol.first_commit_key(g, 0)])
+                   for g in range(f.gen, last_gen + 1)):
+            continue
+        e = recovery_entry(store, f, nproc, last_gen)
+        if e is not None:
+            said.add(i)
+            out.append(recovery_line(e))
+    return out
+
+
+def run_report(store, nproc: int, spares: int, wall_s: float, failures: list[Failure],
+               last_gen: int, workers, pids_at_start: dict, killed_after_done: list,
+               stragglers: list[dict] | None = None, check: dict | None = None) -> dict:
+    steps = step_records(store)
+    stragglers = stragglers or []
+    slow_s, healthy_s = slow_time(steps, stragglers)
+    results = {r: v for r in range(nproc)
+               for v in [protocol.read_json(store, protocol.result_key(r))] if v is not None}
+    recoveries = [e for f in failures if f.gen >= 0
+                  for e in [recovery_entry(store, f, nproc, last_gen)] if e is not None]
+    report = {
+        "world_size": nproc,
+        "spares": spares,
+        "steps_completed": len(steps),
+        "wall_s": round(wall_s, 3),
+        "goodput": goodput_from_steps(steps, slow_s=slow_s),
+        # the time stragglers cost, against the healthy step time; goodput leaves it out
+        "slow_s": slow_s,
+        "healthy_step_s": healthy_s,
+        "stragglers": stragglers,
+        "straggler_check": check or {},
+        "recoveries": recoveries,
+        "failures": [{"rank": f.rank, "worker": f.wid, "cause": f.cause, "step": f.step,
+                      "error": f.error} for f in failures],
+        "results_by_rank": results,
+        "pids_at_end": {w.rank: w.proc.pid for w in workers if w.rank >= 0},
+        "worker_ids_at_end": {w.rank: w.wid for w in workers if w.rank >= 0},
+        "step_times": steps,
+        "pids_at_start": pids_at_start,
+    }
+    if killed_after_done:
+        report["killed_after_done"] = killed_after_done
+    return report

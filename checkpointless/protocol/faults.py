@@ -1,0 +1,142 @@
+"""Fault injection: rehearse a failure at a chosen rank and step.
+
+A fault is data, `{kind, rank, step, phase}`, or `kind:rank:step[@phase]` on a command line:
+  kill   SIGKILL of the worker (nothing is flushed, like a node loss)
+  hang   the worker stops itself (SIGSTOP): alive, holding its sockets, never progressing
+  raise  an exception, as a bug or a bad batch would raise
+  corrupt  one bit of one parameter flips, silently (a memory or device fault): only the
+           consistency check (consistency.py) can catch it
+  slow     from that step on, the worker holding that rank then takes FACTOR times as long over
+           each step's own work (`slow:RANK:STEP[:FACTOR]`, 3 by default): a straggler, alive and
+           correct, that the straggler check (policy.find_stragglers) must find
+and the phase says when it strikes:
+  step     at the start of that step (the default; `raise` inside the step's scope)
+  backward in that step's backward, once the later half of the model's blocks have their
+           gradients (under fsdp they were reduce-scattered, under ddp their buckets' all-reduce
+           started) and the earlier half do not: after some but not all gradient collectives
+  optimizer as the optimizer's step() begins: after every collective of the step's compute
+           (gradient reduction, the loss sum, the clipping norm), before the update lands
+  random   at a seeded random moment of that step: `@random` or `@random:SEED`; the delay is
+           that fraction of the previous step's duration, so it falls anywhere from the step's
+           start to its end (kill and hang only: a timer thread fires it)
+  regroup  while the worker holding that rank builds a new generation's group after a failure
+           at that step (a second failure during a recovery)
+  receive  in the worker taking over that rank, just before it receives the state of that step
+  exchange in that rank's background replica exchange (fsdp) of its snapshot of that step, after
+           the headers and before the payloads: its holder is receiving, the step computing
+
+Each fault fires once per run: the first worker to reach it claims it in the shared store, so the
+spare that takes over the rank and redoes the step does not fail again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KINDS = ("kill", "hang", "raise", "corrupt", "slow")
+SLOW_FACTOR = 3.0  # a slow fault's factor when none is given
+PHASES = ("step", "regroup", "receive", "exchange", "backward", "optimizer", "random")
+# the kinds each phase can fire: a thread can only kill or stop its process, and a bit flipped
+# anywhere but between steps would be a different fault from the one the consistency check sees
+_KINDS_AT = {"exchange": ("kill", "hang"), "random": ("kill", "hang"),
+             "backward": ("kill", "hang", "raise"), "optimizer": ("kill", "hang", "raise"),
+             "regroup": ("kill", "hang", "raise", "corrupt"),
+             "receive": ("kill", "hang", "raise", "corrupt")}
+
+
+def kinds_at(phase: str) -> tuple:
+    """The kinds of fault that can strike at `phase`."""
+    return _KINDS_AT.get(phase, KINDS)
+
+
+class FaultError(ValueError):
+    """A fault that cannot be scheduled. Its text is the library's (`python -m checkpointless
+    --fault`); `field`, `value` and `fix` let a caller word its own, naming its own key (the
+    recipe loader says `faults[2].kind='explode': choose one of ...`)."""
+
+    def __init__(self, message: str, field: str, value, fix: str):
+        super().__init__(message)
+        self.field, self.value, self.fix = field, value, fix
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One scheduled failure: what (kind), where (rank), when (step, phase). Also the shape of a
+    recipe's `faults:` entries (launcher/schema.py), hence the defaults."""
+    kind: str = "kill"  # kill (SIGKILL), hang (SIGSTOP), raise (in the step), corrupt (a bit)
+    rank: int = 0  # rank that fails
+    step: int = 0  # step in which it fails
+    phase: str = "step"  # when in it (PHASES; the module's docstring says what each means)
+    seed: int = 0  # phase=random: the seed of the moment (kill:2:5@random:7)
+    factor: float = 0.0  # kind=slow: how many times as long its steps take (0: SLOW_FACTOR)
+
+    def __post_init__(self):
+        problem = _problem(self)
+        if problem is not None:
+            raise problem
+
+
+def _problem(f: Fault) -> FaultError | None:
+    """The first thing wrong with a fault's values, whatever the world it runs in."""
+    if f.kind not in KINDS:
+        return FaultError(f"faults: kind={f.kind!r} is not one of {', '.join(KINDS)}",
+                          "kind", f.kind, f"choose one of {', '.join(KINDS)}")
+    if f.phase not in PHASES:
+        return FaultError(f"faults: phase={f.phase!r} is not one of {', '.join(PHASES)}",
+                          "phase", f.phase, f"choose one of {', '.join(PHASES)}")
+    if f.kind not in kinds_at(f.phase):
+        there = ", ".join(kinds_at(f.phase))
+        return FaultError(f"faults: kind={f.kind!r} cannot strike @{f.phase}; there, use one of "
+                          f"{there}", "kind", f.kind,
+                          f"cannot strike @{f.phase}; use one of {there}")
+    if f.seed != 0 and f.phase != "random":
+        return FaultError(f"faults: seed={f.seed} is for phase=random only (@random:SEED)", "seed",
+                          f.seed, "only phase=random takes a seed (kill:2:5@random:7); delete it")
+    if f.factor and f.kind != "slow":
+        return FaultError(f"faults: factor={f.factor:g} is for kind=slow only (slow:2:5:3)",
+                          "factor", f.factor, "only kind=slow takes a factor; delete it")
+    if f.kind == "slow" and f.factor and f.factor <= 1:
+        return FaultError(f"faults: factor={f.factor:g} must be > 1 (a slow rank's steps take "
+                          "that many times as long)", "factor", f.factor, "must be > 1, e.g. 3")
+    if f.rank < 0 or f.step < 0:
+        field = "rank" if f.rank < 0 else "step"
+        return FaultError(f"faults: rank={f.rank} and step={f.step} must be >= 0", field,
+                          getattr(f, field), "must be >= 0")
+    return None
+
+
+def split_fault(text: str) -> dict:
+    """The fields of a 'kind:rank:step[@phase]' string (the random phase takes its seed as
+    '@random:SEED', a slow fault its factor as 'slow:RANK:STEP:FACTOR'), checked for form only:
+    Fault checks the values."""
+    spec, _, phase = text.partition("@")
+    phase, _, seed = phase.partition(":")
+    parts = spec.split(":")
+    factor = "0"
+    if len(parts) == 4 and parts[0] == "slow":
+        factor = parts.pop()
+    if len(parts) != 3:
+        raise ValueError(f"fault {text!r}: expected kind:rank:step[@phase], e.g. kill:2:5 or "
+                         "kill:2:5@backward")
+    if seed and phase != "random":
+        raise ValueError(f"fault {text!r}: only @random takes a seed (@random:SEED)")
+    try:
+        return {"kind": parts[0], "rank": int(parts[1]), "step": int(parts[2]),
+                "phase": phase or "step", "seed": int(seed or 0), "factor": float(factor)}
+    except ValueError:
+        raise ValueError(f"fault {text!r}: rank, step and seed must be integers and a slow "
+                         "fault's factor a number, e.g. kill:2:5@random:7 or slow:1:20:3") \
+            from None
+
+
+def parse_fault(item) -> Fault:
+    """One fault from a dict ({kind, rank, step[, phase, seed]}) or a string (split_fault)."""
+    if isinstance(item, str):
+        item = split_fault(item)
+    return Fault(kind=str(item["kind"]), rank=int(item["rank"]), step=int(item["step"]),
+                 phase=str(item.get("phase", "step")), seed=int(item.get("seed", 0) or 0),
+                 factor=float(item.get("factor", 0) or 0))
+
+
+def parse_faults(items) -> list[Fault]:
+    """Faults from dicts or 'kind:rank:step[@phase]' strings (parse_fault)."""
+    return [parse_fault(item) for item in items or []]

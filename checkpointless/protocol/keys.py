@@ -1,0 +1,270 @@
+"""The supervisor/worker protocol: every store key, environment variable and default, once.
+
+The supervisor and its workers talk through one TCPStore hosted by the supervisor (it outlives any
+worker) and through a few environment variables set when a worker process is started. Everything
+either side reads or writes is named here, so a reader can see the whole conversation in one page.
+What grows with ranks goes to the rank's own node (its node store, below); what reaches the
+coordinator grows with nodes, or happens once per generation:
+
+    supervisor                                   worker
+    ----------                                   ------
+    spec             (job settings, JSON)  --->  read once in join()
+                                           <---  ready/<wid>      warmed up, waiting for a rank
+    plan/<g>         (generation g: world  --->  a rank waits on it (one key, no polling) in
+      size, nodes with members)                  its node store, where the node's agent copies
+    plan/<g>/<k>     (node k's part: who         it with the node's part; then reads both in one
+      joined or left there, members)             call: who joined, who left, members on node k
+    gen              (newest generation)
+                                           <---  barrier/<g>/<k>  node store: members arrived;
+                                                 the node's last adds once to barrier/<g>, the
+                                                 job's last sets barrier/<g>/done (a newer plan
+                                                 sets it stale); every member waits for it in
+                                                 its node store (the agent copies it there too)
+                                           <---  hb/<wid>         node store, from a background
+                                                 thread: heartbeat {t, step, gen, phase}
+                                           <---  steps/<s>, last_step  rank 0, background: step
+                                                 s ran t0..t1; the newest committed
+                                           <---  rec/<g>/<rank>   how generation g was entered
+                                           <---  recfirst/<g>/<r> first step committed in g
+                                           <---  error/<wid>, errors   an exception of its own
+                                           <---  diverged/<wid>   its replica left the majority
+    lost             (counter)             --->  a worker was declared lost (before its plan)
+    preempt          (a step)              --->  stop before this step (SIGTERM somewhere)
+                                           <---  result/<rank>, done/<wid>, done
+    shutdown                               --->  the job is over
+
+The node store: every node agent hosts a small TCPStore of its own for its workers (their
+heartbeats, the plans and barrier outcomes the agent copies from the job's store, the barrier's
+first gathering), so a new generation wakes one waiter per node in the job's store, not one per
+rank; on the coordinator's node, and on one machine, the supervisor's store is that node's store.
+
+Many machines: every node but the coordinator's runs an agent (agent.py) that the coordinator
+(cluster.py) talks to through keys of its own, one set per node k. The agent judges its own
+workers (exits, heartbeats, stopped processes) and reports one record per node, so the
+coordinator's steady load grows with nodes, not ranks:
+
+    coordinator                                  agent (node k)
+    -----------                                  --------------
+                                           <---  node/k/hello     {host, procs, pid}
+    node/k/cmd/<i>   (the i-th command)    --->  spawn {wid, slot, spare} | kill {wid}; a thread
+                                                 of the agent blocks on the next one
+                                           <---  node/k/pid/<wid>
+                                           <---  node/k/health    {seq, beats, stopped,
+                                                 exited}: every node_beat_s, and at once on an
+                                                 exit, then node_events (counter) moves
+    node/k/health    "fenced: <why>"       --->  kill every local worker, exit 3
+                     "shutdown"            --->  stop every local worker, exit 0
+                     (the coordinator's word replaces the record; the agent writes each record
+                     with a compare_set that expects its last one, so one call writes it or
+                     answers the word, and a fenced node writes no more)
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from .settings import DEFAULTS
+
+# ---- environment variables the supervisor sets for each process it starts -------------------
+ENV_PRELOAD = "CHECKPOINTLESS_FORKSERVER"  # "MODULE:FUNCTION"; unset, "" or "0": no fork server
+ENV_ETCD = "CHECKPOINTLESS_ETCD"  # the etcd binary to run (unset: the one on PATH)
+ENV_PREFIX = "CL_"  # every per-worker variable below starts with it (read after a fork)
+ENV_STORE_HOST = "CL_STORE_HOST"  # address of the coordination store
+ENV_STORE_PORT = "CL_STORE_PORT"  # its port
+ENV_WORKER_ID = "CL_WORKER_ID"  # this process's id, unique over the job (spares included)
+ENV_DEVICE_SLOT = "CL_DEVICE_SLOT"  # local device index; a replacement takes the lost one's slot
+ENV_SPARE = "CL_SPARE"  # "1" in a process started as a hot spare
+ENV_NODE = "CL_NODE"  # the node the process runs on
+ENV_NODE_STORE_PORT = "CL_NODE_STORE_PORT"  # its node store on 127.0.0.1 (unset: the main store)
+
+# ---- store keys ------------------------------------------------------------------------------
+SPEC = "spec"  # the job's Spec, JSON, written before any worker starts
+GEN = "gen"  # newest published generation (a plan is written before gen moves)
+LOST = "lost"  # counter: workers the supervisor declared lost so far
+ERRORS = "errors"  # counter: exceptions workers reported (error/<wid> holds each)
+DONE = "done"  # counter: workers that finished
+FIRST_STEP = "first_step"  # the step this launch's step records start at (resume from disk)
+SHUTDOWN = "shutdown"  # set by the supervisor when the job is over
+PREEMPT_ASK = "preempt_ask"  # set by a node agent that got SIGTERM/SIGINT: please stop the job
+NODE_EVENTS = "node_events"  # counter: agents' health records that carry news (an exit)
+LAST_STEP = "last_step"  # rank 0's newest committed step (with its step record)
+
+
+def plan_key(gen: int) -> str:
+    return f"plan/{gen}"
+
+
+def plan_node_key(gen: int, node: int) -> str:
+    """Node `node`'s part of generation `gen`'s plan: who joined or left there, its members."""
+    return f"plan/{gen}/{node}"
+
+
+def barrier_key(gen: int) -> str:
+    """Counter on the main store: nodes whose members of generation `gen` all arrived."""
+    return f"barrier/{gen}"
+
+
+def barrier_node_key(gen: int, node: int) -> str:
+    """Counter on node `node`'s store: its members of generation `gen` that arrived."""
+    return f"barrier/{gen}/{node}"
+
+
+def barrier_done_key(gen: int) -> str:
+    """"go" once every member of `gen` arrived, or "stale" once a newer plan replaced it (set
+    if absent, so exactly one of the two wins)."""
+    return f"barrier/{gen}/done"
+
+
+def group_prefix(gen: int) -> str:
+    """Every generation's process group lives under its own prefix: no stale keys (or sockets)
+    from a broken group can leak into the next one."""
+    return f"pg/{gen}"
+
+
+def ready_key(wid: int) -> str:
+    return f"ready/{wid}"
+
+
+def notice_key(i: int) -> str:
+    """The supervisor's i-th notice to every worker, JSON, in order: {"kind": "preempt",
+    "before_step"} (SIGTERM, SIGINT: every rank stops before that step) or {"kind": "leave",
+    "wid", "gen", "before_step"} (that worker, a straggler, leaves at that step's boundary and
+    the others wait there for the plan that replaces it). One thread per worker follows them."""
+    return f"notice/{i}"
+
+
+def straggler_key(i: int) -> str:
+    """The supervisor's i-th straggler line (stragglers.py): an entry as it is found or dealt
+    with, JSON with its time `t`; a loop's own trackers may follow them."""
+    return f"straggler/{i}"
+
+
+def health_key(wid: int) -> str:
+    """A spare's newest health check (health.py): {ok, problems, t}."""
+    return f"health/{wid}"
+
+
+def heartbeat_key(wid: int) -> str:
+    return f"hb/{wid}"
+
+
+def error_key(wid: int) -> str:
+    return f"error/{wid}"
+
+
+def done_key(wid: int) -> str:
+    return f"done/{wid}"
+
+
+def result_key(rank: int) -> str:
+    return f"result/{rank}"
+
+
+def entered_key(gen: int, rank: int) -> str:
+    return f"rec/{gen}/{rank}"
+
+
+def first_commit_key(gen: int, rank: int) -> str:
+    return f"recfirst/{gen}/{rank}"
+
+
+def tracker_run_key(tracker: str) -> str:
+    """The run id rank 0's experiment tracker opened (MLflow): a replacement rank 0 continues it."""
+    return f"tracker_run/{tracker}"
+
+
+def step_key(step: int) -> str:
+    return f"steps/{step}"
+
+
+def fault_claim_key(index: int) -> str:
+    return f"fault/{index}/claimed"
+
+
+def fault_time_key(wid: int) -> str:
+    return f"fault_at/{wid}"
+
+
+def diverged_key(wid: int) -> str:
+    """Set by a worker whose parameters differ from the majority's, before it leaves."""
+    return f"diverged/{wid}"
+
+
+def replicas_prefix(gen: int) -> str:
+    """The store prefix of generation `gen`'s peer-replica group (redundancy under fsdp)."""
+    return f"replicas/{gen}"
+
+
+def plain_prefix(restart) -> str:
+    """The store prefix of one torchrun restart of a job run without the supervisor (plain.py);
+    `restart` is torchrun's restart count."""
+    return f"plainjob/restart{restart}"
+
+
+# ---- node keys (agent.py <-> cluster.py) ------------------------------------------------------
+def node_hello_key(node: int) -> str:
+    return f"node/{node}/hello"
+
+
+def node_health_key(node: int) -> str:
+    """The node agent's one record of its workers (agent.py's health()), or the coordinator's
+    word that replaced it: "fenced: <why>" (the node was declared lost), "shutdown" or
+    "stopped: <why>" (the job is over)."""
+    return f"node/{node}/health"
+
+
+def node_cmd_key(node: int, i: int) -> str:
+    return f"node/{node}/cmd/{i}"
+
+
+def node_pid_key(node: int, wid: int) -> str:
+    return f"node/{node}/pid/{wid}"
+
+
+def read_json(store, key: str):
+    """The JSON record under `key`, or None while there is none."""
+    return json.loads(store.get(key)) if store.check([key]) else None
+
+
+
+def worker_env(host: str, port: int, wid: int, slot: int, spare: bool, node: int = 0,
+               node_store_port: int = 0) -> dict[str, str]:
+    env = {ENV_STORE_HOST: host, ENV_STORE_PORT: str(port), ENV_WORKER_ID: str(wid),
+           ENV_DEVICE_SLOT: str(slot), ENV_SPARE: "1" if spare else "0", ENV_NODE: str(node)}
+    if node_store_port:
+        env[ENV_NODE_STORE_PORT] = str(node_store_port)
+    return env
+
+
+def supervised() -> bool:
+    return ENV_STORE_HOST in os.environ
+
+
+def device_slot() -> int:
+    return int(os.environ.get(ENV_DEVICE_SLOT, "0"))
+
+
+def started_as_spare() -> bool:
+    return os.environ.get(ENV_SPARE) == "1"
+
+
+def node_id() -> int:
+    return int(os.environ.get(ENV_NODE, "0"))
+
+
+def node_store_port() -> int:
+    """The port of this node's store on 127.0.0.1; 0 where the main store serves the node."""
+    return int(os.environ.get(ENV_NODE_STORE_PORT, "0"))
+
+
+def replica_offset(placement: str, procs_per_node: int) -> int:
+    """Distance on the rank ring between a shard and its first copy: the next rank (ring), or the
+    same local rank on the next node (nodes), so that losing a node never takes a shard and all
+    its copies at once."""
+    if placement == "nodes":
+        return procs_per_node
+    return DEFAULTS.replication_offset
+
+
+# what `from checkpointless import protocol` re-exports: every key, variable and helper above
+__all__ = [n for n in dir() if not n.startswith("_") and n not in ("annotations", "json", "os", "DEFAULTS")]

@@ -1,0 +1,18 @@
+"""The training process: joining a job, the step boundary, recovery inside the healthy workers,
+peer-to-peer state transfer and redundancy, the bit-exact gradient reduction, on-disk checkpoints.
+It imports protocol/ and nothing of the control plane (control/, ha/): a worker never needs the
+code that supervises it.
+
+Besides the public API in `checkpointless`, the launcher's training side uses the names below.
+"""
+from . import durable, health
+from .consistency import params_checksum
+from .digest import StateDigest, model_sha256, state_sha256
+from .durable import ShardedCheckpoints
+from .redundancy import KEEP, ROLLBACK_KEEP
+from .replica_groups import Layout
+from .tensors import full_tensor, is_dtensor, local_part, local_tensor
+
+__all__ = ["durable", "health", "params_checksum", "StateDigest", "model_sha256", "state_sha256",
+           "ShardedCheckpoints", "KEEP", "ROLLBACK_KEEP", "Layout", "full_tensor", "is_dtensor",
+           "local_part", "local_tensor"]

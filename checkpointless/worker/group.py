@@ -1,0 +1,316 @@
+"""The process group of one generation: built on the store, torn down, aborted, and handed to FSDP.
+
+Each generation gets a fresh group on its own store prefix. Before it is built, the members meet
+at a barrier on the store, so a member that died after the plan was published cannot block the
+others inside the group's constructor. Tearing a group down must release any peer still blocked
+on it: gloo's abort does not, so a leaving worker also shuts its group's sockets
+(sever_peer_connections). A Watch thread aborts the group the moment a newer plan is published.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ..protocol import membership
+from .. import protocol
+from . import replica_groups
+from .failures import communicating
+
+
+class Group:
+    """Owns this worker's process group: forming one per plan, tearing it down, aborting it, and
+    keeping FSDP2 modules pointed at the live one."""
+
+    def __init__(self, store, node_store, backend: str, pg_timeout_s: float, store_ports,
+                 modules, shard_size: int = 0):
+        self.store, self.node_store = store, node_store
+        self.backend = backend
+        self.pg_timeout_s = pg_timeout_s
+        self.store_ports = set(store_ports)  # connections to the stores: never severed
+        self.modules = modules  # () -> the protected nn.Modules, for FSDP's cached group handles
+        self.shard_size = shard_size  # HSDP: ranks per shard group (0: none, see replica_groups)
+        self.layout: replica_groups.Layout | None = None
+        self.subgroups = None  # HSDP: (replicate group, shard group) of this generation
+
+    def form(self, plan: membership.Seat) -> bool:
+        """Build generation `plan.gen`'s group; False when a newer plan replaced it meanwhile."""
+        self.teardown()
+        rank = plan.rank
+        if not membership.barrier(self.store, self.node_store, plan):
+            return False
+        hook = sys.excepthook
+        with communicating(f"forming the process group of generation {plan.gen}"):
+            dist.init_process_group(
+                self.backend, store=dist.PrefixStore(protocol.group_prefix(plan.gen), self.store),
+                rank=rank, world_size=plan.world_size,
+                timeout=timedelta(seconds=self.pg_timeout_s))
+        # torch wraps the excepthook at every init_process_group to prefix "[rankN]: ": one
+        # wrapper more per generation. The job's own hook (failures.report_uncaught) stays.
+        sys.excepthook = hook
+        self.subgroups = None
+        if self.shard_size and self.shard_size < plan.world_size:
+            self.layout = replica_groups.Layout(plan.world_size, self.shard_size)
+            with communicating(f"forming the replica and shard groups of generation {plan.gen}"):
+                self.subgroups = replica_groups.build(self.layout, rank)
+        self.rebind_sharded_modules(dist.group.WORLD)
+        got = dist.get_world_size()
+        if got != plan.world_size:
+            raise RuntimeError(f"process group has world size {got}, the plan asked for "
+                               f"{plan.world_size}")
+        return True
+
+    def teardown(self) -> None:
+        # Drop FSDP's handles on the old group first: while anything references it, its
+        # sockets stay open and a peer blocked on us would wait for the timeout.
+        self.rebind_sharded_modules(None)
+        self.subgroups = None
+        if not dist.is_initialized():
+            return
+        self.release_peers()
+        self.abort()
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+
+    def release_peers(self) -> None:
+        """Shut this process's group connections (gloo), before anything closes its copies of
+        them: children forked after join (DataLoader workers) hold the same sockets, so closing
+        our descriptors alone would leave the connections open and peers blocked on them."""
+        if self.backend == "gloo":
+            sever_peer_connections(self.store_ports)
+
+    @staticmethod
+    def abort() -> None:
+        """Make every call blocked on the current group return with an error (NCCL honours this;
+        for gloo the sockets are shut as well, in teardown)."""
+        try:
+            dist.distributed_c10d._abort_process_group()
+        except Exception:
+            pass
+
+    def device_mesh(self):
+        """The mesh FSDP2 shards over, on the backend's device (nccl: the GPU, else the CPU):
+        the default group itself, or under HSDP the 2-D mesh of this generation's replicate and
+        shard groups (replica_groups.py)."""
+        from torch.distributed.device_mesh import DeviceMesh
+        device_type = "cuda" if self.backend == "nccl" else "cpu"
+        if self.subgroups is not None:
+            return replica_groups.device_mesh(self.layout, self.subgroups, device_type)
+        return DeviceMesh.from_group(dist.group.WORLD, device_type)
+
+    def rebind_sharded_modules(self, group) -> None:
+        """Point FSDP2 modules at `group` (the new default group, or None to drop the old one).
+
+        FSDP keeps the group object it was built with; after a regroup that object is dead. The new
+        default group gets the old one's name, so DTensor's mesh resolves to it; only FSDP's cached
+        handles need replacing, no parameter moves. Under HSDP the shard and replicate handles
+        take this generation's subgroups, which have the old ones' names too.
+        """
+        shard = replicate = group
+        if group is not None and self.subgroups is not None:
+            replicate, shard = self.subgroups
+        for obj in self.modules():
+            for module in obj.modules():
+                get_state = getattr(module, "_get_fsdp_state", None)
+                param_group = get_state()._fsdp_param_group if get_state else None
+                if param_group is None:
+                    continue
+                for info in (param_group.mesh_info,
+                             getattr(param_group, "post_forward_mesh_info", None)):
+                    if info is None:
+                        continue
+                    if hasattr(info, "shard_process_group"):
+                        info.shard_process_group = shard
+                    if hasattr(info, "replicate_process_group"):
+                        info.replicate_process_group = replicate
+
+
+def sever_peer_connections(keep_ports: set[int]) -> int:
+    """Shut down every established TCP connection of this process except those to `keep_ports`
+    (the store). Returns how many were shut down.
+
+    A gloo collective waits until every peer it talks to sends or closes the connection. A worker
+    that leaves a broken group for recovery stays alive, and destroying its group object does not
+    always close the sockets (other objects, FSDP's among them, can keep the group alive), so a
+    peer blocked on it would wait for the process-group timeout. Shutting the group's TCP
+    connections down by hand turns that wait into an immediate connection error on the peer's
+    side, the same error a dead process gives."""
+    n = 0
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return 0
+    for name in fds:
+        fd = int(name)
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            s = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            if s.type != socket.SOCK_STREAM or s.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            try:
+                peer_port = s.getpeername()[1]
+                local_port = s.getsockname()[1]
+            except OSError:
+                continue  # a listening socket: no peer
+            if peer_port in keep_ports or local_port in keep_ports:
+                continue
+            s.shutdown(socket.SHUT_RDWR)
+            n += 1
+        except OSError:
+            pass
+        finally:
+            s.close()  # closes our duplicate only; the shutdown applies to the connection
+    return n
+
+
+# How long one blocking wait lasts. Long: a wait that times out makes c10d log a warning.
+_WAIT_S = 24 * 3600.0
+
+
+class Watch:
+    """Owns the thread (and its own store connection) that follows the published generations,
+    and aborts the process group the moment the membership moves on mid-step.
+
+    Gloo usually raises at once when a peer dies, but a rank whose ring neighbours are alive and
+    equally stuck, or any rank on NCCL, would wait for the process-group timeout. The supervisor
+    publishes the next plan as soon as it has declared a worker lost; this thread blocks in the
+    store until that plan appears and then aborts the communicator, which turns the wait into an
+    immediate error that the step scope recovers from.
+
+    `latest_gen` is the newest generation seen; `generation()` gives the worker's own, and
+    `abort_older(g)` is called once generation g is seen: it aborts the worker's group if that
+    is still inside a step of an older generation. The check and the abort are one atomic act
+    on the worker's side: this thread may be descheduled for a while after seeing g, and by
+    then the worker may be in a step of generation g, whose group must not be touched."""
+
+    def __init__(self, host: str, port: int, generation, abort_older, plans_at=None):
+        self.host, self.port = host, port  # the job's store (preemption is asked there)
+        self.plans_at = plans_at or (host, port)  # where the plans are: the node's store
+        self.generation, self.abort_older = generation, abort_older
+        self.latest_gen = -1
+        self.preempt_at: int | None = None  # the step before which the job stops, once asked
+        # generation -> (the worker that leaves, the step before which it does): a straggler
+        self.leaves: dict[int, tuple[int, int]] = {}
+        self._stop = threading.Event()
+        self._seen = threading.Condition()
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, daemon=True, name="checkpointless-watch").start()
+        threading.Thread(target=self._run_notices, daemon=True,
+                         name="checkpointless-notices").start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def moved(self, gen: int) -> bool:
+        """A generation newer than `gen` has been published."""
+        return self.latest_gen > gen
+
+    def wait_newer(self, gen: int, timeout_s: float) -> bool:
+        """Sleep until a generation newer than `gen` is seen, at most `timeout_s`."""
+        with self._seen:
+            return self._seen.wait_for(lambda: self.latest_gen > gen, timeout_s)
+
+    def leave(self, gen: int) -> tuple[int, int] | None:
+        """(worker, step) when a worker of generation `gen` was asked to leave before that
+        step (protocol.notice_key)."""
+        return self.leaves.get(gen)
+
+    def _run_notices(self) -> None:
+        """Learn of the supervisor's notices (a preemption, a straggler asked to leave) the
+        moment they are written, without a store call per step."""
+        store = membership.connect(self.host, self.port)
+        i = 0
+        try:
+            while True:
+                store.wait([protocol.notice_key(i)], timedelta(seconds=_WAIT_S))
+                n = json.loads(store.get(protocol.notice_key(i)))
+                if n["kind"] == "preempt":
+                    self.preempt_at = n["before_step"]
+                elif n["kind"] == "leave":
+                    self.leaves[n["gen"]] = (n["wid"], n["before_step"])
+                i += 1
+        except Exception:  # noqa: BLE001  the store is gone: the job is over
+            return
+
+    def _run(self) -> None:
+        store = membership.connect(*self.plans_at)
+        while not self._stop.is_set():
+            g = max(self.generation(), self.latest_gen) + 1
+            t0 = time.time()
+            try:
+                store.wait([protocol.plan_key(g)], timedelta(seconds=_WAIT_S))
+            except Exception:
+                if time.time() - t0 < _WAIT_S / 2:  # not a timeout: the store is gone, job over
+                    return
+                continue
+            mine = self.generation()
+            if mine >= 0 and g > mine and g > self.latest_gen:
+                with self._seen:
+                    self.latest_gen = g
+                    self._seen.notify_all()
+                self.abort_older(g)
+
+
+def side_group(host: str, port: int, gen: int, rank: int, world_size: int, timeout_s: float):
+    """A second gloo group over generation `gen`'s members, for the replica exchange thread
+    (redundancy.py): one group's calls must not run from two threads at once.
+
+    Built in that thread on its own store connection, under its own prefix, and never registered
+    with torch.distributed, so FSDP and the training group know nothing of it. Tearing down the
+    training group shuts its sockets too (sever_peer_connections shuts every peer connection)."""
+    store = membership.connect(host, port)
+    return dist.ProcessGroupGloo(dist.PrefixStore(protocol.replicas_prefix(gen), store), rank,
+                                 world_size, timedelta(seconds=timeout_s))
+
+
+def reshard_all(modules) -> None:
+    """A step cut short leaves FSDP mid-iteration: parameters gathered, and the forward order of
+    the interrupted pass still recorded, by which the redo's backward would prefetch (a survivor
+    would then all-gather where a fresh replacement reduce-scatters, and both wait forever).
+    The root's iteration state is reset as torch resets it after an exception in a step
+    (FSDPState._reset_iter_state, torch 2.13); without it, every module is resharded.
+
+    Neither drops the gradients that autograd already accumulated into the unsharded parameters
+    of blocks whose backward ran but whose reduce-scatter the failure cut short (nor their
+    reduce-dtype accumulators): the redo's backward would add to them, and the step would end
+    with a gradient the failure-free run never had (seen: the redone step's loss equal, its
+    grad_norm not). They are dropped here, for every sharded parameter."""
+    for obj in modules:
+        for module in obj.modules():
+            get_state = getattr(module, "_get_fsdp_state", None)
+            if get_state is None:
+                continue
+            state = get_state()
+            _drop_unsharded_grads(state)
+            if getattr(state, "_is_root", None) and hasattr(state, "_reset_iter_state"):
+                try:
+                    state._reset_iter_state()
+                    continue
+                except Exception:  # noqa: BLE001  an older layout: resharding is what is left
+                    pass
+            if hasattr(module, "reshard"):
+                module.reshard()
+
+
+def _drop_unsharded_grads(state) -> None:
+    """Forget the gradients an interrupted backward left on one FSDP state's parameters."""
+    group = getattr(state, "_fsdp_param_group", None)
+    for fsdp_param in getattr(group, "fsdp_params", None) or []:
+        unsharded = getattr(fsdp_param, "_unsharded_param", None)
+        if unsharded is not None:
+            unsharded.grad = None
+        if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None:
+            fsdp_param.unsharded_accumulated_grad = None

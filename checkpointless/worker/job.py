@@ -1,0 +1,353 @@
+"""The worker's handle on the job: the loop API a script uses, over the recovery parts.
+
+    job = checkpointless.join()                  # a spare waits here until it is given a rank
+    job.protect(model=model, optimizer=opt)      # what a spare must receive to take over a rank
+    for step in job.steps(max_steps):            # after a recovery, resumes at the agreed step
+        with job.step():                         # a peer failure in here is recovered, step redone
+            ...forward, backward...
+            job.all_reduce_grads(model.parameters())
+            opt.step()
+    job.finish({"loss": ...})
+
+The loops are written on the step boundary (steploop.py), which asks the state machine
+(recovery.py) for its transitions; docs/recovery.md follows a failure through the files.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from . import consistency
+from ..protocol import membership
+from .. import protocol
+from .data import END, Cursor, LoaderPosition
+from .ddp import DistributedDataParallel
+from .failures import report_error
+from .injector import FaultInjector
+from ..protocol.faults import parse_faults
+from .grads import KeptGrads, summed_extra
+from .outside import OutsideSteps
+from .recovery import Recovery
+from .reporter import Reporter
+from .steploop import StepLoop, StepScope
+from .seeding import seed_all, step_seed
+from .state import ProtectedState
+
+
+class Job:
+    """A worker's handle on the job: the public loop API over the recovery parts."""
+
+    def __init__(self, store, worker_id: int, spec: protocol.Spec, host: str, port: int):
+        self.store = store
+        self.worker_id = worker_id
+        self.spec = spec
+        self.backend = spec.backend
+        self.seed = int(spec.seed)
+        self.device_slot = protocol.device_slot()
+        self._state = ProtectedState(spec)
+        self._kept = KeptGrads()
+        self._injector = FaultInjector(parse_faults(spec.faults), store, worker_id)
+        self._injector.corrupt = lambda: consistency.flip_a_bit(self._state.modules())
+        self._injector.connect = lambda: membership.connect(host, port)
+        # heartbeats and step records leave the loop's critical path, to the node's own store
+        node_port = protocol.node_store_port()
+        self.reporter = Reporter(worker_id, host, port, node_port)
+        self._rec = Recovery(store, worker_id, spec, host, port, self._state, self._kept,
+                             self._injector, self.reporter, node_port, protocol.node_id())
+        self._injector.where = lambda: (self._rec.rank, self._rec.completed)
+        # the step boundary, the public API the drop-in Accelerator drives too (steploop.py)
+        self.steploop = StepLoop(store, worker_id, spec, self._rec, self._state, self._injector)
+        self._scope_used = False
+        self._ddp: DistributedDataParallel | None = None
+        self._preempted = False
+        self._outside = OutsideSteps(self.steploop, self._rec, store, worker_id)
+
+    @property
+    def on_recovered(self):
+        """Called after a recovery outside a step with the committed step before it (the drop-in
+        Accelerator agrees on its loop's position there, as its replacement does on start);
+        it returns False when a peer failed meanwhile."""
+        return self._outside.on_recovered
+
+    @on_recovered.setter
+    def on_recovered(self, fn) -> None:
+        self._outside.on_recovered = fn
+
+    # ---- where this worker stands -------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self._rec.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._rec.world_size
+
+    @property
+    def gen(self) -> int:
+        return self._rec.gen
+
+    @property
+    def completed_steps(self) -> int:
+        return self._rec.completed
+
+    @property
+    def is_replacement(self) -> bool:
+        """True for a spare that took over a rank: its state comes from peers, not from disk."""
+        return not self._rec.holds_state
+
+    @property
+    def last_recovery(self) -> dict | None:
+        return self._rec.last
+
+    @property
+    def step_started_at(self) -> float:
+        """Wall time at which the current (or last) step started."""
+        return self.steploop.step_started_at
+
+    def device_mesh(self):
+        """FSDP2's mesh from the groups join() made (1-D, or HSDP's 2-D: replica_groups.py)."""
+        return self._rec.group.device_mesh()
+
+    def replica_host_bytes(self, part: str = "held") -> int | None:
+        """Host bytes of peers' shard copies ("held"), own rollback snapshots ("own"), or "all"."""
+        r = self._state.replicas
+        return r.host_bytes(part) if r is not None else None
+
+    def replica_timing(self) -> dict | None:
+        """The replica exchanges' count and training-thread seconds (snapshot copy, waits)."""
+        r = self._state.replicas
+        return dict(r.timing) if r is not None else None
+
+    # ---- state ---------------------------------------------------------------------------------
+    def protect(self, send_frozen: bool = True, **objects) -> None:
+        """Register what a replacement needs: anything with state_dict() / load_state_dict(),
+        and a DataLoader (its position, see data.py).
+
+        send_frozen=False: parameters with requires_grad=False (a frozen base under LoRA) are
+        not sent to a replacement, which builds them itself the way every worker did (from the
+        same pretrained files, or the same seeded init): a recovery moves the adapters and
+        their optimizer state only. The replicas are still compared whole."""
+        self._state.send_frozen = send_frozen
+        self._state.protect(**objects)
+        for obj in objects.values():
+            self._injector.install(obj)  # faults scheduled @backward or @optimizer
+            if isinstance(obj, DistributedDataParallel):  # it keeps our gradients for a redo
+                self._ddp = obj
+                obj.on_local_grads = lambda grads, extra: self._kept.remember(
+                    self._rec.completed, self.rank, self.world_size, grads, extra)
+
+    def take_rank(self) -> None:
+        """Block until a plan gives this worker a rank (a spare waits here, warm), then build
+        its group; the state is agreed at the first loop call."""
+        plan = self._rec.wait_plan(-1, None)
+        try:  # a refilled spare warmed up at low priority; training runs at normal priority
+            if os.getpriority(os.PRIO_PROCESS, 0) > 0:
+                os.setpriority(os.PRIO_PROCESS, 0, 0)
+        except OSError:
+            pass
+        self._rec.join(plan)
+
+    def set_fallback(self, newest_step, load_step) -> None:
+        """Durable checkpoints, used when no peer holds a lost slice: `newest_step()` gives the
+        newest step on disk (None if none, finishing any write in flight first) and
+        `load_step(step)` loads that checkpoint into the live objects."""
+        self._state.fallback = (newest_step, load_step)
+
+    def resume_at(self, step: int) -> None:
+        """Start counting from `step` (after loading a checkpoint), before the first steps()."""
+        self._rec.resume_at(step)
+
+    def process_env(self) -> dict[str, str]:
+        """What tools built on torch.distributed read from the environment (accelerate), as
+        this job places the process: RANK and WORLD_SIZE are the job's; LOCAL_RANK counts the
+        node's active ranks (a spare that took over a node's first rank is its local main
+        process, whatever device slot it holds) and LOCAL_WORLD_SIZE is their number. The group
+        exists already: MASTER_ADDR only satisfies a multi-node check."""
+        per_node = max(1, self.spec.ranks_per_node)
+        env = {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
+               "LOCAL_RANK": str(self.rank % per_node), "LOCAL_WORLD_SIZE": str(per_node)}
+        if "MASTER_ADDR" not in os.environ:
+            env["MASTER_ADDR"] = os.environ.get(protocol.ENV_STORE_HOST, "127.0.0.1")
+        return env
+
+    # ---- the loop ------------------------------------------------------------------------------
+    @property
+    def preempted(self) -> bool:
+        """True once the job was asked to stop (SIGTERM or SIGINT to a launcher) and this rank's
+        loop ended early at the agreed step: write a durable checkpoint now, then finish()."""
+        return self._preempted
+
+    def _stop_here(self, step: int) -> bool:
+        """The job is being stopped and every rank stops before `step` or sooner."""
+        stop = self._rec.watch.preempt_at  # the watch learns of it (no store call per step)
+        if stop is None:
+            return False
+        self._preempted = step >= stop
+        return self._preempted
+
+    def steps(self, max_steps: int):
+        """Yield step numbers until `max_steps` steps are committed, recovering on failure."""
+        self.steploop.start()
+        while True:
+            step = self.steploop.next()
+            if step >= max_steps or self._stop_here(step):
+                if self.steploop.secure():
+                    return
+                continue  # a peer failed at the end: recover, and redo what the restore says
+            if not self.steploop.ready(step):
+                continue
+            self._new_step()
+            yield step
+            self._after_body()
+
+    def epochs(self, num_epochs: int, max_steps: int | None = None, loader=None):
+        """Yield epoch numbers of the protected loader's position (data.py), from the agreed
+        one after a recovery, until `num_epochs` epochs (or `max_steps` steps) are done."""
+        self.steploop.start()
+        pos = self._position(loader)
+        while True:
+            self.steploop.next()
+            if pos.epoch >= num_epochs or (max_steps is not None and
+                                           self.completed_steps >= max_steps) \
+                    or self._stop_here(self.completed_steps):
+                if self.steploop.secure():
+                    return
+                continue
+            epoch = pos.epoch
+            yield epoch
+            if pos.epoch == epoch:  # its batches ran out here, not moved on by a recovery
+                pos.epoch, pos.epoch_start = epoch + 1, self._rec.completed
+
+    def batches(self, loader, max_steps: int | None = None):
+        """Yield the protected `loader`'s batches of the current epoch, one per step, like
+        `steps()`: a step redone after a recovery gets the same batch again, and a replacement
+        starts at the batch after the last committed one (data.py)."""
+        self.steploop.start()
+        pos = self._position(loader)
+        epoch, cursor = pos.epoch, Cursor(loader)
+        while True:
+            step = self.steploop.next()
+            if pos.epoch != epoch or (max_steps is not None and step >= max_steps) or \
+                    self._stop_here(step):
+                return  # the position moved to a later epoch in a recovery, or the run is done
+            batch = cursor.batch(step - pos.epoch_start)  # this epoch's batch for this step
+            if batch is END:
+                return
+            if not self.steploop.ready(step):
+                continue
+            self._new_step()
+            yield batch
+            self._after_body()
+
+    def between_steps(self, fn):
+        """Run `fn()`, which may use collectives, outside any step (a final evaluation, a
+        gather for export) and return its result. A peer's failure inside it is recovered like
+        one in a step, and `fn` runs again on the new group; a replacement that took over after
+        the last step runs it too, as long as the script calls it after its loop.
+
+        Every member runs the same collectives after a recovery: this rank first runs again the
+        between_steps() calls it completed since the last step (their results are dropped), as
+        the replacement, following the script, runs them for the first time. So `fn` must give
+        the same result when run again (a gather, an evaluation, an export that rewrites its
+        files). Under sharded state the state at this boundary is first copied whole to peers
+        (`_secure`), so a failure here restores exactly it."""
+        return self._outside.run(fn)
+
+    def _new_step(self) -> None:
+        """A step's body starts: what ran between the steps before it is never run again."""
+        self._scope_used = False
+        self._outside.new_step()
+
+    def _after_body(self) -> None:
+        """A step body run without `with job.step():` commits when the loop moves on."""
+        if not self._scope_used:
+            self.steploop.close()
+
+    def _position(self, loader) -> LoaderPosition:
+        found = [o for o in self._state.objects.values() if isinstance(o, LoaderPosition) and
+                 (loader is None or o.loader is loader)]
+        if len(found) != 1:
+            what = "this loader" if loader is not None else "one loader"
+            raise RuntimeError(f"job.epochs()/job.batches(): protect {what} first, with "
+                               "job.protect(..., loader=loader), so a replacement can resume at "
+                               "its position" + ("" if loader is not None or not found else
+                                                 "; with several, pass epochs(loader=...)"))
+        return found[0]
+
+    def step(self):
+        """The scope of one step: it commits when the body ends without error; a peer's failure
+        inside it is recovered (the step is redone); any other error is reported and raised."""
+        return StepScope(self)
+
+    def seed_step(self, step: int, micro: int = 0) -> int:
+        return seed_all(step_seed(self.seed, step, self.rank, micro))
+
+    @property
+    def grads_kept(self) -> bool:
+        """True when this rank redoes a step whose all-reduce a peer's failure cut short and it
+        still holds its own gradients of that step (same state, rank and world size).
+
+        The loop may then skip forward and backward (and zero_grad): `all_reduce_grads` puts the
+        kept gradients back and reuses the `extra` given with them. Only the replacement computes,
+        so a recovery costs one rank's share of a step, not a whole step on every rank. A loop
+        that ignores this and recomputes gets the same result, at the full cost.
+        """
+        return self._kept.usable(self._rec.completed, self.rank, self.world_size)
+
+    @property
+    def catching_up(self) -> int:
+        """How many ranks compute this step while every other rank waits on them, if this rank
+        is one of them; else 0.
+
+        That is a replacement's first step when the survivors redo it from kept gradients: the
+        job waits on the replacement alone, so on CPU it may use the idle cores (if that gives the
+        same bits, see launcher/loop.py)."""
+        return self._rec.catching_up
+
+    def all_reduce_grads(self, params, extra: torch.Tensor | None = None):
+        """Average the gradients of `params` over the ranks in one fixed-order collective and
+        return `extra` summed over the ranks (see `grads.all_reduce_grads`).
+
+        With a protected checkpointless.DistributedDataParallel the gradients were already
+        averaged during backward, with the `extra` given to its `reduce_with()`: this returns
+        that sum (or sums `extra` now if none was given). When the loop skipped the compute
+        because `grads_kept`, it averages the kept gradients and extra in the wrapper's buckets."""
+        ddp = self._ddp
+        if ddp is None:
+            return self._kept.all_reduce(params, self._rec.completed, self.rank,
+                                         self.world_size, extra)
+        params = list(params)
+        if self.grads_kept and all(p.grad is None for p in params):
+            ddp.reduce_now(self._kept.restore())
+            return ddp.extra_sum
+        return summed_extra(ddp, extra)
+
+    def finish(self, result: dict | None = None) -> None:
+        """Check the replicas agree, report this rank's result and leave the job cleanly.
+
+        Replicas that disagree at the end are an error on every rank, never a quiet success.
+        The ranks leave together, at a barrier after every result is reported: a peer lost
+        before its result was in is recovered like a failure between steps (this rank runs
+        again what the replacement runs on its way here); a peer lost after it (on its way
+        out) loses nothing, and the run stands."""
+        if (groups := self._state.compared(self.world_size)) is not None and self._state.modules():
+            try:
+                consistency.check_at_end(self._state.modules(), groups, self.between_steps)
+            except consistency.NoMajority as exc:
+                report_error(self.store, self.worker_id, exc)
+                raise
+        complete = self._outside.leave(json.dumps(result or {}))
+        if self._state.replicas is not None:  # the last copy is worth nothing now: stop it
+            self._state.replicas.close(lambda: self._rec.watch.moved(self.gen), timeout_s=10.0)
+        self.reporter.beat(self._rec.completed, self.gen, "done")
+        self.reporter.flush()
+        self.store.set(protocol.done_key(self.worker_id), "1")
+        self.store.add(protocol.DONE, 1)
+        self._rec.watch.stop()
+        if complete:
+            self._rec.group.teardown()  # its sockets are shut; a peer may still hold its end
+        elif dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,64 @@
+"""How a worker process becomes part of a job: `join()` under the supervisor, or a PlainJob with
+the same surface under torchrun."""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from . import health
+from ..protocol import membership
+from .. import protocol
+from .failures import report_uncaught
+from .job import Job
+from .plain import PlainJob
+from .state import refuse_torch_ddp_construction
+
+
+def started_as_spare() -> bool:
+    """True in a process the supervisor started as a hot spare, before `join()` returns.
+
+    A spare has time while it waits: a loop can use it to run one forward and backward off the
+    books (kernels chosen, memory pools grown), so the first step it trains after taking over a
+    rank, which every other rank waits for, runs at full speed."""
+    return protocol.started_as_spare()
+
+
+def join(seed: int | None = None, backend: str | None = None):
+    """Join the job; blocks until this worker holds a rank (a spare waits here, warm).
+
+    Under the supervisor (`python -m checkpointless` or `python -m launcher train`) this returns a
+    fault-tolerant Job; under torchrun, a PlainJob with the same API and no recovery.
+    """
+    if not protocol.supervised():
+        if "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ:
+            if backend is None:
+                backend = "nccl" if torch.cuda.is_available() else "gloo"
+            return PlainJob(backend, 0 if seed is None else seed)
+        raise RuntimeError("checkpointless.join(): not started by the supervisor. Launch with "
+                           "`python -m checkpointless --nproc N --spares S script.py`.")
+    host = os.environ[protocol.ENV_STORE_HOST]
+    port = int(os.environ[protocol.ENV_STORE_PORT])
+    worker_id = int(os.environ[protocol.ENV_WORKER_ID])
+    store = membership.connect(host, port)
+    spec = protocol.Spec.from_json(store.get(protocol.SPEC))
+    if seed is not None:
+        spec.seed = seed
+    job = Job(store, worker_id, spec, host, port)
+    report_uncaught(store, worker_id, printed_by_supervisor=lambda: job.rank >= 0)
+    refuse_torch_ddp_construction()
+    watch = None
+    if protocol.started_as_spare() and health.enabled(spec.health):
+        # checked before it says it is ready, and again while it waits: the supervisor hands a
+        # rank only to a spare whose newest check passed
+        watch = health.HealthWatch(lambda: membership.connect(host, port), worker_id,
+                                   spec.health, int(os.environ.get(protocol.ENV_DEVICE_SLOT, 0)))
+        watch.first(store)
+    store.set(protocol.ready_key(worker_id), f"{time.time():.6f}")
+    if job._rec.node_store is not store:  # its node's agent says so to a coordinator taking over
+        job._rec.node_store.set(protocol.ready_key(worker_id), f"{time.time():.6f}")
+    job.take_rank()
+    if watch is not None:
+        watch.stop()
+    return job
