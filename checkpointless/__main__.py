@@ -16,7 +16,7 @@ from .protocol import DEFAULTS
 from .control.supervisor import JobFailed, Supervisor, SupervisorConfig
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m checkpointless", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, required=True, help="active workers (the world size)")
@@ -63,6 +63,11 @@ def main(argv=None) -> int:
     p.add_argument("--report", default=None, help="write the JSON report here")
     p.add_argument("script")
     p.add_argument("args", nargs=argparse.REMAINDER)
+    return p
+
+
+def _checked(p: argparse.ArgumentParser, argv) -> tuple[argparse.Namespace, list[dict]]:
+    """The options, refused with the option, its value and the fix before any worker starts."""
     a = p.parse_args(argv)
     try:
         faults = [f.__dict__ for f in parse_faults(a.fault)]
@@ -78,6 +83,11 @@ def main(argv=None) -> int:
                     "pip install prometheus_client (or leave --metrics-port out)")
     if a.nproc < 1 or a.spares < 0:
         p.error(f"--nproc={a.nproc} must be >= 1 and --spares={a.spares} >= 0")
+    return a, faults
+
+
+def main(argv=None) -> int:
+    a, faults = _checked(_parser(), argv)
     # every option under its field's name (nproc, spares, heartbeat_timeout_s, backend, ...)
     cfg = SupervisorConfig.of(vars(a), refill=not a.no_refill, faults=faults,
                               health={"command": a.health_command} if a.health_command else {})

@@ -25,23 +25,19 @@ def main(argv: list[str]) -> int:
     recipe_file, addr = Path(argv[0]), argv[1]
     cfg = OmegaConf.load(recipe_file)
     d, c = cfg.distributed, cfg.checkpointless
-    from checkpointless.ha import Etcd
-    from checkpointless.ha import JobFacts
-    from checkpointless.ha import Role
-    from checkpointless.control import JobFailed, Supervisor
+    from checkpointless.ha import Etcd, JobFacts, Role
 
     from .etcd_node import endpoints_of, prefix_of
-    from .launch import _log, _metrics_line, _report, supervisor_config
 
     prefix = prefix_of(cfg)
     etcd = Etcd(endpoints_of(cfg), timeout_s=1.0)
-    sup = None
+    held: dict = {}  # the supervisor, once this node runs one
 
     def lost(why: str) -> None:
         print(f"[coordinator] node {d.node_rank} lost the coordinator's role: {why}",
               file=sys.stderr, flush=True)
-        if sup is not None:
-            sup.depose(why)
+        if held.get("sup") is not None:
+            held["sup"].depose(why)
         else:
             os._exit(5)
 
@@ -61,8 +57,19 @@ def main(argv: list[str]) -> int:
     if known.done:  # the role came free because the job ended
         role.resign()
         return 0
+    return _run_as_holder(cfg, recipe_file, addr, role, facts, known.gen < 0,
+                          on_supervisor=lambda s: held.__setitem__("sup", s))
+
+
+def _run_as_holder(cfg, recipe_file: Path, addr: str, role, facts, fresh: bool,
+                   on_supervisor) -> int:
+    """Supervise the job while this node holds the role, then write its report."""
+    from checkpointless.control import JobFailed, Supervisor
+
+    from .launch import _log, _metrics_line, _report, supervisor_config
+
+    d = cfg.distributed
     out = Path(cfg.run.output_dir)
-    fresh = known.gen < 0
     print(f"[coordinator] node {d.node_rank} holds the coordinator's role (token {role.token})"
           f", its store on {addr}:{d.master_port}" + ("" if fresh else ": taking over"),
           flush=True)
@@ -72,6 +79,7 @@ def main(argv: list[str]) -> int:
     sup_cfg.standalone, sup_cfg.host, sup_cfg.port = True, addr, d.master_port
     sup = Supervisor([sys.executable, "-m", "launcher.loop", str(recipe_file)], sup_cfg,
                      log=_log, on_straggler=_metrics_line(out), facts=facts)
+    on_supervisor(sup)
     t0 = time.time()
     try:
         run = sup.run()

@@ -55,7 +55,7 @@ def test_a_stopped_worker_is_reported_once_silent_and_beats_are_read_in_one_call
         # worker 10 has beaten just now, worker 11 not yet: a check first, read one by one
         _beat(agent.node_store, 10, 0.0)
         agent.node_store = _Counted(agent.node_store)
-        assert agent.health(news=False) == "run"
+        assert str(agent.health(news=False)) == "run"
         record = json.loads(job.get(protocol.node_health_key(1)))
         assert set(record["beats"]) == {"10"} and record["stopped"] == []
         assert agent.beaten == {10}
@@ -108,13 +108,13 @@ def test_one_call_writes_the_record_or_answers_the_coordinators_word():
     agent = NodeAgent(job, 1, ["unused"], {}, "127.0.0.1", server.port, 3.0, log=lambda m: None,
                       starter=lambda cmd, env: None)
     agent.store = _Counted(job)
-    assert agent.health(news=False) == "run" and agent.health(news=False) == "run"
+    assert str(agent.health(news=False)) == "run" and str(agent.health(news=False)) == "run"
     assert agent.store.calls == ["compare_set", "compare_set"]  # one call a record
     assert json.loads(job.get(key))["seq"] == 2
 
     # the job ends while the agent writes its last record: the word first, then the record
     job.set(key, "stopped: a worker failed")
-    assert agent.health(news=False) == "stopped: a worker failed"
+    assert str(agent.health(news=False)) == "stopped: a worker failed"
     assert job.get(key) == b"stopped: a worker failed"  # the word is not overwritten...
     agent.health(news=False, final=True)
     assert json.loads(job.get(key))["final"] is True  # ...except by the agent's last record
@@ -125,11 +125,11 @@ def test_one_call_writes_the_record_or_answers_the_coordinators_word():
     # a coordinator that takes over has a new, empty store: the first write lands there
     server2, job2 = membership.host("127.0.0.1")
     agent.store = job2
-    assert agent.health(news=False) == "run"
+    assert str(agent.health(news=False)) == "run"
     assert json.loads(job2.get(key))["seq"] == agent.seq
 
     # fenced: told at the next write, and nothing it writes after lands, its last record neither
     job2.set(key, "fenced: silent for 3.1 s")
-    assert agent.health(news=False) == "fenced: silent for 3.1 s"
-    assert agent.health(news=True, final=True).startswith("fenced")
+    assert str(agent.health(news=False)) == "fenced: silent for 3.1 s"
+    assert str(agent.health(news=True, final=True)).startswith("fenced")
     assert job2.get(key) == b"fenced: silent for 3.1 s"

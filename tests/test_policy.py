@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from checkpointless.control import policy
 from checkpointless import protocol
+from checkpointless.protocol.records import RUN, Word
 from checkpointless.control.agent import NodeAgent
 from checkpointless.control.cluster import ClusterPool, RemoteProc
 from checkpointless.control.processes import Worker
@@ -196,8 +197,8 @@ def cluster(per_node: int, remote_nodes: int = 2):
                                              timeout=timedelta(seconds=10)))
         agent = NodeAgent(client, node, ["true"], {}, "127.0.0.1", master.port, 0.2)
         for slot in range(per_node):
-            wid = pool._next_wid
-            pool._next_wid += 1
+            wid = pool.next_wid
+            pool.next_wid += 1
             pool.workers[wid] = Worker(wid=wid, proc=RemoteProc(pool, node, wid), slot=slot,
                                        started=0.0, node=node, rank=wid)
             # a pid past the kernel's largest: /proc has no such process
@@ -215,7 +216,7 @@ def test_agents_report_by_node_and_the_coordinator_reads_by_node(per_node):
     master, pool, coordinator, agents = cluster(per_node)
     for agent in agents.values():  # one health record: one call writes it and reads the state
         agent.store.ops = 0
-        assert agent.health(news=bool(agent.new_exits())) == "run"
+        assert agent.health(news=bool(agent.new_exits())) == RUN
         assert agent.store.ops == 1
     coordinator.ops = 0
     for _ in range(10):  # ten wake-ups of the supervisor's loop, nothing new
@@ -256,5 +257,5 @@ def test_a_silent_node_is_fenced_and_its_workers_fail_together():
     assert pool.lost_node_ids() == {2}
     lost = [w for w in pool.workers.values() if w.node == 2]
     assert all(w.node_lost and w.proc.poll() == -9 for w in lost)
-    assert agents[2].health(news=False).startswith("fenced")  # it learns so when it returns
+    assert agents[2].health(news=False).kind is Word.FENCED  # it learns so when it returns
     assert all(w.alive() for w in pool.workers.values() if w.node == 1)

@@ -12,18 +12,19 @@ import pytest
 import torch.distributed as dist
 
 from checkpointless import protocol
-from checkpointless.control.prometheus import Figures, serve
+from checkpointless.control.prometheus import Figures, Snapshot, serve
 from checkpointless.control.report import Failure
 from tests.conftest import ROOT
 
 
 def _supervisor(store, port):
+    """A supervisor as the scrape sees it: its port and its figures() snapshot."""
     failures = [Failure(wid=1, rank=1, cause="exit", t_fail=0.0, t_detect=0.0, step=3),
                 Failure(wid=2, rank=2, cause="hang", t_fail=0.0, t_detect=0.0, step=5)]
-    pool = NS(spares=lambda store, ready: ["a spare"], nodes=None)
-    return NS(failures=failures, gen=2, ranks={0: 0, 3: 1, 4: 2}, cfg=NS(nproc=3),
-              pool=pool, port=port, t_start=time.time() - 10,
-              stragglers=NS(entries=[{"from_step": 6, "action": "evicted", "until_step": 8}]))
+    snap = Snapshot(gen=2, world_size=3, nproc=3, failures=failures, spares_ready=1,
+                    stragglers=[{"from_step": 6, "action": "evicted", "until_step": 8}],
+                    nodes_alive=1, nodes_lost=None, t_start=time.time() - 10)
+    return NS(figures=lambda store: snap, port=port)
 
 
 def _samples(text: str) -> dict:
@@ -40,7 +41,7 @@ def test_a_scrape_reads_the_steps_written_since_the_last_and_rewritten_ones():
         store.set(protocol.step_key(s), f"{t},{t + d}")
         t += d
     sup = _supervisor(store, store.port)
-    fig = Figures(sup, tokens_per_step=4096)
+    fig = Figures(sup.figures, sup.port, tokens_per_step=4096)
     got = {m.name: m for m in fig.collect()}
     assert got["checkpointless_steps_completed"].samples[0].value == 10
     # 14 s of steps, 4 s of them lost to slowness (each slowed step 2 s above the healthy 1 s)

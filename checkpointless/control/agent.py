@@ -28,6 +28,8 @@ from datetime import timedelta
 from . import detection
 from ..protocol import membership
 from .. import protocol
+from ..protocol.records import (RUN, AgentExit, NodeCommand, NodeOp, NodeRecord, NodeWord, Word,
+                                is_record)
 from .processes import (SERVER_WAIT_S, Worker, close_reaped, kill_tree, open_pidfd, start_process,
                         stop_all, wait_for_exit, warm_server)
 
@@ -125,35 +127,35 @@ class NodeAgent:
                 if rw.fenced:
                     self.log(f"[node {self.node}] fenced ({rw.fenced}): stopping this node's "
                              "workers")
-                    return 3
+                    return AgentExit.FENCED
                 if rw.gave_up:
                     self.log(f"[node {self.node}] {rw.gave_up}; stopping this node's workers. "
                              "Resume from the newest durable checkpoint "
                              "(checkpoint.resume=auto)")
-                    return 4
+                    return AgentExit.COORDINATOR_LOST
             try:
                 if rw is not None and rw.moved.is_set():  # a new coordinator: say hello to it
                     rw.moved.clear()
                     self.hello(self.procs_here)
                 said = self.serve_commands()
-                if said == "shutdown":
-                    return 0
-                if said:  # the job failed: the coordinator stopped it (its log says why)
-                    self.log(f"[node {self.node}] the coordinator {said}")
-                    return 4
+                if said is not None and said.kind is Word.SHUTDOWN:
+                    return AgentExit.OK
+                if said is not None:  # the job failed: the coordinator stopped it (its log
+                    self.log(f"[node {self.node}] the coordinator {said}")  # says why)
+                    return AgentExit.COORDINATOR_LOST
                 news = self.new_exits()
                 if news or time.time() >= next_health:
                     state = self.health(news=bool(news))
                     next_health = time.time() + D.node_beat_s
-                    if state.startswith("fenced"):
+                    if state.kind is Word.FENCED:
                         self.log(f"[node {self.node}] fenced by the coordinator ({state}): "
                                  "stopping this node's workers")
-                        return 3
-                    if state == "shutdown":
-                        return 0
-                    if state.startswith("stopped"):
+                        return AgentExit.FENCED
+                    if state.kind is Word.SHUTDOWN:
+                        return AgentExit.OK
+                    if state.kind is Word.STOPPED:
                         self.log(f"[node {self.node}] the coordinator {state}")
-                        return 4
+                        return AgentExit.COORDINATOR_LOST
                 if asked:
                     self.store.set(protocol.PREEMPT_ASK, f"{asked[0]} on node {self.node}")
                     asked.clear()
@@ -165,7 +167,7 @@ class NodeAgent:
                              "this node's workers. Losing the coordinator cannot be "
                              "recovered in-process: resume from the newest durable "
                              "checkpoint (checkpoint.resume=auto)")
-                    return 4
+                    return AgentExit.COORDINATOR_LOST
                 time.sleep(0.2)
                 continue
             close_reaped(self.workers.values())
@@ -181,11 +183,11 @@ class NodeAgent:
             while True:
                 key = protocol.node_cmd_key(self.node, i)
                 store.wait([key], timedelta(days=1))
-                c = json.loads(store.get(key))
+                c = NodeCommand.parse(store.get(key))
                 self.next_cmd = i + 1
                 self._cmds.put(c)
                 os.write(self._wake_w, b"c")
-                if c["op"] == "shutdown":  # nothing follows; a thread still blocked in the
+                if c.op is NodeOp.SHUTDOWN:  # nothing follows; a thread still blocked in the
                     return                 # store as the coordinator exits would abort us
                 i += 1
         except Exception:  # noqa: BLE001  the coordinator is gone: the loop sees it too
@@ -215,20 +217,21 @@ class NodeAgent:
                              f"({type(exc).__name__}: {exc}); connecting again")
                 time.sleep(min(1.0, 0.05 * tries))
 
-    def serve_commands(self) -> str | None:
-        """Carry out the queued commands; "shutdown" when the job is over."""
+    def serve_commands(self) -> NodeWord | None:
+        """Carry out the queued commands; the word of a shutdown (the job is over, or it
+        stopped: why), else None."""
         try:
             os.read(self._wake_r, 4096)
         except BlockingIOError:
             pass
         while not self._cmds.empty():
             c = self._cmds.get()
-            if c["op"] == "spawn":
-                self._spawn(c["wid"], c["slot"], c["spare"])
-            elif c["op"] == "kill" and c["wid"] in self.workers:
-                kill_tree(self.workers[c["wid"]].proc)
-            elif c["op"] == "shutdown":
-                return f"stopped: {c['why']}" if c.get("why") else "shutdown"
+            if c.op is NodeOp.SPAWN:
+                self._spawn(c.wid, c.slot, c.spare)
+            elif c.op is NodeOp.KILL and c.wid in self.workers:
+                kill_tree(self.workers[c.wid].proc)
+            elif c.op is NodeOp.SHUTDOWN:
+                return NodeWord(Word.STOPPED, c.why) if c.why else NodeWord(Word.SHUTDOWN)
         return None
 
     def _spawn(self, wid: int, slot: int, spare: bool) -> None:
@@ -249,7 +252,7 @@ class NodeAgent:
         self.exited.update(new)
         return new
 
-    def health(self, news: bool, final: bool = False) -> str:
+    def health(self, news: bool, final: bool = False) -> NodeWord:
         """Write this node's record: each live worker's last heartbeat (its step, how long ago,
         its generation and phase, its newest steps' own times for the straggler check), which
         are stopped (SIGSTOP, a frozen container: only this node can see it) and every exit so
@@ -261,41 +264,42 @@ class NodeAgent:
         beats = detection.read_beats(self.node_store, live, self.beaten)
         now = time.time()
         self.seq += 1
-        record = {"seq": self.seq, "t": now,
-                  "beats": {str(w): [b["step"], round(now - b["t"], 3), b["gen"], b["phase"],
-                                    b.get("pace", [])]
-                            for w, b in beats.items() if b},
+        record = NodeRecord(
+            seq=self.seq, t=now,
+            beats={str(w): [b["step"], round(now - b["t"], 3), b["gen"], b["phase"],
+                            b.get("pace", [])] for w, b in beats.items() if b},
                   # only a silent worker can be judged hung, and a stopped one beats no more:
                   # /proc is read for those whose beat is older than STOPPED_AFTER_S
-                  "stopped": [w for w in live if (not beats.get(w) or now - beats[w]["t"] >
-                                                  detection.STOPPED_AFTER_S)
-                              and detection.process_stopped(self.workers[w].proc.pid)],
-                  "exited": {str(k): v for k, v in self.exited.items()}, "final": final}
-        raw = json.dumps(record)
+            stopped=[w for w in live if (not beats.get(w) or now - beats[w]["t"] >
+                                         detection.STOPPED_AFTER_S)
+                     and detection.process_stopped(self.workers[w].proc.pid)],
+            exited={str(k): v for k, v in self.exited.items()}, final=final)
+        raw = record.to_json()
         state = self._write(raw)
-        if final and state != "run" and not state.startswith("fenced"):
+        if final and state.kind not in (Word.RUN, Word.FENCED):
             state = self._write(raw)  # the job's end: its last record replaces the word
         if news:
             self.store.add(protocol.NODE_EVENTS, 1)
         return state
 
-    def _write(self, raw: str) -> str:
+    def _write(self, raw: str) -> NodeWord:
         """Write the record `raw` unless the coordinator replaced this node's record with its
         word ("fenced: <why>", "shutdown", "stopped: <why>"), in one call (a compare_set that
         expects what this agent wrote last): the word comes back instead, and a fenced node
-        cannot write again. Returns "run" or the word."""
-        if self._held.startswith("fenced"):
-            return self._held
+        cannot write again. Returns RUN or the word."""
+        held = NodeWord.parse(self._held) if self._held else None
+        if held is not None and held.kind is Word.FENCED:
+            return held
         key, want = protocol.node_health_key(self.node), raw.encode()
         for _ in range(3):
             got = self.store.compare_set(key, self._held, raw)
             if got == want:
                 self._held = raw
-                return "run"
+                return RUN
             text = got.decode()
-            if not text.startswith("{"):
+            if not is_record(text):
                 self._held = text
-                return text
+                return NodeWord.parse(text)
             # a record not this one: the key is absent (a new coordinator's store; compare_set
             # then answers what it expected), or the coordinator wrote one for a silent node
             self._held = "" if text == self._held else text
@@ -309,7 +313,7 @@ def run_agent(node: int, cmd: list[str], host: str, port: int, node_timeout_s: f
     except Exception as exc:  # noqa: BLE001
         print(f"[node {node}] cannot reach the coordinator at {host}:{port}: {exc}",
               file=sys.stderr, flush=True)
-        return 4
+        return AgentExit.COORDINATOR_LOST
     store.set_timeout(timedelta(seconds=max(2.0, node_timeout_s)))
     agent = NodeAgent(store, node, cmd, dict(os.environ), host, port, node_timeout_s,
                       log=lambda m: print(m, file=sys.stderr, flush=True))

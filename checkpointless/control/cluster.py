@@ -14,12 +14,12 @@ they hold no rank in any newer plan, so nothing they do reaches the new generati
 """
 from __future__ import annotations
 
-import json
 import subprocess
 import time
 from dataclasses import dataclass, field
 
 from .. import protocol
+from ..protocol.records import NodeCommand, NodeOp, NodeRecord, NodeWord, Word, is_record
 from .processes import Worker, WorkerPool, stop_all
 
 D = protocol.DEFAULTS
@@ -30,10 +30,11 @@ class RemoteProc:
     interface as far as the supervisor uses it). Its exit code is what the pool last read from
     the node's record (ClusterPool.refresh)."""
 
-    def __init__(self, pool: "ClusterPool", node: int, wid: int):
+    def __init__(self, pool: "ClusterPool", node: int, wid: int, pid: int | None = None,
+                 code: int | None = None):
         self.pool, self.node, self.wid = pool, node, wid
-        self.returncode: int | None = None
-        self._pid: int | None = None
+        self.returncode: int | None = code
+        self._pid: int | None = pid
 
     @property
     def pid(self) -> int:
@@ -93,60 +94,21 @@ class ClusterPool(WorkerPool):
         self._health_at = 0.0  # when every node's record was last read
         self.on_fence = lambda k, why: None  # the supervisor's facts (etcd) learn of a fence
 
-    def adopt(self, store, plan: dict, known) -> dict[int, dict]:
-        """Take over a running job (coordinator=etcd): wait up to node_timeout_s for every
-        node's agent to say hello to this store, with its processes (alive or not, spare or
-        not) and its next command's number; every worker of `plan` is adopted, with those of
-        nodes that never answered (which fence_silent_nodes declares lost at its next look).
-        Returns the hellos, by node."""
-        self.store, self.port = store, store.port
-        for k, why in known.fenced.items():
-            if k in self.nodes:
-                self.nodes[k].lost = True
-                store.set(protocol.node_health_key(k), why)  # its agent's next write reads it
-        waiting = {k: protocol.node_hello_key(k) for k, n in self.nodes.items() if not n.lost}
-        deadline = time.time() + self.node_timeout_s
-        while time.time() < deadline and not store.check(list(waiting.values())):
-            time.sleep(0.05)
-        heard = [k for k, key in waiting.items() if store.check([key])]
-        hellos = dict(zip(heard, (json.loads(v) for v in store.multi_get(
-            [waiting[k] for k in heard])))) if heard else {}
-        now, top = time.time(), known.next_wid
-        # a node that never answered was last heard of when the coordinator was lost (as the
-        # first node to see it gone says): it is lost at the next look, its failure dated then
-        t_lost = min((h["coordinator_lost_at"] for h in hellos.values()
-                      if h.get("coordinator_lost_at")), default=now - self.node_timeout_s - 1)
-        for k, n in self.nodes.items():
-            h = hellos.get(k)
-            n.beat_seen_at = now if h else min(t_lost, now - self.node_timeout_s - 0.01)
-            if not h:
-                # a record that never changes (refresh reads every live node's in one call,
-                # which would wait for a missing one): silent, so lost at the next look
-                store.set(protocol.node_health_key(k), json.dumps(
-                    {"seq": -1, "t": 0, "beats": {}, "stopped": [], "exited": {}}))
-                continue
-            self._cmds[k] = h.get("next_cmd", 0)
-            for wid_s, info in h.get("workers", {}).items():
-                wid = int(wid_s)
-                w = self._adopted(wid, k, info["slot"], now)
-                w.proc.returncode, w.proc._pid = info.get("code"), info.get("pid")
-                if info.get("ready") and info.get("code") is None:  # warm, as it told its node
-                    store.set(protocol.ready_key(wid), f"{now:.6f}")
-                top = max(top, wid + 1)
-        for wid_s, rank in plan["ranks"].items():
-            wid = int(wid_s)
-            store.set(protocol.ready_key(wid), f"{now:.6f}")  # it trained: it had started
-            w = self.workers.get(wid) or self._adopted(wid, plan["nodes"][wid_s],
-                                                       rank % self.per_node, now)
-            w.rank = rank
-            top = max(top, wid + 1)
-        self._next_wid = top
-        return hellos
-
-    def _adopted(self, wid: int, node: int, slot: int, now: float) -> Worker:
-        w = Worker(wid=wid, proc=RemoteProc(self, node, wid), slot=slot, started=now, node=node)
+    def adopted(self, wid: int, node: int, slot: int, now: float, pid: int | None = None,
+                code: int | None = None) -> Worker:
+        """A worker already running on a node, taken over from a lost coordinator."""
+        w = Worker(wid=wid, proc=RemoteProc(self, node, wid, pid, code), slot=slot, started=now,
+                   node=node)
         self.workers[wid] = w
+        self.next_wid = max(self.next_wid, wid + 1)
         return w
+
+    def resume_node(self, k: int, heard_at: float, next_cmd: int | None) -> None:
+        """A node as a takeover found it: last heard of at `heard_at`, its agent's next
+        command numbered `next_cmd` (None: it never answered, so it is silent)."""
+        self.nodes[k].beat_seen_at = heard_at
+        if next_cmd is not None:
+            self._cmds[k] = next_cmd
 
     def start(self, store) -> list[Worker]:
         """Every node's agent joins; then each active node K starts ranks K*P..K*P+P-1 in its
@@ -191,18 +153,18 @@ class ClusterPool(WorkerPool):
     def remote(self, node: int) -> bool:
         return node != 0 or not self.local
 
-    def _command(self, node: int, **c) -> None:
+    def _command(self, node: int, c: NodeCommand) -> None:
         """The node's next command: its agent blocks on this key (no counter, no polling)."""
         i = self._cmds.get(node, 0)
         self._cmds[node] = i + 1
-        self.store.set(protocol.node_cmd_key(node, i), json.dumps(c))
+        self.store.set(protocol.node_cmd_key(node, i), c.to_json())
 
     def spawn_on(self, node: int, slot: int, spare: bool, background: bool = False) -> Worker:
         if not self.remote(node):
             return self.spawn(slot, background=background, spare=spare)
-        wid = self._next_wid
-        self._next_wid += 1
-        self._command(node, op="spawn", wid=wid, slot=slot, spare=spare)
+        wid = self.next_wid
+        self.next_wid += 1
+        self._command(node, NodeCommand(NodeOp.SPAWN, wid=wid, slot=slot, spare=spare))
         w = Worker(wid=wid, proc=RemoteProc(self, node, wid), slot=slot, started=time.time(),
                    node=node)
         self.workers[wid] = w
@@ -228,7 +190,7 @@ class ClusterPool(WorkerPool):
             if w.proc.returncode is None:
                 w.proc.returncode = -9
             return
-        self._command(node, op="kill", wid=w.wid)
+        self._command(node, NodeCommand(NodeOp.KILL, wid=w.wid))
         try:
             w.proc.wait(timeout=self.node_timeout_s + 1)
         except subprocess.TimeoutExpired:  # the node went silent meanwhile: it will be fenced
@@ -254,20 +216,20 @@ class ClusterPool(WorkerPool):
             return
         records = self.store.multi_get([protocol.node_health_key(k) for k in live])
         for k, raw in zip(live, records):
-            if raw.startswith(b"{"):  # not yet replaced by this coordinator's word (stop_all)
-                self._read_health(k, json.loads(raw), now)
+            if is_record(raw):  # not yet replaced by this coordinator's word (stop_all)
+                self._read_health(k, NodeRecord.parse(raw), now)
 
-    def _read_health(self, k: int, record: dict, now: float) -> None:
+    def _read_health(self, k: int, record: NodeRecord, now: float) -> None:
         n = self.nodes[k]
-        if record["seq"] != n.seq:
-            n.seq, n.beat_seen_at = record["seq"], now
+        if record.seq != n.seq:
+            n.seq, n.beat_seen_at = record.seq, now
         # a heartbeat's age as the agent saw it, on the coordinator's clock
         n.beats = {int(w): {"t": now - b[1], "step": b[0], "gen": b[2], "phase": b[3],
                             "pace": b[4] if len(b) > 4 else []}
-                   for w, b in record["beats"].items()}
-        n.stopped = frozenset(record["stopped"])
-        n.left = record.get("final", False)
-        for wid, code in record["exited"].items():
+                   for w, b in record.beats.items()}
+        n.stopped = frozenset(record.stopped)
+        n.left = record.final
+        for wid, code in record.exited.items():
             w = self.workers.get(int(wid))
             if w is not None and w.proc.returncode is None:
                 w.proc.returncode = code
@@ -310,8 +272,9 @@ class ClusterPool(WorkerPool):
         next record (the word replaces the record, and its write answers it), stops its
         processes."""
         self.nodes[k].lost = True
-        self.store.set(protocol.node_health_key(k), f"fenced: {why}")
-        self.on_fence(k, f"fenced: {why}")
+        word = str(NodeWord(Word.FENCED, why))
+        self.store.set(protocol.node_health_key(k), word)
+        self.on_fence(k, word)
 
     def lost_node_ids(self) -> set[int]:
         return {k for k, n in self.nodes.items() if n.lost}
@@ -331,8 +294,9 @@ class ClusterPool(WorkerPool):
         for k in live:
             if not self.nodes[k].left:  # a final record already read stays (its exits)
                 self.store.set(protocol.node_health_key(k),  # heard at its next record, too
-                               f"stopped: {why}" if why else "shutdown")
-            self._command(k, op="shutdown", **({"why": why} if why else {}))
+                               str(NodeWord(Word.STOPPED, why) if why else
+                                   NodeWord(Word.SHUTDOWN)))
+            self._command(k, NodeCommand(NodeOp.SHUTDOWN, why=why or None))
         stop_all([w for w in self.workers.values() if not self.remote(w.node)], grace_s)
         deadline = time.time() + grace_s
         while time.time() < deadline:

@@ -35,6 +35,7 @@ import sys
 import threading
 
 from ..protocol.keys import ENV_PRELOAD
+from .spawn import die_with_parent
 
 
 def preload_spec(env: dict) -> tuple[str, str] | None:
@@ -196,15 +197,10 @@ class ForkServers:
             self._servers.clear()
 
 
-def _die_with_parent() -> None:
-    from .processes import die_with_parent
-    die_with_parent()
-
-
 def _own_group_dying_with_parent() -> None:
     # a Ctrl-C or a TERM to the launcher's group is the launcher's to handle, as for the workers
     os.setpgid(0, 0)
-    _die_with_parent()
+    die_with_parent()
 
 
 # ---- the server's side ------------------------------------------------------------------------
@@ -263,7 +259,7 @@ def become_worker(module: str, request: dict) -> None:
     import random
     import runpy
     os.setpgid(0, 0)
-    _die_with_parent()
+    die_with_parent()
     if request.get("name"):
         _set_name(request["name"])
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a fresh interpreter

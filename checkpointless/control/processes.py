@@ -13,22 +13,8 @@ import time
 from dataclasses import dataclass
 
 from . import forkserver
+from .spawn import die_with_parent, kill_tree, open_pidfd, step_wide_sigterm
 from .. import protocol
-
-
-def die_with_parent() -> None:
-    """In a child, before exec: get SIGKILL when the parent (the launcher or agent) dies."""
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def step_wide_sigterm(env) -> bool:
-    """Under Slurm a preemption's SIGTERM (scancel --signal=TERM, the end of a time limit) goes to
-    every process of the job step, the workers too, not only to their launcher."""
-    return "SLURM_JOB_ID" in env
 
 
 _SERVERS = forkserver.ForkServers(per_worker_prefix=protocol.ENV_PREFIX)
@@ -73,30 +59,6 @@ def start_process(cmd: list[str], env: dict, nice: int = 0) -> subprocess.Popen:
             os.nice(nice)
 
     return subprocess.Popen(cmd, env=env, preexec_fn=setup)
-
-
-def open_pidfd(pid: int) -> int | None:
-    """A descriptor readable once the process exits; None on an older kernel or Python (the
-    waits then poll)."""
-    try:
-        return os.pidfd_open(pid)
-    except (AttributeError, OSError):
-        return None
-
-
-def kill_tree(proc: subprocess.Popen, sig=signal.SIGKILL) -> None:
-    """Signal the process and whatever it started: a child left behind (a DataLoader worker)
-    would keep a dead worker's connections open and its peers blocked on them. A stand-in for a
-    process (the scale harness's simulated ranks) is asked to end itself."""
-    if hasattr(proc, "signal_tree"):
-        return proc.signal_tree(sig)
-    try:
-        os.killpg(proc.pid, sig)  # its own group (start_process), the process included
-    except (ProcessLookupError, PermissionError):
-        try:
-            proc.send_signal(sig)
-        except ProcessLookupError:
-            pass
 
 
 @dataclass
@@ -177,7 +139,7 @@ class WorkerPool:
         self.port = 0
         self.store = None  # the supervisor's, set in start()
         self.workers: dict[int, Worker] = {}
-        self._next_wid = 0
+        self.next_wid = 0
         self._refills: list[tuple[float, Worker]] = []  # (when, lost worker) of delayed refills
         if local:  # workers start on this machine: the fork server preloads from now on
             warm_server(cmd, env, 0)
@@ -204,8 +166,8 @@ class WorkerPool:
         """Start a worker. A background refill warms up at `refill_nice` and takes normal
         priority when given a rank. Every process but the first generation's ranks starts as a
         spare."""
-        wid = self._next_wid
-        self._next_wid += 1
+        wid = self.next_wid
+        self.next_wid += 1
         if spare is None:
             spare = background or slot >= self.spares_from_slot
         env = dict(self.env, **protocol.worker_env(self.host, self.port, wid, slot, spare))

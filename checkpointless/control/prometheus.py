@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 
 from ..protocol import membership
 from .. import protocol
@@ -21,11 +22,26 @@ RESCAN = 64  # newest step records read again at each scrape: a redone step rewr
 RATE_STEPS = 20  # steps per second and tokens per second: over this many newest steps
 
 
-class Figures:
-    """What one scrape reports, from a running Supervisor."""
+@dataclass
+class Snapshot:
+    """The supervisor's side of one scrape (Supervisor.figures)."""
+    gen: int
+    world_size: int
+    nproc: int
+    failures: list  # report.Failure, every one so far
+    stragglers: list  # the straggler entries so far
+    spares_ready: int | None  # None: the pool changed under the scrape
+    nodes_alive: int
+    nodes_lost: int | None  # None: one machine, no nodes to lose
+    t_start: float
 
-    def __init__(self, sup, tokens_per_step: int = 0):
-        self.sup, self.tokens_per_step = sup, tokens_per_step
+
+class Figures:
+    """What one scrape reports, from a running Supervisor's `figures()` snapshots."""
+
+    def __init__(self, snapshot, store_port: int, tokens_per_step: int = 0):
+        self.snapshot, self.store_port = snapshot, store_port
+        self.tokens_per_step = tokens_per_step
         self.store = None
         self.steps: dict[int, tuple[float, float]] = {}
         self.next_step = None  # the first step record not read yet
@@ -49,12 +65,11 @@ class Figures:
                 misses += 1
             s += 1
 
-    def _read_recoveries(self) -> None:
-        sup = self.sup
-        for i, f in enumerate(list(sup.failures)):
+    def _read_recoveries(self, now) -> None:
+        for i, f in enumerate(now.failures):
             if i in self.recoveries or f.gen < 0:
                 continue
-            e = recovery_entry(self.store, f, sup.cfg.nproc, sup.gen)
+            e = recovery_entry(self.store, f, now.nproc, now.gen)
             if e is not None:
                 self.recoveries[i] = e
 
@@ -64,13 +79,13 @@ class Figures:
 
     def _collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-        sup = self.sup
         if self.store is None:
-            self.store = membership.connect("127.0.0.1", sup.port)
+            self.store = membership.connect("127.0.0.1", self.store_port)
+        now = self.snapshot(self.store)
         self._read_steps()
-        self._read_recoveries()
+        self._read_recoveries(now)
         steps = self.steps
-        entries = list(sup.stragglers.entries)
+        entries = now.stragglers
         slow_s, _ = slow_time(steps, entries) if steps else (0.0, None)
 
         def gauge(name, doc, value, unit=""):
@@ -93,25 +108,18 @@ class Figures:
         if self.tokens_per_step:
             yield gauge("tokens_per_second", f"Over the newest {RATE_STEPS} steps, all ranks",
                         None if rate is None else rate * self.tokens_per_step)
-        yield gauge("generation", "The membership generation", sup.gen)
-        yield gauge("world_size", "Ranks training", len(sup.ranks))
-        try:
-            ready = len(sup.pool.spares(self.store, ready=True))
-        except Exception:  # noqa: BLE001  the pool changed under the scrape: said next time
-            ready = None
-        yield gauge("spares_ready", "Warm spares ready to take a rank", ready)
-        nodes = getattr(sup.pool, "nodes", None)
-        if nodes:
-            yield gauge("nodes_alive", "Nodes not lost", sum(not n.lost for n in nodes.values()))
-            yield gauge("nodes_lost", "Nodes lost", sum(n.lost for n in nodes.values()))
-        else:
-            yield gauge("nodes_alive", "Nodes not lost", 1)
+        yield gauge("generation", "The membership generation", now.gen)
+        yield gauge("world_size", "Ranks training", now.world_size)
+        yield gauge("spares_ready", "Warm spares ready to take a rank", now.spares_ready)
+        yield gauge("nodes_alive", "Nodes not lost", now.nodes_alive)
+        if now.nodes_lost is not None:
+            yield gauge("nodes_lost", "Nodes lost", now.nodes_lost)
         failures = CounterMetricFamily("checkpointless_failures", "Workers lost, by cause",
                                        labels=["cause"])
         recovered = CounterMetricFamily("checkpointless_recoveries",
                                         "Recoveries completed, by cause", labels=["cause"])
         for cause in ("exit", "error", "hang", "node_lost", "diverged", "slow"):
-            failures.add_metric([cause], sum(f.cause == cause for f in list(sup.failures)))
+            failures.add_metric([cause], sum(f.cause == cause for f in now.failures))
             recovered.add_metric([cause], sum(e["cause"] == cause
                                               for e in self.recoveries.values()))
         yield failures
@@ -132,15 +140,16 @@ class Figures:
                                                 for e in entries))
         yield stragglers
         yield gauge("uptime_seconds", "Since the coordinator started the job",
-                    time.time() - sup.t_start if sup.t_start else None)
+                    time.time() - now.t_start if now.t_start else None)
 
 
 def serve(sup, port: int, tokens_per_step: int = 0, addr: str = "0.0.0.0"):
-    """Start serving /metrics on `port`; returns a function that stops it."""
+    """Start serving /metrics on `port` from `sup.figures` (a store connection of the
+    scraper's own on sup.port); returns a function that stops it."""
     from prometheus_client import CollectorRegistry, start_http_server
     from prometheus_client.process_collector import ProcessCollector
     registry = CollectorRegistry()
-    registry.register(Figures(sup, tokens_per_step))
+    registry.register(Figures(sup.figures, sup.port, tokens_per_step))
     ProcessCollector(registry=registry)  # the coordinator's own CPU and memory
     server, thread = start_http_server(port, addr=addr, registry=registry)
 

@@ -158,6 +158,6 @@ class Replacing:
         plan = membership.Plan(gen=self.gen, world_size=self.cfg.nproc, ranks=dict(self.ranks),
                                lost=membership.counter(self.store, protocol.LOST),
                                nodes={wid: self.workers[wid].node for wid in self.ranks})
-        self.facts.record_plan(plan, plan.lost, self.pool._next_wid)  # etcd first: a takeover
+        self.facts.record_plan(plan, plan.lost, self.pool.next_wid)  # etcd first: a takeover
         membership.publish(self.store, plan, self._plan)  # finds every published plan there
         self._plan = plan

@@ -30,9 +30,9 @@ from .cluster import ClusterPool, pool_for
 from .losses import FindingLosses
 from .replacing import Replacing
 from .facts import Deposed, NoFacts
-from .takeover import take_over
+from .takeover import Takeover, take_over
 from ..protocol import SupervisorConfig
-from .prometheus import serve_metrics
+from .prometheus import Snapshot, serve_metrics
 from .report import Failure, new_recoveries, run_report
 from .stragglers import Stragglers
 
@@ -97,6 +97,27 @@ class Supervisor(FindingLosses, Replacing):
             raise JobFailed(message, self._report())
 
     # ---- main loop -----------------------------------------------------------------------
+    def figures(self, store) -> Snapshot:
+        """What Prometheus shows now (prometheus.py), read on the scraper's thread with its
+        own store connection; copies, so the loop may change its own values meanwhile."""
+        try:
+            ready = len(self.pool.spares(store, ready=True))
+        except Exception:  # noqa: BLE001  the pool changed under the scrape: said next time
+            ready = None
+        nodes = getattr(self.pool, "nodes", None)
+        return Snapshot(gen=self.gen, world_size=len(self.ranks), nproc=self.cfg.nproc,
+                        failures=list(self.failures),
+                        stragglers=list(self.stragglers.entries), spares_ready=ready,
+                        nodes_alive=sum(not n.lost for n in nodes.values()) if nodes else 1,
+                        nodes_lost=sum(n.lost for n in nodes.values()) if nodes else None,
+                        t_start=self.t_start)
+
+    def resume(self, t: Takeover) -> None:
+        """Go on from where a lost coordinator left the job (takeover.py)."""
+        self.ranks, self.gen, self._plan = dict(t.ranks), t.gen, t.plan
+        self._notices, self.moves = t.notices, t.moves
+        self.pids_at_start = {}
+
     def run(self) -> dict:
         cfg = self.cfg
         self.server, self.store = membership.host(cfg.host, cfg.port)
@@ -113,7 +134,7 @@ class Supervisor(FindingLosses, Replacing):
             raise JobFailed(str(exc)) from None
         self.t_start = time.time()
         if known.gen >= 0:
-            take_over(self, known)
+            self.resume(take_over(self.store, self.pool, self.facts, known, self.log))
         else:
             self.facts.record_spec(spec)
             if self.facts.durable:  # the first holder of the role: where the job began

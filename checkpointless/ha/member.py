@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from ..protocol import keys
 from .etcd import Etcd
-from ..control.processes import die_with_parent
+from ..control.spawn import die_with_parent
 
 CLIENT_PORT, PEER_PORT = 2379, 2380
 

@@ -267,4 +267,18 @@ def replica_offset(placement: str, procs_per_node: int) -> int:
 
 
 # what `from checkpointless import protocol` re-exports: every key, variable and helper above
+def placement_env(spec, rank: int, world_size: int) -> dict[str, str]:
+    """What tools built on torch.distributed read from the environment (accelerate), as
+    this job places the process: RANK and WORLD_SIZE are the job's; LOCAL_RANK counts the
+    node's active ranks (a spare that took over a node's first rank is its local main
+    process, whatever device slot it holds) and LOCAL_WORLD_SIZE is their number. The group
+    exists already: MASTER_ADDR only satisfies a multi-node check."""
+    per_node = max(1, spec.ranks_per_node)
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world_size),
+           "LOCAL_RANK": str(rank % per_node), "LOCAL_WORLD_SIZE": str(per_node)}
+    if "MASTER_ADDR" not in os.environ:
+        env["MASTER_ADDR"] = os.environ.get(ENV_STORE_HOST, "127.0.0.1")
+    return env
+
+
 __all__ = [n for n in dir() if not n.startswith("_") and n not in ("annotations", "json", "os", "DEFAULTS")]

@@ -21,13 +21,11 @@ import torch
 import torch.distributed as dist
 
 from . import consistency
-from ..protocol import membership
 from .. import protocol
 from .data import END, Cursor, LoaderPosition
 from .ddp import DistributedDataParallel
 from .failures import report_error
 from .injector import FaultInjector
-from ..protocol.faults import parse_faults
 from .grads import KeptGrads, summed_extra
 from .outside import OutsideSteps
 from .recovery import Recovery
@@ -49,9 +47,9 @@ class Job:
         self.device_slot = protocol.device_slot()
         self._state = ProtectedState(spec)
         self._kept = KeptGrads()
-        self._injector = FaultInjector(parse_faults(spec.faults), store, worker_id)
+        self._injector = FaultInjector(protocol.parse_faults(spec.faults), store, worker_id)
         self._injector.corrupt = lambda: consistency.flip_a_bit(self._state.modules())
-        self._injector.connect = lambda: membership.connect(host, port)
+        self._injector.connect = lambda: protocol.membership.connect(host, port)
         # heartbeats and step records leave the loop's critical path, to the node's own store
         node_port = protocol.node_store_port()
         self.reporter = Reporter(worker_id, host, port, node_port)
@@ -161,17 +159,8 @@ class Job:
         self._rec.resume_at(step)
 
     def process_env(self) -> dict[str, str]:
-        """What tools built on torch.distributed read from the environment (accelerate), as
-        this job places the process: RANK and WORLD_SIZE are the job's; LOCAL_RANK counts the
-        node's active ranks (a spare that took over a node's first rank is its local main
-        process, whatever device slot it holds) and LOCAL_WORLD_SIZE is their number. The group
-        exists already: MASTER_ADDR only satisfies a multi-node check."""
-        per_node = max(1, self.spec.ranks_per_node)
-        env = {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
-               "LOCAL_RANK": str(self.rank % per_node), "LOCAL_WORLD_SIZE": str(per_node)}
-        if "MASTER_ADDR" not in os.environ:
-            env["MASTER_ADDR"] = os.environ.get(protocol.ENV_STORE_HOST, "127.0.0.1")
-        return env
+        """RANK, WORLD_SIZE, LOCAL_RANK, ... as this job places the process (protocol.keys)."""
+        return protocol.placement_env(self.spec, self.rank, self.world_size)
 
     # ---- the loop ------------------------------------------------------------------------------
     @property

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from datetime import timedelta
 
 import torch
@@ -19,7 +20,57 @@ from .. import protocol
 from .ddp import DistributedDataParallel
 from .grads import all_reduce_grads, summed_extra
 from .seeding import seed_all, step_seed
-from .steploop import PlainStepLoop
+
+
+class PlainStepLoop:
+    """The same boundary under torchrun: nothing is recovered, a failure ends the job."""
+
+    fault_tolerant = False
+    generation = 0
+    failed = False
+    update_applied = False
+    may_communicate = True
+
+    def __init__(self, rank: int, seed: int):
+        self.rank, self.seed = rank, seed
+        self.completed = 0
+        self.started = False
+        self.step_started_at = 0.0
+
+    def start(self) -> None:
+        self.started = True
+
+    def next(self) -> int:
+        return self.completed
+
+    def ready(self, step: int) -> bool:
+        self.step_started_at = time.time()
+        return True
+
+    def open(self, step: int) -> None:
+        seed_all(step_seed(self.seed, step, self.rank, 0))
+
+    def body(self, inside: bool) -> None:
+        pass
+
+    def absorb(self, exc: BaseException) -> bool:
+        return False
+
+    def close(self) -> bool:
+        self.completed += 1
+        return True
+
+    def fail_or_raise(self, exc: Exception) -> None:
+        raise exc
+
+    def report(self, exc: BaseException) -> None:
+        pass
+
+    def say_void(self, what: str) -> None:
+        pass
+
+    def secure(self) -> bool:
+        return True
 
 
 class PlainJob:

@@ -18,8 +18,8 @@ Accelerator and a loop of your own alike.
                                         # update landed (then the step is redone)
 
 The phase of the recovery state machine (recovery.py) changes only through its own transitions;
-this class only asks for them. `PlainStepLoop` is the same surface under torchrun, where a failure
-ends the job.
+this class only asks for them. `PlainStepLoop` (plain.py) is the same surface under torchrun,
+where a failure ends the job.
 """
 from __future__ import annotations
 
@@ -309,54 +309,3 @@ class StepScope:
             return False
         loop.close()
         return absorbed
-
-
-class PlainStepLoop:
-    """The same boundary under torchrun: nothing is recovered, a failure ends the job."""
-
-    fault_tolerant = False
-    generation = 0
-    failed = False
-    update_applied = False
-    may_communicate = True
-
-    def __init__(self, rank: int, seed: int):
-        self.rank, self.seed = rank, seed
-        self.completed = 0
-        self.started = False
-        self.step_started_at = 0.0
-
-    def start(self) -> None:
-        self.started = True
-
-    def next(self) -> int:
-        return self.completed
-
-    def ready(self, step: int) -> bool:
-        self.step_started_at = time.time()
-        return True
-
-    def open(self, step: int) -> None:
-        seed_all(step_seed(self.seed, step, self.rank, 0))
-
-    def body(self, inside: bool) -> None:
-        pass
-
-    def absorb(self, exc: BaseException) -> bool:
-        return False
-
-    def close(self) -> bool:
-        self.completed += 1
-        return True
-
-    def fail_or_raise(self, exc: Exception) -> None:
-        raise exc
-
-    def report(self, exc: BaseException) -> None:
-        pass
-
-    def say_void(self, what: str) -> None:
-        pass
-
-    def secure(self) -> bool:
-        return True
