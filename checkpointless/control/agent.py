@@ -168,7 +168,7 @@ class NodeAgent:
                              "recovered in-process: resume from the newest durable "
                              "checkpoint (checkpoint.resume=auto)")
                     return AgentExit.COORDINATOR_LOST
-                time.sleep(0.2)
+                time.sleep(D.store_retry_s)
                 continue
             close_reaped(self.workers.values())
             wait_for_exit(list(self.workers.values()), max(0.0, next_health - time.time()),
@@ -215,7 +215,7 @@ class NodeAgent:
                 if tries == 1:  # once per outage
                     self.log(f"[node {self.node}] the plan relay broke at generation {gen} "
                              f"({type(exc).__name__}: {exc}); connecting again")
-                time.sleep(min(1.0, 0.05 * tries))
+                time.sleep(min(1.0, D.reconnect_step_s * tries))
 
     def serve_commands(self) -> NodeWord | None:
         """Carry out the queued commands; the word of a shutdown (the job is over, or it

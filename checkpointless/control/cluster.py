@@ -54,7 +54,7 @@ class RemoteProc:
                 return self.returncode
             if deadline is not None and time.time() > deadline:
                 raise subprocess.TimeoutExpired(f"worker {self.wid}", timeout)
-            time.sleep(0.02)
+            time.sleep(D.exit_poll_s)
 
 
 @dataclass
@@ -145,7 +145,7 @@ class ClusterPool(WorkerPool):
                         "pointing at this node's master_addr:master_port")
                 self.log(f"[checkpointless] waiting for node(s) {missing} to join")
                 said = time.time()
-            time.sleep(0.1)
+            time.sleep(D.join_poll_s)
         now = time.time()
         for n in self.nodes.values():
             n.beat_seen_at = now
@@ -304,7 +304,7 @@ class ClusterPool(WorkerPool):
             if all(not w.alive() or self.nodes[w.node].lost for w in self.workers.values()) \
                     and all(self.nodes[k].left or self.nodes[k].lost for k in live):
                 return
-            time.sleep(0.05)
+            time.sleep(D.shutdown_poll_s)
 
 
 def pool_for(cfg, cmd: list[str], env: dict, log=print) -> WorkerPool:

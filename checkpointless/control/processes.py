@@ -89,7 +89,7 @@ def wait_for_exit(workers: list[Worker], timeout_s: float, extra_fds=()) -> None
     cost about 1% of a core, which on a small machine is taken from training."""
     fds = [w.pidfd for w in workers if w.alive()]
     if None in fds:
-        time.sleep(min(timeout_s, 0.02))
+        time.sleep(min(timeout_s, protocol.DEFAULTS.exit_poll_s))
         return
     fds += list(extra_fds)
     if not fds:

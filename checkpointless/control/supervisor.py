@@ -163,7 +163,7 @@ class Supervisor(FindingLosses, Replacing):
             # successor (they stop by themselves when etcd is gone for good, role_watch.py)
             if not self.deposed:
                 self.store.set(protocol.SHUTDOWN, "1")
-                time.sleep(0.05)
+                time.sleep(D.shutdown_poll_s)  # the agents' next look sees it first
                 self.pool.stop_all()
         self._say_recoveries()
         return self._report()

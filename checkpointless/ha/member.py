@@ -95,6 +95,6 @@ def wait_healthy(endpoints: list[str], timeout_s: float = 30.0) -> None:
     while time.time() < deadline:
         if client.healthy():
             return
-        time.sleep(0.1)
+        time.sleep(keys.DEFAULTS.join_poll_s)
     raise TimeoutError(f"etcd at {', '.join(endpoints)} had no quorum after {timeout_s:g} s")
 

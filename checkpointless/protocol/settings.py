@@ -40,6 +40,14 @@ class Defaults:
     health_every_s: float = 0.25  # how often the coordinator reads every node's health record
     gather_window_s: float = 0.02  # failures seen this close together join one generation
     refill_delay_s: float = 3.0  # a refill waits this long when spares suffice for now
+    exit_poll_s: float = 0.02  # how often a wait for a process's exit looks again (no pidfd)
+    join_poll_s: float = 0.1  # how often a wait for nodes to join, or for etcd's quorum, looks
+    shutdown_poll_s: float = 0.05  # how often the end of a job looks for its processes gone
+    store_retry_s: float = 0.2  # an agent's wait before it asks an unreachable store again
+    reconnect_step_s: float = 0.05  # a relay connecting again waits tries x this, at most 1 s
+    # a process that signalled itself (SIGKILL, SIGSTOP) waits this long for the signal to land:
+    # it can take effect a few ms after kill() returns, and nothing may progress meanwhile
+    signal_settle_s: float = 5.0
     # a node whose launcher is silent this long is lost; below confirm_s, so that survivors whose
     # collectives failed with the node's workers hear of the loss before they give up waiting
     node_timeout_s: float = 3.0

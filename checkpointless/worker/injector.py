@@ -15,6 +15,13 @@ from .. import protocol
 from ..protocol.faults import KINDS, SLOW_FACTOR, Fault
 
 
+
+def die_here(sig: int) -> None:
+    """Signal this process (SIGKILL, SIGSTOP) and wait for it to land: nothing this process
+    does after kill() returns may reach its peers."""
+    os.kill(os.getpid(), sig)
+    time.sleep(protocol.DEFAULTS.signal_settle_s)
+
 class InjectedFault(RuntimeError):
     """The exception a `raise` fault throws inside the step."""
 
@@ -146,10 +153,8 @@ class FaultInjector:
             where = "" if phase == "step" else f" ({phase})"
             print(f"[fault] injecting {f.kind} at rank {rank}, step {step}{where}", flush=True)
             if f.kind in ("kill", "hang"):
-                os.kill(os.getpid(), signal.SIGKILL if f.kind == "kill" else signal.SIGSTOP)
-                # the signal can take effect a few ms after kill() returns (seen here: a thread
-                # sent a whole message after its own SIGSTOP); nothing may progress meanwhile
-                time.sleep(5)
+                # seen here: a thread sent a whole message after its own SIGSTOP
+                die_here(signal.SIGKILL if f.kind == "kill" else signal.SIGSTOP)
             elif f.kind == "corrupt":
                 self.corrupt()
             else:

@@ -23,7 +23,6 @@ where a failure ends the job.
 """
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import time
@@ -35,7 +34,7 @@ from . import consistency
 from ..protocol import membership
 from .. import protocol
 from .failures import communicating, report_error
-from .injector import FaultInjector, InjectedFault
+from .injector import FaultInjector, InjectedFault, die_here
 from .group import side_group
 from .pace import Pace, watch_collectives
 from .recovery import Phase, Recovery
@@ -189,8 +188,7 @@ class StepLoop:
         print(f"[checkpointless] rank {self.rec.rank}: evicted for slowness, leaving before "
               f"step {step}", file=sys.stderr, flush=True)
         self.rec.reporter.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(5)  # the signal may take a moment; nothing may progress meanwhile
+        die_here(signal.SIGKILL)
 
     def say_void(self, what: str) -> None:
         print(f"[checkpointless] rank {self.rec.rank}: a peer was lost during {what}; the rest "
