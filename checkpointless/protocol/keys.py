@@ -252,6 +252,12 @@ def node_id() -> int:
     return int(os.environ.get(ENV_NODE, "0"))
 
 
+def node_store_address(host: str, port: int, node_port: int) -> tuple[str, int]:
+    """Where a worker finds its node's store: its agent serves it on loopback (node_port); on
+    the coordinator's own node there is none, and the main store at host:port serves."""
+    return ("127.0.0.1", node_port) if node_port else (host, port)
+
+
 def node_store_port() -> int:
     """The port of this node's store on 127.0.0.1; 0 where the main store serves the node."""
     return int(os.environ.get(ENV_NODE_STORE_PORT, "0"))

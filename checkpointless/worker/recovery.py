@@ -57,10 +57,10 @@ class Recovery:
         self.reporter, self.node = reporter, node
         # the node's own store (its heartbeats, the plans its agent copies there, the barrier's
         # first gathering and its outcome), or the main one on the coordinator's node
-        self.node_store = membership.connect("127.0.0.1", node_port) if node_port else store
+        plans_at = protocol.node_store_address(host, port, node_port)
+        self.node_store = membership.connect(*plans_at) if node_port else store
         self.group = Group(store, self.node_store, spec.backend, spec.pg_timeout_s,
                            {port, node_port} - {0}, state.modules, spec.shard_size)
-        plans_at = ("127.0.0.1", node_port) if node_port else (host, port)
         self.watch = Watch(host, port, lambda: self.gen, self._abort_from_watch,
                            plans_at=plans_at)
         # held while the watch thread judges and aborts, and while this thread enters a step or

@@ -92,8 +92,7 @@ class Reporter:
 
     def _run(self) -> None:
         try:
-            node = connect("127.0.0.1" if self.node_port else self.host,
-                           self.node_port or self.port)
+            node = connect(*protocol.node_store_address(self.host, self.port, self.node_port))
             main = None
             while True:
                 with self._cond:
