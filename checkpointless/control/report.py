@@ -17,7 +17,7 @@ the supervisor's report and the benchmark both call it.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .. import protocol
 
@@ -178,27 +178,42 @@ def new_recoveries(store, failures: list[Failure], said: set[int], nproc: int,
     return out
 
 
-def run_report(store, nproc: int, spares: int, wall_s: float, failures: list[Failure],
-               last_gen: int, workers, pids_at_start: dict, killed_after_done: list,
-               stragglers: list[dict] | None = None, check: dict | None = None) -> dict:
+@dataclass
+class RunFacts:
+    """What the supervisor knows of a run as it ends, for its report (the rest is read from
+    the store: the step records, the results, each recovery's record)."""
+    nproc: int
+    spares: int
+    wall_s: float
+    failures: list  # Failure, every one
+    last_gen: int
+    workers: list  # processes.Worker, every one started
+    pids_at_start: dict  # rank -> pid of the first generation
+    killed_after_done: list = field(default_factory=list)
+    stragglers: list = field(default_factory=list)  # the straggler entries
+    check: dict = field(default_factory=dict)  # the straggler check's settings and verdict
+
+
+def run_report(store, run: RunFacts) -> dict:
+    nproc, failures, workers = run.nproc, run.failures, run.workers
     steps = step_records(store)
-    stragglers = stragglers or []
+    stragglers = run.stragglers
     slow_s, healthy_s = slow_time(steps, stragglers)
     results = {r: v for r in range(nproc)
                for v in [protocol.read_json(store, protocol.result_key(r))] if v is not None}
     recoveries = [e for f in failures if f.gen >= 0
-                  for e in [recovery_entry(store, f, nproc, last_gen)] if e is not None]
+                  for e in [recovery_entry(store, f, nproc, run.last_gen)] if e is not None]
     report = {
         "world_size": nproc,
-        "spares": spares,
+        "spares": run.spares,
         "steps_completed": len(steps),
-        "wall_s": round(wall_s, 3),
+        "wall_s": round(run.wall_s, 3),
         "goodput": goodput_from_steps(steps, slow_s=slow_s),
         # the time stragglers cost, against the healthy step time; goodput leaves it out
         "slow_s": slow_s,
         "healthy_step_s": healthy_s,
         "stragglers": stragglers,
-        "straggler_check": check or {},
+        "straggler_check": run.check or {},
         "recoveries": recoveries,
         "failures": [{"rank": f.rank, "worker": f.wid, "cause": f.cause, "step": f.step,
                       "error": f.error} for f in failures],
@@ -206,8 +221,8 @@ def run_report(store, nproc: int, spares: int, wall_s: float, failures: list[Fai
         "pids_at_end": {w.rank: w.proc.pid for w in workers if w.rank >= 0},
         "worker_ids_at_end": {w.rank: w.wid for w in workers if w.rank >= 0},
         "step_times": steps,
-        "pids_at_start": pids_at_start,
+        "pids_at_start": run.pids_at_start,
     }
-    if killed_after_done:
-        report["killed_after_done"] = killed_after_done
+    if run.killed_after_done:
+        report["killed_after_done"] = run.killed_after_done
     return report

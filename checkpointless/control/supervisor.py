@@ -33,7 +33,7 @@ from .facts import Deposed, NoFacts
 from .takeover import Takeover, take_over
 from ..protocol import SupervisorConfig
 from .prometheus import Snapshot, serve_metrics
-from .report import Failure, new_recoveries, run_report
+from .report import Failure, RunFacts, new_recoveries, run_report
 from .stragglers import Stragglers
 
 D = protocol.DEFAULTS
@@ -257,11 +257,11 @@ class Supervisor(FindingLosses, Replacing):
             self.log(line)
 
     def _report(self) -> dict:
-        return run_report(self.store, self.cfg.nproc, self.cfg.spares,
-                          time.time() - self.t_start, self.failures, self.gen,
-                          list(self.workers.values()), self.pids_at_start,
-                          self.killed_after_done, self.stragglers.entries,
-                          self.stragglers.summary())
+        return run_report(self.store, RunFacts(
+            nproc=self.cfg.nproc, spares=self.cfg.spares, wall_s=time.time() - self.t_start,
+            failures=self.failures, last_gen=self.gen, workers=list(self.workers.values()),
+            pids_at_start=self.pids_at_start, killed_after_done=self.killed_after_done,
+            stragglers=self.stragglers.entries or [], check=self.stragglers.summary()))
 
 
 __all__ = ["Supervisor", "SupervisorConfig", "JobFailed", "Failure"]
