@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from .. import protocol
-from ..protocol.records import NodeCommand, NodeOp, NodeRecord, NodeWord, Word, is_record
+from ..protocol.records import SILENT, NodeCommand, NodeOp, NodeRecord, NodeWord, Word, is_record
 from .processes import Worker, WorkerPool, stop_all
 
 D = protocol.DEFAULTS
@@ -109,6 +109,8 @@ class ClusterPool(WorkerPool):
         self.nodes[k].beat_seen_at = heard_at
         if next_cmd is not None:
             self._cmds[k] = next_cmd
+        else:  # the silent record written for it is no news: it stays heard of at heard_at
+            self.nodes[k].seq = SILENT.seq
 
     def start(self, store) -> list[Worker]:
         """Every node's agent joins; then each active node K starts ranks K*P..K*P+P-1 in its

@@ -16,10 +16,10 @@ the supervisor's report and the benchmark both call it.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 from .. import protocol
+from ..protocol.records import Entered
 
 
 @dataclass
@@ -84,8 +84,7 @@ def recovery_entry(store, f: Failure, nproc: int, last_gen: int) -> dict | None:
     for g in range(f.gen, last_gen + 1):
         keys = [protocol.entered_key(g, rank) for rank in range(nproc)]
         if store.check(keys):  # every member entered: all of them in one read
-            recs = [dict(json.loads(v), rank=rank)
-                    for rank, v in enumerate(store.multi_get(keys))]
+            recs = list(enumerate(Entered.parse(v) for v in store.multi_get(keys)))
             break
     if not recs:
         return None
@@ -98,11 +97,12 @@ def recovery_entry(store, f: Failure, nproc: int, last_gen: int) -> dict | None:
             firsts += [float(store.get(k)) for k in keys if store.check([k])]
     if not firsts:
         return None
-    t_plan = recs[0]["t_plan"]
-    t_group = max(r["t_group"] for r in recs)
-    t_ready = max(r["t_ready"] for r in recs)
+    first = recs[0][1]
+    t_plan = first.t_plan
+    t_group = max(r.t_group for _, r in recs)
+    t_ready = max(r.t_ready for _, r in recs)
     t_first = min(firsts)
-    mine = [r for r in recs if r["worker_id"] == f.new_wid]
+    mine = [r for _, r in recs if r.worker_id == f.new_wid]
     return {
         "failed_rank": f.rank, "cause": f.cause, "failed_worker": f.wid,
         "failed_node": f.node, "replacement_node": f.new_node,
@@ -117,15 +117,15 @@ def recovery_entry(store, f: Failure, nproc: int, last_gen: int) -> dict | None:
             "state_transfer": round(t_ready - t_group, 4),
             "resume": round(t_first - t_ready, 4),
         },
-        "state_bytes": sum(r["bytes_received"] for r in recs),
-        "source_ranks": sorted({int(s) for r in recs for s in r["pairs"].values()}),
-        "source": mine[0]["source"] if mine else None,
-        "served": {str(k): v for k, v in recs[0]["pairs"].items()},
-        "resumed_step": recs[0]["resumed_step"],
-        "restored_from": recs[0].get("restored_from", "peer_memory"),
-        "steps_redone": recs[0].get("steps_redone", 0),
+        "state_bytes": sum(r.bytes_received for _, r in recs),
+        "source_ranks": sorted({int(s) for _, r in recs for s in r.pairs.values()}),
+        "source": mine[0].source if mine else None,
+        "served": {str(k): v for k, v in first.pairs.items()},
+        "resumed_step": first.resumed_step,
+        "restored_from": first.restored_from,
+        "steps_redone": first.steps_redone,
         # survivors that redo the interrupted step from the gradients they kept
-        "ranks_reusing_grads": sorted(r["rank"] for r in recs if r.get("grads_kept")),
+        "ranks_reusing_grads": sorted(rank for rank, r in recs if r.grads_kept),
     }
 
 

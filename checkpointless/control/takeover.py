@@ -82,7 +82,9 @@ def adopt(pool, store, plan: dict, known) -> dict[int, dict]:
     # node to see it gone says): it is lost at the next look, its failure dated then
     t_lost = min((h["coordinator_lost_at"] for h in hellos.values()
                   if h.get("coordinator_lost_at")), default=now - pool.node_timeout_s - 1)
-    for k in pool.nodes:
+    for k, n in pool.nodes.items():
+        if n.lost:  # fenced before: its key keeps the fence word written above
+            continue
         h = hellos.get(k)
         if not h:
             pool.resume_node(k, min(t_lost, now - pool.node_timeout_s - 0.01), None)

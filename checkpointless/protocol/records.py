@@ -96,3 +96,33 @@ class NodeRecord:
 
 
 SILENT = NodeRecord(seq=-1, t=0)  # written for a node a takeover never heard: it never changes
+
+
+@dataclass
+class Entered:
+    """A member's record of entering a generation (keys.entered_key), written once its state is
+    restored: how it was restored, and when each phase ended. The supervisor's report reads
+    every member's to time the recovery (control/report.py recovery_entry)."""
+    worker_id: int
+    resumed_step: int
+    t_plan: float  # the plan was published
+    t_group: float  # this member's new process group was formed
+    t_ready: float  # its state was restored
+    grads_kept: bool = False  # it redoes the interrupted step from the gradients it kept
+    steps_by_rank: list = field(default_factory=list)  # each member's committed steps
+    pairs: dict = field(default_factory=dict)  # rank that received -> rank that served it
+    source: int | None = None  # the rank this member received from, if any
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    transfer_s: float = 0.0
+    restored_from: str = "peer_memory"  # or "durable_checkpoint"
+    steps_redone: int = 0
+    sent_from: dict = field(default_factory=dict)  # rank that received -> how it was served
+    start_broadcast_from: int | None = None  # the first generation's source of the state
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def parse(cls, raw) -> "Entered":
+        return cls(**json.loads(raw))

@@ -16,13 +16,14 @@ to WAITING for the plan that replaces that peer too.
 from __future__ import annotations
 
 import enum
-import json
 import threading
 import time
+from dataclasses import asdict
 from datetime import timedelta
 
 from ..protocol import membership
 from .. import protocol
+from ..protocol.records import Entered
 from . import restore
 from .failures import Evicted, is_peer_failure
 from .injector import FaultInjector
@@ -204,11 +205,11 @@ class Recovery:
         self.completed, self.holds_state = out.resumed_step, True
         self.agreed = True  # every member holds the same state now
         self.catching_up = out.catching_up
-        info = dict(out.info, t_plan=plan.t_published, t_group=self.t_group, t_ready=time.time(),
-                    worker_id=self.worker_id,
-                    grads_kept=self.kept.usable(self.completed, self.rank, self.world_size))
-        self.store.set(protocol.entered_key(plan.gen, self.rank), json.dumps(info))
-        self.last = info
+        entered = Entered(**out.info, t_plan=plan.t_published, t_group=self.t_group,
+                          t_ready=time.time(), worker_id=self.worker_id,
+                          grads_kept=self.kept.usable(self.completed, self.rank, self.world_size))
+        self.store.set(protocol.entered_key(plan.gen, self.rank), entered.to_json())
+        self.last = asdict(entered)
         self.awaiting_first = awaiting
         self._phase = Phase.TRAINING
 
