@@ -17,6 +17,7 @@ from .memory import by_rank as memory_by_rank
 from .preflight import preflight
 from .recipes import RecipeError
 from .schema import SHARDED
+from .tensor_parallel import coordinates, mesh_sizes
 
 
 def health_settings(cfg) -> dict:
@@ -75,10 +76,11 @@ def supervisor_config(cfg) -> SupervisorConfig:
                      "interval": c.replication.interval,
                      "offset": replica_offset(placement, per_node)},
         shard_size=d.shard_size if d.strategy == "hsdp" else 0,
+        tp_size=d.tp_size,
         straggler_factor=c.straggler.factor, straggler_window=c.straggler.window,
         health=health_settings(cfg),
         tokens_per_step=cfg.trainer.micro_batch_size * cfg.trainer.grad_accum_steps *
-        cfg.data.seq_len * d.num_processes,
+        cfg.data.seq_len * (d.num_processes // d.tp_size),
         straggler_action=c.straggler.action if c.enabled else "report",
         faults=[dict(f) for f in OmegaConf.to_container(cfg.faults)])
 
@@ -228,6 +230,13 @@ def _node_agent(cfg, recipe_file: Path) -> dict | None:
     os._exit(0 if rc == 0 else 1)
 
 
+def _placed(d, e: dict) -> dict:
+    """A recovery with the mesh coordinates of the lost rank and of the rank that sent it."""
+    src = e.get("source")
+    return {**e, "failed_coordinates": coordinates(d, e["failed_rank"]),
+            "source_coordinates": None if src is None else coordinates(d, int(src))}
+
+
 def _report(cfg, run: dict, t0: float, **extra) -> dict:
     results = run["results_by_rank"]
     r0 = results.get(0, {})
@@ -236,6 +245,7 @@ def _report(cfg, run: dict, t0: float, **extra) -> dict:
         "recipe": cfg.run.name,
         "world_size": run["world_size"],
         "strategy": cfg.distributed.strategy,
+        "parallelism": mesh_sizes(cfg.distributed),
         "steps_completed": r0.get("steps", run["steps_completed"]),
         "steps_this_launch": run["steps_completed"],
         "tokens": r0.get("tokens"),
@@ -250,7 +260,7 @@ def _report(cfg, run: dict, t0: float, **extra) -> dict:
         "slow_s": run.get("slow_s", 0.0),
         "healthy_step_s": run.get("healthy_step_s"),
         "straggler_check": run.get("straggler_check", {}),
-        "recoveries": run["recoveries"],
+        "recoveries": [_placed(cfg.distributed, e) for e in run["recoveries"]],
         "failures": run["failures"],
         # workers killed once every result was in (on their way out): nothing was lost
         "killed_after_done": run.get("killed_after_done", []),

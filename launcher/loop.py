@@ -39,6 +39,7 @@ from .memory import held
 from .metrics import Metrics
 from .model_setup import build, build_eval, cpu_threads, full_state, setup, shard, warm_up
 from .schema import SHARDED, Recipe
+from .tensor_parallel import clip_grad_norm_
 
 __all__ = ["main", "lr_at", "build_optimizer", "Metrics"]
 
@@ -166,8 +167,10 @@ def join(cfg, out_dir: Path) -> Run:
     metrics = (Metrics(cfg, out_dir, job.completed_steps, accelerator, job.is_replacement)
                if accelerator.is_main_process else None)
     device = accelerator.device
-    validate = (lambda: evaluate(model, *evalset, job.rank, job.world_size, t.micro_batch_size,
-                                 device, Autocast(accelerator))) if evalset else None
+    # a tp group's ranks evaluate the same rows together; its first rank's figures count
+    validate = (lambda: evaluate(model, *evalset, job.data_rank, job.data_world,
+                                 t.micro_batch_size, device, Autocast(accelerator),
+                                 counted=job.rank % d.tp_size == 0)) if evalset else None
     return Run(cfg, out_dir, job, accelerator, model, wrapped, optimizer, opt, ckpt, metrics,
                tokenizer, sampler, validate, catch_up_threads,
                overlapped=d.strategy == "ddp" and d.grad_sync == "buckets")
@@ -183,7 +186,7 @@ def forward_backward(run: Run, step: int) -> torch.Tensor:
     with cpu_threads(run.catch_up_threads // job.catching_up if job.catching_up else None):
         for micro in range(0 if job.grads_kept else t.grad_accum_steps):
             job.seed_step(step, micro)
-            batch = to_device(run.sampler.batch(step, job.rank, job.world_size, micro),
+            batch = to_device(run.sampler.batch(step, job.data_rank, job.data_world, micro),
                               accelerator.device)
             last = micro == t.grad_accum_steps - 1
             # fsdp reduce-scatters every micro-batch into the sharded gradients (FSDP2
@@ -222,9 +225,11 @@ def train_step(run: Run, step: int):
     else:  # FSDP already averaged the gradients; the loss needs its own collective
         loss_total = loss_sum.clone()
         dist.all_reduce(loss_total)
-    # unscaled first under fp16; torch's clip_grad_norm_ otherwise (the same bits)
+    # unscaled first under fp16; torch's clip_grad_norm_ otherwise (the same bits); under
+    # tensor parallel over gradients on two meshes (tensor_parallel.py)
     clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-    grad_norm = accelerator.clip_grad_norm_(model.parameters(), clip)
+    grad_norm = clip_grad_norm_(model.parameters(), clip) if cfg.distributed.tp_size > 1 \
+        else accelerator.clip_grad_norm_(model.parameters(), clip)
     grad_norm = full_tensor(grad_norm)
     run.opt.step()  # under fp16 the GradScaler skips an update with inf/nan gradients
     run.opt.zero_grad(set_to_none=True)
@@ -245,7 +250,7 @@ def train(run: Run) -> None:
         if job.completed_steps == step + 1:  # committed (not rolled into a recovery)
             run.loss_value = loss_total.item() / (job.world_size * t.grad_accum_steps)
             run.tokens = job.completed_steps * (t.micro_batch_size * t.grad_accum_steps *
-                                                run.cfg.data.seq_len * job.world_size)
+                                                run.cfg.data.seq_len * job.data_world)
             if metrics:
                 metrics.step(step, run.loss_value, lr, float(grad_norm), job.step_started_at,
                              time.time())

@@ -128,7 +128,8 @@ def build_eval(cfg, tokenizer):
 
 def shard(model, cfg, mesh=None):
     """FSDP2: each decoder block and then the root becomes a sharded unit over `mesh` (the job's:
-    1-D under fsdp, replicate x shard under hsdp; by default the default group's); a model
+    1-D under fsdp, dp_replicate x dp_shard under hsdp; by default the default group's); with a
+    tp dimension the plan's linear layers are split over it first (tensor_parallel.py). A model
     still on the meta device (build()) then gets its shard allocated and filled on this rank."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -149,6 +150,12 @@ def shard(model, cfg, mesh=None):
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if cfg.trainer.precision == "bf16" else MixedPrecisionPolicy()
     mesh = mesh if mesh is not None else shard_mesh()
+    names = mesh.mesh_dim_names or ()
+    if "tp" in names:  # split the plan's linears over tp first; FSDP2 then shards over dp
+        from .tensor_parallel import apply
+        apply(base_of(model), mesh["tp"])
+        dp = tuple(n for n in names if n != "tp")
+        mesh = mesh[dp] if len(dp) > 1 else mesh[dp[0]]
     for block in blocks or []:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)

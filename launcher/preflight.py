@@ -37,7 +37,7 @@ def preflight(cfg) -> None:
                             # the model is built to compare shapes only when it can be
                             _checkpoints(cfg, model_ok=not (model or tokenizer))) if p]
     if not problems:
-        problems += _memory(cfg)
+        problems += [p for p in (_tensor_parallel(cfg),) if p] or _memory(cfg)
     if problems:
         raise RecipeError("this recipe cannot start on this machine:\n  - " +
                           "\n  - ".join(problems))
@@ -311,6 +311,15 @@ def _data(cfg) -> str | None:
     except (ValueError, FileNotFoundError) as exc:
         return str(exc)
     return None
+
+
+def _tensor_parallel(cfg) -> str | None:
+    """distributed.tp_size splits this model: it has a plan, and its heads divide."""
+    if cfg.distributed.tp_size <= 1:
+        return None
+    from .plan.model import hf_config
+    from .tensor_parallel import refusal
+    return refusal(cfg.distributed.tp_size, hf_config(cfg)[0])
 
 
 def _memory(cfg) -> list[str]:

@@ -119,6 +119,7 @@ class DistributedConfig:
     num_processes: int = ranged(2, ">= 1")  # active workers (world size); one per GPU on GPUs
     strategy: str = one_of("ddp", "fsdp", "hsdp")  # ddp: full replica per worker; fsdp: parameters and optimizer sharded over all workers; hsdp: sharded within groups of distributed.shard_size workers, each group a whole replica (the groups are each other's copies)
     shard_size: int = ranged(0, ">= 0", " (0: one node's processes)")  # hsdp: workers per shard group (0: one node's processes); num_processes / shard_size replica groups
+    tp_size: int = ranged(1, ">= 1", " (1: no tensor parallel)")  # tensor parallel: workers per tp group, consecutive ranks inside a node, that split each layer's attention heads and MLP columns (the model's own plan); with fsdp (mesh dp_shard x tp) or hsdp (dp_replicate x dp_shard x tp, shard_size counting the tp ranks)
     backend: str = one_of("auto", "gloo", "nccl")  # auto (nccl with GPUs, else gloo), gloo or nccl
     device: str = one_of("auto", "cuda", "cpu")  # what the recipe is sized for: cuda (refused on a machine without enough GPUs), cpu, or auto (cuda when present)
     device_memory_gb: float = 0.0  # memory of one device, GB (0: the real device's when there is one, else 80)

@@ -216,6 +216,35 @@ def check_sharding(cfg: DictConfig) -> None:
          f"{per_node} (a shard group per node)")
 
 
+def check_tensor_parallel(cfg: DictConfig) -> None:
+    """tp groups divide the world and a node, and compose with a sharded strategy."""
+    d = cfg.distributed
+    tp, n = d.tp_size, d.num_processes
+    if tp == 1:
+        return
+    need(d.strategy in ("fsdp", "hsdp"), "distributed.tp_size", tp,
+         f"composes with distributed.strategy=fsdp or hsdp, not {d.strategy}: accelerate's "
+         "ParallelismConfig has no pure data parallel x tp mesh (dp_replicate with dp_shard=1), "
+         "and a replicated tp run holds every optimizer state twice. Fix: "
+         "distributed.strategy=fsdp")
+    need(n % tp == 0, "distributed.tp_size", tp,
+         f"must divide distributed.num_processes={n} into whole tp groups. Fix: a divisor "
+         f"of {n}, or distributed.num_processes={max(tp, n - n % tp)}")
+    per_node = n // max(1, d.num_nodes)
+    need(per_node % tp == 0, "distributed.tp_size", tp,
+         f"would put a tp group across two nodes ({per_node} workers per node): its "
+         "all-reduces run twice per layer, forward and backward, and belong on the node's "
+         f"fast links. Fix: distributed.tp_size dividing {per_node}")
+    if d.strategy == "hsdp":
+        need(d.shard_size % tp == 0, "distributed.shard_size", d.shard_size,
+             f"counts the workers of a replica group, tp ranks included, so it must be a "
+             f"multiple of distributed.tp_size={tp}. Fix: distributed.shard_size="
+             f"{max(tp, d.shard_size - d.shard_size % tp)}")
+    need(cfg.peft.method == "none", "peft.method", cfg.peft.method,
+         f"is not combined with distributed.tp_size={tp}: peft's adapters wrap the linear "
+         "layers that tensor parallel splits. Fix: distributed.tp_size=1")
+
+
 def check_folders(cfg: DictConfig) -> None:
     check_dir("run.output_dir", cfg.run.output_dir, f"runs/{cfg.run.name}")
     check_dir("data.cache_dir", cfg.data.cache_dir, ".cache/data")
@@ -248,4 +277,4 @@ def check_dir(key: str, value: str, example: str) -> None:
 # in this order: the folders last, as they look at the disk
 CROSS_FIELD = (check_precision, check_sources, check_nodes, check_etcd, check_trackers,
                check_eval, check_peft, check_faults, check_replication, check_sharding,
-               check_folders)
+               check_tensor_parallel, check_folders)

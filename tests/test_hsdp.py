@@ -8,7 +8,7 @@ failure-free hsdp bits and no peer copy in host memory.
 import pytest
 
 from checkpointless.worker import consistency
-from checkpointless.worker.replica_groups import Layout
+from checkpointless.worker.mesh import Layout
 from checkpointless.worker.restore import pick_senders, restorable_step
 from launcher.recipes import RecipeError, load
 from tests.conftest import assert_replicas_agree, assert_same_bits, train

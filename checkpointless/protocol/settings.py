@@ -89,8 +89,9 @@ class Spec:
     workers_per_node: int = 1  # processes sharing this node's memory (active + spares)
     ranks_per_node: int = 1  # active ranks per node: ranks k*n .. k*n+n-1 train on one node
     health: dict = field(default_factory=dict)  # node checks of every spare (health.py)
-    # HSDP: ranks per shard group, the rest replica groups (replica_groups.py); 0: no groups
+    # HSDP: ranks per replica group (dp_shard x tp), the groups the copies (mesh.py); 0: no groups
     shard_size: int = 0
+    tp_size: int = 1  # ranks per tensor-parallel group, tp innermost (mesh.py)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -140,7 +141,8 @@ class SupervisorConfig:
     health: dict = field(default_factory=dict)  # node checks (health.py; {}: its defaults)
     metrics_port: int = 0  # >0: the coordinator serves Prometheus' /metrics there (prometheus.py)
     tokens_per_step: int = 0  # what one step trains on, all ranks (tokens per second; 0: not said)
-    shard_size: int = 0  # HSDP: ranks per shard group (replica_groups.py); 0: no replica groups
+    shard_size: int = 0  # HSDP: ranks per replica group (mesh.py); 0: no replica groups
+    tp_size: int = 1  # ranks per tensor-parallel group (mesh.py); 1: none
 
     @classmethod
     def of(cls, settings, **given) -> "SupervisorConfig":

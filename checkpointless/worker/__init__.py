@@ -10,7 +10,7 @@ from .consistency import params_checksum
 from .digest import StateDigest, model_sha256, state_sha256
 from .durable import ShardedCheckpoints
 from .redundancy import KEEP, ROLLBACK_KEEP
-from .replica_groups import Layout
+from .mesh import Layout
 from .tensors import full_tensor, is_dtensor, local_part, local_tensor
 
 __all__ = ["durable", "health", "params_checksum", "StateDigest", "model_sha256", "state_sha256",

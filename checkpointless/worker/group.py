@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ..protocol import membership
 from .. import protocol
-from . import replica_groups
+from . import mesh as meshes
 from .failures import communicating
 
 
@@ -29,15 +29,16 @@ class Group:
     keeping FSDP2 modules pointed at the live one."""
 
     def __init__(self, store, node_store, backend: str, pg_timeout_s: float, store_ports,
-                 modules, shard_size: int = 0):
+                 modules, shard_size: int = 0, tp_size: int = 1):
         self.store, self.node_store = store, node_store
         self.backend = backend
         self.pg_timeout_s = pg_timeout_s
         self.store_ports = set(store_ports)  # connections to the stores: never severed
         self.modules = modules  # () -> the protected nn.Modules, for FSDP's cached group handles
-        self.shard_size = shard_size  # HSDP: ranks per shard group (0: none, see replica_groups)
-        self.layout: replica_groups.Layout | None = None
-        self.subgroups = None  # HSDP: (replicate group, shard group) of this generation
+        self.shard_size = shard_size  # HSDP: ranks per replica group (0: none, see mesh.py)
+        self.tp_size = tp_size  # ranks per tensor-parallel group (1: none)
+        self.layout: meshes.Layout | None = None
+        self.subgroups: dict | None = None  # {dimension: group} of this generation (mesh.py)
 
     def form(self, plan: membership.Seat) -> bool:
         """Build generation `plan.gen`'s group; False when a newer plan replaced it meanwhile."""
@@ -55,10 +56,12 @@ class Group:
         # wrapper more per generation. The job's own hook (failures.report_uncaught) stays.
         sys.excepthook = hook
         self.subgroups = None
-        if self.shard_size and self.shard_size < plan.world_size:
-            self.layout = replica_groups.Layout(plan.world_size, self.shard_size)
-            with communicating(f"forming the replica and shard groups of generation {plan.gen}"):
-                self.subgroups = replica_groups.build(self.layout, rank)
+        hsdp = bool(self.shard_size) and self.shard_size < plan.world_size
+        if hsdp or self.tp_size > 1:
+            self.layout = meshes.Layout(plan.world_size, self.shard_size if hsdp
+                                        else plan.world_size, self.tp_size)
+            with communicating(f"forming the mesh's groups of generation {plan.gen}"):
+                self.subgroups = meshes.build(self.layout, rank)
         self.rebind_sharded_modules(dist.group.WORLD)
         got = dist.get_world_size()
         if got != plan.world_size:
@@ -97,13 +100,13 @@ class Group:
             pass
 
     def device_mesh(self):
-        """The mesh FSDP2 shards over, on the backend's device (nccl: the GPU, else the CPU):
-        the default group itself, or under HSDP the 2-D mesh of this generation's replicate and
-        shard groups (replica_groups.py)."""
+        """The job's mesh, on the backend's device (nccl: the GPU, else the CPU): the default
+        group itself, or the mesh of this generation's subgroups (dp_replicate under HSDP,
+        dp_shard, tp under tensor parallel: mesh.py)."""
         from torch.distributed.device_mesh import DeviceMesh
         device_type = "cuda" if self.backend == "nccl" else "cpu"
         if self.subgroups is not None:
-            return replica_groups.device_mesh(self.layout, self.subgroups, device_type)
+            return meshes.device_mesh(self.layout, self.subgroups, device_type)
         return DeviceMesh.from_group(dist.group.WORLD, device_type)
 
     def rebind_sharded_modules(self, group) -> None:
@@ -111,12 +114,13 @@ class Group:
 
         FSDP keeps the group object it was built with; after a regroup that object is dead. The new
         default group gets the old one's name, so DTensor's mesh resolves to it; only FSDP's cached
-        handles need replacing, no parameter moves. Under HSDP the shard and replicate handles
-        take this generation's subgroups, which have the old ones' names too.
+        handles need replacing, no parameter moves. With subgroups (HSDP, tensor parallel) the
+        shard and replicate handles take this generation's, which have the old ones' names too.
         """
         shard = replicate = group
         if group is not None and self.subgroups is not None:
-            replicate, shard = self.subgroups
+            replicate = self.subgroups.get("dp_replicate")
+            shard = self.subgroups["dp_shard"]
         for obj in self.modules():
             for module in obj.modules():
                 get_state = getattr(module, "_get_fsdp_state", None)

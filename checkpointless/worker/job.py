@@ -106,8 +106,16 @@ class Job:
         return self.steploop.step_started_at
 
     def device_mesh(self):
-        """FSDP2's mesh from the groups join() made (1-D, or HSDP's 2-D: replica_groups.py)."""
+        """The job's DeviceMesh: the default group's, or (dp_replicate, dp_shard, tp): mesh.py."""
         return self._rec.group.device_mesh()
+
+    @property
+    def data_rank(self) -> int:  # this rank's share of a step's batch: one per tp group
+        return self.rank // int(self.spec.tp_size)
+
+    @property
+    def data_world(self) -> int:  # how many shares a step's batch has (data-parallel size)
+        return self.world_size // int(self.spec.tp_size)
 
     def replica_host_bytes(self, part: str = "held") -> int | None:
         """Host bytes of peers' shard copies ("held"), own rollback snapshots ("own"), or "all"."""
@@ -245,13 +253,11 @@ class Job:
         (`_secure`), so a failure here restores exactly it."""
         return self._outside.run(fn)
 
-    def _new_step(self) -> None:
-        """A step's body starts: what ran between the steps before it is never run again."""
+    def _new_step(self) -> None:  # what ran between the steps before it is never run again
         self._scope_used = False
         self._outside.new_step()
 
-    def _after_body(self) -> None:
-        """A step body run without `with job.step():` commits when the loop moves on."""
+    def _after_body(self) -> None:  # a body run without `with job.step():` commits here
         if not self._scope_used:
             self.steploop.close()
 
@@ -272,7 +278,9 @@ class Job:
         return StepScope(self)
 
     def seed_step(self, step: int, micro: int = 0) -> int:
-        return seed_all(step_seed(self.seed, step, self.rank, micro))
+        """Seed every generator for (step, micro, data share): a tensor-parallel group's ranks
+        draw alike, so their replicated activations (dropout outside split layers) agree."""
+        return seed_all(step_seed(self.seed, step, self.data_rank, micro))
 
     @property
     def grads_kept(self) -> bool:

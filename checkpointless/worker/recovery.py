@@ -61,7 +61,8 @@ class Recovery:
         plans_at = protocol.node_store_address(host, port, node_port)
         self.node_store = membership.connect(*plans_at) if node_port else store
         self.group = Group(store, self.node_store, spec.backend, spec.pg_timeout_s,
-                           {port, node_port} - {0}, state.modules, spec.shard_size)
+                           {port, node_port} - {0}, state.modules, spec.shard_size,
+                           spec.tp_size)
         self.watch = Watch(host, port, lambda: self.gen, self._abort_from_watch,
                            plans_at=plans_at)
         # held while the watch thread judges and aborts, and while this thread enters a step or

@@ -51,7 +51,7 @@ class ShardReplicas:
         if factor < 1 or interval < 1:
             raise ValueError(f"replication factor={factor} and interval={interval} must be >= 1")
         self.factor, self.interval, self.offset = factor, interval, offset
-        # HSDP with replica groups: twins (replica_groups.py) are the copies, so snapshots are
+        # HSDP with replica groups: twins (mesh.py) are the copies, so snapshots are
         # taken only to roll this rank back, and nothing is sent
         self.shard_size = shard_size
         self.rollback_only = factor <= 1 and shard_size > 0
@@ -87,7 +87,7 @@ class ShardReplicas:
         """Ranks holding the same slice as `rank` in their live state (HSDP), else none."""
         if not self.shard_size or self.shard_size >= world or world % self.shard_size:
             return []
-        from .replica_groups import Layout
+        from .mesh import Layout
         return Layout(world, self.shard_size).twins(rank)
 
     def due(self, step: int) -> bool:

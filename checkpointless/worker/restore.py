@@ -7,7 +7,7 @@ update) receives the whole state from one source, receivers spread evenly over t
 Sharded state (fsdp): each rank holds the only live copy of its slice, so the members agree on the
 newest step to which every slice can be brought: a survivor rolls back to its own snapshot, a
 spare receives its rank's slice from a peer that holds a copy (redundancy.py). Under HSDP the
-ranks at the same shard position in the other replica groups (twins, replica_groups.py) hold the
+ranks at the same shard position in the other replica groups (twins, mesh.py) hold the
 slice live: a spare, or a survivor that cannot reach the step alone, receives it from a twin.
 When some slice has no copy left anywhere, every rank loads the newest durable checkpoint
 instead, and says so.

@@ -1,0 +1,139 @@
+"""The job's device mesh: which rank sits where along (dp_replicate, dp_shard, tp), and the groups.
+
+Ranks are laid out as accelerate's ParallelismConfig orders the dimensions, tensor parallel
+innermost: rank r = (g * dp_shard + s) * tp + t. A tensor-parallel group is `tp` consecutive ranks
+(inside one node whenever tp divides the ranks per node), an FSDP shard group the ranks of one
+replica group at one tp position, and a replica group `shard_size` = dp_shard x tp consecutive
+ranks, each holding one whole copy of the model.
+
+Rank r holds slice r % shard_size of the parameters and optimizer state. Under HSDP the ranks at
+the same slice in the other replica groups hold it too, bit for bit ("twins"): FSDP2 reduce-
+scatters within a shard group and all-reduces across a slice's ranks, which all receive the same
+sum. A lost rank's slice is sent by a twin, and no host copy is needed (restore.py). Without
+replica groups (fsdp, with or without tp) every slice exists once and peer copies keep it.
+
+The subgroups are built in every generation, by every member, right after the default group and
+in one fixed order (replicate groups, then shard groups, then tp groups). torch names a new group
+by counting the groups made since the last destroy_process_group(), so a generation's subgroups
+take the names the previous one's had: the DeviceMesh that FSDP and the tensor-parallel DTensors
+were built on (which resolves its groups by name) points at the new ones at once, in survivors and
+replacement alike, and only FSDP's cached handles need replacing (group.Group.rebind).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+DIMS = ("dp_replicate", "dp_shard", "tp")  # accelerate's names, in its order
+
+
+@dataclass(frozen=True)
+class Layout:
+    world: int
+    shard_size: int  # ranks per replica group: dp_shard x tp (the world itself without hsdp)
+    tp: int = 1
+
+    def __post_init__(self):
+        if self.shard_size < 1 or self.world % self.shard_size:
+            raise ValueError(f"shard_size={self.shard_size} must divide the world size "
+                             f"{self.world}")
+        if self.tp < 1 or self.shard_size % self.tp:
+            raise ValueError(f"tp_size={self.tp} must divide the ranks per replica group "
+                             f"{self.shard_size}")
+
+    @property
+    def groups(self) -> int:
+        """Replica groups (dp_replicate)."""
+        return self.world // self.shard_size
+
+    @property
+    def dp_shard(self) -> int:
+        return self.shard_size // self.tp
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {"dp_replicate": self.groups, "dp_shard": self.dp_shard, "tp": self.tp}
+
+    def dims(self) -> tuple[str, ...]:
+        """The mesh's dimensions: dp_shard always, dp_replicate with replica groups, tp when
+        tensor parallel."""
+        return tuple(d for d in DIMS if d == "dp_shard" or self.sizes[d] > 1)
+
+    def position(self, rank: int) -> int:
+        """Which slice of the state `rank` holds."""
+        return rank % self.shard_size
+
+    def group_of(self, rank: int) -> int:
+        return rank // self.shard_size
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """{"dp_replicate": g, "dp_shard": s, "tp": t} of `rank`."""
+        return {"dp_replicate": rank // self.shard_size,
+                "dp_shard": (rank % self.shard_size) // self.tp, "tp": rank % self.tp}
+
+    def data_rank(self, rank: int) -> int:
+        """Which data-parallel share of the batch `rank` trains on: a tp group shares one."""
+        return rank // self.tp
+
+    def twins(self, rank: int) -> list[int]:
+        """The other ranks holding the same slice as `rank` (one per other replica group)."""
+        p = self.position(rank)
+        return [p + g * self.shard_size for g in range(self.groups)
+                if p + g * self.shard_size != rank]
+
+    def shard_ranks(self, group: int, t: int = 0) -> list[int]:
+        """The FSDP shard group of replica group `group` at tp position `t`."""
+        base = group * self.shard_size + t
+        return list(range(base, base + self.shard_size, self.tp))
+
+    def replicate_ranks(self, position: int) -> list[int]:
+        return list(range(position, self.world, self.shard_size))
+
+    def tp_ranks(self, first: int) -> list[int]:
+        """The tp group that starts at rank `first`."""
+        return list(range(first, first + self.tp))
+
+    def all_groups(self) -> list[tuple[str, list[int]]]:
+        """Every subgroup of the mesh as (dimension, ranks), in the order they are built."""
+        out = []
+        if self.groups > 1:
+            out += [("dp_replicate", self.replicate_ranks(p)) for p in range(self.shard_size)]
+        out += [("dp_shard", self.shard_ranks(g, t)) for g in range(self.groups)
+                for t in range(self.tp)]
+        if self.tp > 1:
+            out += [("tp", self.tp_ranks(f)) for f in range(0, self.world, self.tp)]
+        return out
+
+    def mesh(self):
+        """Rank ids shaped as the mesh of `dims()`."""
+        import torch
+        return torch.arange(self.world, dtype=torch.int).reshape(
+            [self.sizes[d] for d in self.dims()])
+
+    def lost_with_a_node(self, ranks_per_node: int) -> list[int]:
+        """Slices whose every copy sits on one node (losing that node loses the slice); empty
+        when any one node's loss leaves each slice somewhere."""
+        if self.groups < 2:
+            return list(range(self.shard_size))
+        return [p for p in range(self.shard_size)
+                if len({r // ranks_per_node for r in self.replicate_ranks(p)}) < 2]
+
+
+def build(layout: Layout, rank: int, backend: str | None = None) -> dict:
+    """{dimension: this rank's group} of the current generation: every member calls this with
+    the same layout, after init_process_group, before anything else makes a group."""
+    mine = {}
+    for dim, ranks in layout.all_groups():
+        g = dist.new_group(ranks, backend=backend)
+        if rank in ranks:
+            mine[dim] = g
+    return mine
+
+
+def device_mesh(layout: Layout, groups: dict, device_type: str):
+    """The DeviceMesh of `layout.dims()` over this generation's subgroups."""
+    from torch.distributed.device_mesh import DeviceMesh
+    dims = layout.dims()
+    return DeviceMesh.from_group([groups[d] for d in dims], device_type, mesh=layout.mesh(),
+                                 mesh_dim_names=dims)

@@ -1,0 +1,117 @@
+"""Tensor parallelism in the recipe loop (`distributed.tp_size`).
+
+The split is the model's own: transformers' `base_model_tp_plan` (Llama, Qwen2, Mistral: q, k, v,
+gate and up column-wise, o and down row-wise), applied with torch's DTensor styles
+(`parallelize_module`) over the job's tp mesh dimension, before FSDP2 shards every parameter over
+the data-parallel dimensions. Embeddings, norms and the output head stay whole on each tp rank
+(replicated), so each rank of a tp group computes them alike from the same batch and seed.
+
+The mesh is the job's (checkpointless/worker/mesh.py: its groups are rebuilt every generation with
+the old names), so a replacement takes the lost rank's (dp_replicate, dp_shard, tp) coordinates
+simply by taking its rank, and its slice comes from a twin or a peer copy like any FSDP slice.
+"""
+from __future__ import annotations
+
+import fnmatch
+import logging
+
+import torch
+
+from checkpointless.worker import full_tensor, is_dtensor, local_tensor
+
+# the plan's words that map onto torch's styles; others (gpt-oss's embedding_rowwise, the packed
+# experts) are refused with the reason
+STYLES = ("colwise", "rowwise")
+# what the head and KV split needs to divide, by the config's field names
+_DIVIDES = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+
+
+def mesh_sizes(d) -> dict[str, int]:
+    """The job's mesh as report.json and the plan name it, from the recipe's distributed section:
+    {"dp_replicate", "dp_shard", "tp", "pp"} (ddp: every worker a whole replica)."""
+    n, tp = d.num_processes, d.tp_size
+    if d.strategy == "ddp":
+        return {"dp_replicate": n, "dp_shard": 1, "tp": 1, "pp": 1}
+    group = d.shard_size if d.strategy == "hsdp" and d.shard_size else n
+    return {"dp_replicate": n // group, "dp_shard": group // tp, "tp": tp, "pp": 1}
+
+
+def coordinates(d, rank: int) -> dict[str, int]:
+    """Where `rank` sits in the mesh of mesh_sizes(d) (tp innermost, as mesh.py lays it out)."""
+    m = mesh_sizes(d)
+    if d.strategy == "ddp":
+        return {"dp_replicate": rank, "dp_shard": 0, "tp": 0}
+    group = m["dp_shard"] * m["tp"]
+    return {"dp_replicate": rank // group, "dp_shard": (rank % group) // m["tp"],
+            "tp": rank % m["tp"]}
+
+
+def refusal(tp: int, hf) -> str | None:
+    """Why distributed.tp_size=`tp` cannot split the model of config `hf`, with the fix; None
+    when it can (or tp is 1)."""
+    if tp <= 1:
+        return None
+    key = f"distributed.tp_size={tp}"
+    plan = getattr(hf, "base_model_tp_plan", None) or {}
+    kind = type(hf).__name__
+    if not plan:
+        why = (" (GPT-2's attention is one fused Conv1D for q, k and v, which a column split "
+               "would cut across the three)") if getattr(hf, "model_type", "") == "gpt2" else ""
+        return (f"{key}: {kind} ships no tensor-parallel plan{why}. Fix: distributed.tp_size=1 "
+                "with distributed.strategy=fsdp (sharding needs no plan)")
+    other = sorted({v for v in plan.values() if v not in STYLES})
+    if other:
+        return (f"{key}: {kind}'s tensor-parallel plan uses {', '.join(other)} (its mixture of "
+                "experts and embedding splits are not column or row splits of a linear layer). "
+                "Fix: distributed.tp_size=1 with distributed.strategy=fsdp")
+    for field in _DIVIDES:
+        value = getattr(hf, field, None)
+        if value and value % tp:
+            fits = [t for t in range(2, value + 1) if value % t == 0][:4]
+            return (f"{key}: the model's {field}={value} is not a multiple of {tp}, so its "
+                    f"heads or columns cannot be split evenly. Fix: distributed.tp_size in "
+                    f"{fits or [1]} (a divisor of every one of {', '.join(_DIVIDES)})")
+    return None
+
+
+def apply(model: torch.nn.Module, tp_mesh) -> int:
+    """Split the linear layers the model's plan names over `tp_mesh`; returns how many."""
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None) or model
+    plan = model.config.base_model_tp_plan
+    styles = {}
+    for name, _ in base.named_modules():
+        for pattern, style in plan.items():
+            if fnmatch.fnmatchcase(name, pattern):
+                styles[name] = ColwiseParallel() if style == "colwise" else RowwiseParallel()
+    parallelize_module(base, tp_mesh, styles)
+    # DTensor warns on every norm of a 2-D mesh that it reduces one dimension after the other:
+    # a fixed order, so every rank gets the same bits (clip_grad_norm_ below)
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    return len(styles)
+
+
+def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+    """Scale the gradients so that their global 2-norm is at most `max_norm`; the norm before.
+
+    Under tensor parallel the gradients are DTensors on two meshes (split layers over dp x tp,
+    replicated ones over dp alone) with several placements, which torch's clip cannot stack.
+    Each set of one mesh and placements is normed by DTensor (its reductions on its own mesh),
+    the squares are summed in parameter order, and every rank scales by the same factor: the
+    replicated parameters' copies on a tp group stay equal."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    sets: dict = {}
+    for g in grads:
+        sets.setdefault((g.device_mesh, tuple(g.placements)) if is_dtensor(g) else None,
+                        []).append(g)
+    squares = torch.zeros((), dtype=torch.float32)
+    for same in sets.values():
+        norm = full_tensor(torch.nn.utils.get_total_norm(same, 2.0))
+        squares = squares + norm.detach().to("cpu", torch.float32) ** 2
+    total = squares.sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        local = local_tensor(g)
+        local.mul_(coef.to(local.device, local.dtype))
+    return total
