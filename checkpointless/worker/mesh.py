@@ -105,11 +105,10 @@ class Layout:
             out += [("tp", self.tp_ranks(f)) for f in range(0, self.world, self.tp)]
         return out
 
-    def mesh(self):
-        """Rank ids shaped as the mesh of `dims()`."""
+    def mesh(self) -> list:
+        """Rank ids as nested lists, shaped as the mesh of `dims()`."""
         import torch
-        return torch.arange(self.world, dtype=torch.int).reshape(
-            [self.sizes[d] for d in self.dims()])
+        return torch.arange(self.world).reshape([self.sizes[d] for d in self.dims()]).tolist()
 
     def lost_with_a_node(self, ranks_per_node: int) -> list[int]:
         """Slices whose every copy sits on one node (losing that node loses the slice); empty
@@ -133,7 +132,9 @@ def build(layout: Layout, rank: int, backend: str | None = None) -> dict:
 
 def device_mesh(layout: Layout, groups: dict, device_type: str):
     """The DeviceMesh of `layout.dims()` over this generation's subgroups."""
+    import torch
     from torch.distributed.device_mesh import DeviceMesh
     dims = layout.dims()
-    return DeviceMesh.from_group([groups[d] for d in dims], device_type, mesh=layout.mesh(),
+    return DeviceMesh.from_group([groups[d] for d in dims], device_type,
+                                 mesh=torch.tensor(layout.mesh(), dtype=torch.int),
                                  mesh_dim_names=dims)

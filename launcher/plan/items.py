@@ -4,7 +4,7 @@ the way it is."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from checkpointless.worker import KEEP as KEEP_VERSIONS  # versions of each replica kept
 from checkpointless.worker import ROLLBACK_KEEP as ROLLBACK_VERSIONS  # hsdp's own snapshots
@@ -13,6 +13,7 @@ from .budget import device_budget, host_budget, ranks_per_node
 from .model import ModelFacts, lora_targets
 from .report import PHASES, Item, Plan
 from ..schema import SHARDED
+from ..tensor_parallel import mesh_sizes
 
 CUDA_RUNTIME = 2 * 10 ** 9  # CUDA context, NCCL buffers, allocator slack: an allowance
 CPU_RUNTIME = 10 ** 9 // 2  # Python, torch, transformers and datasets in one worker process
@@ -34,7 +35,9 @@ CURRENT_LOOP = LoopFacts()
 class _Setup:
     """The numbers every family of rows reads, derived once from the recipe and the model."""
     world: int
-    ways: int  # ranks a parameter is sharded over: the world (fsdp), a shard group (hsdp)
+    ways: int  # ranks a parameter is sharded over: the world (fsdp), a replica group (hsdp)
+    tp: int  # tensor parallel: the plan's linears split tp ways, the rest whole per tp group
+    split: float  # share of the parameters the tp plan splits
     groups: int  # replica groups (hsdp; 1 otherwise): each holds every slice
     fsdp: bool
     lora: bool
@@ -58,7 +61,15 @@ class _Setup:
     grad_sync_buckets: bool  # ddp's all-reduce starts in backward, bucket by bucket
 
     def shard(self, n: int) -> int:
-        return math.ceil(n / self.ways) if self.fsdp else n
+        """A rank's part of `n` parameters: the split share over every rank of a replica group,
+        the rest over its dp_shard ranks (whole on each tp rank)."""
+        if not self.fsdp:
+            return n
+        return math.ceil(n * self.split / self.ways + n * (1 - self.split) * self.tp / self.ways)
+
+    def block(self, facts) -> int:
+        """One decoder block as a tp rank computes it, unsharded."""
+        return facts.block_params - facts.tp_block_split + facts.tp_block_split // self.tp
 
     @property
     def params_bytes(self) -> int:
@@ -82,8 +93,10 @@ def _setup(cfg, facts: ModelFacts) -> _Setup:
     adapters = sum(pf.r * (i + o) for _, i, o, _ in targets)
     trainable = adapters if lora else facts.n_params
     ways = d.shard_size if d.strategy == "hsdp" and d.shard_size else world
+    tp = d.tp_size
     return _Setup(
-        world=world, ways=ways, groups=world // ways, fsdp=fsdp, lora=lora, ckpt=bool(cfg.model.gradient_checkpointing),
+        world=world, ways=ways, groups=world // ways, tp=tp,
+        split=facts.tp_split_params / facts.n_params if tp > 1 and facts.n_params else 0.0, fsdp=fsdp, lora=lora, ckpt=bool(cfg.model.gradient_checkpointing),
         accum=t.grad_accum_steps, bf16=bf16, mp=mp, pb=pb, cb=cb, gb=4 if mp else pb,
         p=2 if (bf16 or pb == 2) else 4, r=cb,
         dname="float32" if pb == 4 else facts.dtype_name,
@@ -109,11 +122,13 @@ def _state_items(s: _Setup) -> list:
     items = [
         Item("parameters", _at(s.params_bytes),
              note=("fp32 master, gathered in bf16" if s.mp else s.dname)
-             + (f", 1/{s.ways} shard" if s.fsdp else ", whole")
+             + (f", 1/{s.ways} shard" if s.fsdp and s.tp == 1 else
+                f", split 1/{s.ways}, the rest 1/{s.ways // s.tp}" if s.fsdp else ", whole")
              + (f", + {s.adapters:,} fp32 adapters" if s.lora else "")),
         Item("gradients", _at(s.shard(s.trainable) * s.tb, *grad_phases),
              note=("adapters only, " if s.lora else "")
-             + (f"1/{s.ways} shard" if s.fsdp else "whole")),
+             + (f"1/{s.ways} shard" if s.fsdp and s.tp == 1 else "as the parameters"
+                if s.fsdp else "whole")),
         Item("optimizer state", _at(s.optim_bytes), note="AdamW, 2 moments in the " + moments),
     ]
     if not s.fsdp:  # the bucket buffers become .grad; the local gradients stay for a redo
@@ -132,15 +147,16 @@ def _fsdp_items(s: _Setup, facts: ModelFacts) -> list:
     items = [Item("root unit unsharded", _at(facts.root_params * s.cb, "forward",
                                               "loss backward", "layer backward"),
                   note="fsdp: embeddings, final norm, lm_head"),
-             Item("two blocks unsharded", _at(2 * facts.block_params * s.cb, "forward",
+             Item("two blocks unsharded", _at(2 * s.block(facts) * s.cb, "forward",
                                                "layer backward"),
-                  note="fsdp: computing + prefetched")]
+                  note="fsdp: computing + prefetched" +
+                  (f", their split linears 1/{s.tp}" if s.tp > 1 else ""))]
     if not s.lora:  # a frozen base has no gradients; the adapters' are too small to count
         items.append(Item("root unit gradients unsharded",
                           _at(facts.lm_head_params * s.gb, "loss backward", "layer backward"),
                           note="fsdp: lm_head's, before reduce-scatter"))
         items.append(Item("block gradients unsharded",
-                          _at(facts.block_params * s.gb, "layer backward"),
+                          _at(s.block(facts) * s.gb, "layer backward"),
                           note="fsdp: before reduce-scatter"))
     return items
 
@@ -170,8 +186,12 @@ def _quadratic(facts: ModelFacts, device: str, masked: bool) -> bool:
 
 
 def _layer_bytes(s: _Setup, facts: ModelFacts, cfg, quadratic: bool) -> int:
-    """Activations of one decoder layer for one micro-batch."""
+    """Activations of one decoder layer for one micro-batch (under tp, a tp rank's: its heads
+    and MLP columns split, the residual stream and norms whole)."""
     pf = cfg.peft
+    if s.tp > 1:
+        facts = replace(facts, heads=facts.heads // s.tp, q_dim=facts.q_dim // s.tp,
+                        kv_dim=facts.kv_dim // s.tp, intermediate=facts.intermediate // s.tp)
     lora_in = sum(i for _, i, _, in_first in s.targets if in_first)
     lora_r = pf.r * sum(1 for *_, in_first in s.targets if in_first)
     per_token = layer_bytes_per_token(facts, s.p, s.r, s.masked, lora_in, lora_r,
@@ -244,7 +264,9 @@ def _summary(s: _Setup, cfg, facts: ModelFacts, device: str, quadratic: bool) ->
     t = cfg.trainer
     attn = ("sdpa (memory-efficient kernel assumed: no s^2 matrix kept)" if not quadratic else
             f"{facts.attn_impl} (the s^2 attention matrix is kept)")
-    return (f"{cfg.distributed.strategy} over {s.world} processes on {device}; micro_batch_size "
+    mesh = " x ".join(f"{k} {v}" for k, v in mesh_sizes(cfg.distributed).items() if v > 1)
+    return (f"{cfg.distributed.strategy} over {s.world} processes on {device} (mesh "
+            f"{mesh or 'one process'}); micro_batch_size "
             f"{t.micro_batch_size} x seq_len {cfg.data.seq_len}, grad_accum_steps {s.accum}; "
             f"gradient checkpointing {'on' if s.ckpt else 'off'}; precision {t.precision} "
             f"(activations {s.p} bytes, residual stream {s.r}); attention {attn}")

@@ -39,6 +39,10 @@ class ModelFacts:
     attn_impl: str
     fused_qkv: bool
     linears: list = field(default_factory=list)  # (module name, in, out, in block 0) for LoRA
+    # parameters of the linears the model's tensor-parallel plan splits (base_model_tp_plan),
+    # in all and in the largest block; the rest is whole on every tp rank
+    tp_split_params: int = 0
+    tp_block_split: int = 0
 
 
 def _tokenizer_shape(cfg):
@@ -188,7 +192,22 @@ def model_facts(cfg) -> ModelFacts:
         dropout=_dropout(hf, ("resid_pdrop", "hidden_dropout", "hidden_dropout_prob", "dropout")),
         attn_dropout=_dropout(hf, ("attn_pdrop", "attention_dropout")),
         attn_impl=str(getattr(model.config, "_attn_implementation", "eager")),
-        fused_qkv="c_attn" in names, linears=linears)
+        fused_qkv="c_attn" in names, linears=linears, **_tp_split(model, hf, blocks))
+
+
+def _tp_split(model, hf, blocks) -> dict:
+    """What the model's tensor-parallel plan splits: its linears matched by the plan's patterns
+    (names relative to the base model, as transformers writes them)."""
+    import fnmatch
+    plan = getattr(hf, "base_model_tp_plan", None) or {}
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None) or model
+    split = {id(m) for n, m in base.named_modules()
+             if any(fnmatch.fnmatchcase(n, pat) for pat in plan)}
+
+    def count(mods) -> int:
+        return sum(p.numel() for m in mods if id(m) in split for p in m.parameters(recurse=False))
+    return {"tp_split_params": count(base.modules()),
+            "tp_block_split": max((count(b.modules()) for b in blocks), default=0)}
 
 
 def lora_targets(facts: ModelFacts, target_modules) -> list:
