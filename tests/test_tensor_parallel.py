@@ -108,14 +108,19 @@ def _clip_on_a_mesh(rank, port, q):
     got = clip_grad_norm_(split.parameters(), 0.1)
     grads = [p.grad.full_tensor() for p in split.parameters()]
     same = all(torch.allclose(g, w.grad, atol=1e-6) for g, w in zip(grads, whole.parameters()))
-    q.put((rank, float(got), float(want), same))
+    from checkpointless.worker.consistency import whole_on_tp
+    whole_ones = [n for n, p in split.named_parameters() if whole_on_tp(p)]
+    q.put((rank, float(got), float(want), same, whole_ones))
     dist.destroy_process_group()
 
 
 def test_the_clip_spans_split_and_replicated_gradients_as_the_whole_models_does():
-    for rank, got, want, same in spawn_gloo(_clip_on_a_mesh, 4, timeout=120):
+    """Also: the end-of-run check of a tp group compares the parameters tp leaves whole."""
+    for rank, got, want, same, whole_ones in spawn_gloo(_clip_on_a_mesh, 4, timeout=120):
         assert got == pytest.approx(want, rel=1e-5) and want > 0.1, rank
         assert same, rank  # every gradient scaled as the whole model's
+        # what the end-of-run check compares across a tp group: what tp does not split
+        assert sorted(whole_ones) == ["2.bias", "scale"], whole_ones
 
 
 @pytest.mark.slow

@@ -27,11 +27,22 @@ class NoMajority(RuntimeError):
     """The replicas disagree and no state is held by a majority of ranks."""
 
 
-def params_checksum(modules) -> int:
-    """Sum of every parameter's bits read as integers (wrapping at 64 bits)."""
+def whole_on_tp(p) -> bool:
+    """A parameter that tensor parallel leaves whole (norms, embeddings, the head, a row-wise
+    layer's bias): its mesh has no tp dimension, or it is replicated along it, so every rank of a
+    tp group holds the same part of it."""
+    names = getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None) or ()
+    return "tp" not in names or p.placements[names.index("tp")].is_replicate()
+
+
+def params_checksum(modules, only=None) -> int:
+    """Sum of every parameter's bits (those `only(p)` keeps) read as integers (wrapping at 64
+    bits)."""
     total = 0
     for m in modules:
         for p in m.parameters():
+            if only is not None and not only(p):
+                continue
             t = local_part(p).detach()  # under HSDP: the slice twins must agree on
             if t.numel() == 0:
                 continue
@@ -40,9 +51,9 @@ def params_checksum(modules) -> int:
     return total - (1 << 64) if total >= 1 << 63 else total
 
 
-def gather(modules, world: int) -> list[int]:
+def gather(modules, world: int, only=None) -> list[int]:
     """Every rank's parameter checksum, by rank (one small all-gather)."""
-    mine = torch.tensor([params_checksum(modules)], dtype=torch.int64)
+    mine = torch.tensor([params_checksum(modules, only)], dtype=torch.int64)
     got = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     with communicating("comparing parameter checksums"):
         dist.all_gather(got, mine)
@@ -71,13 +82,15 @@ def apart(sums: list[int], groups: list[list[int]]) -> list[list[int]]:
     return [list(g) for g in groups if len({sums[r] for r in g}) > 1]
 
 
-def check_at_end(modules, groups: list[list[int]], between_steps) -> None:
+def check_at_end(modules, groups: list[list[int]], between_steps, only=None,
+                 what: str = "the replicas") -> None:
     """The run's last check, every rank together (`between_steps` recovers a peer lost in it):
-    replicas that disagree are an error on every rank, never a quiet success."""
+    replicas that disagree are an error on every rank, never a quiet success. `only`: the
+    parameters compared (all by default)."""
     world = sum(len(g) for g in groups)
-    sums = between_steps(lambda: gather(modules, world))
+    sums = between_steps(lambda: gather(modules, world, only))
     if far := apart(sums, groups):
-        raise NoMajority(f"the replicas disagree at the end of the run (parameter checksums by "
+        raise NoMajority(f"{what} disagree at the end of the run (parameter checksums by "
                          f"rank: {sums}; ranks that should agree: {far}); the run is not a "
                          "success")
 

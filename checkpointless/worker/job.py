@@ -330,9 +330,9 @@ class Job:
         before its result was in is recovered like a failure between steps (this rank runs
         again what the replacement runs on its way here); a peer lost after it (on its way
         out) loses nothing, and the run stands."""
-        if (groups := self._state.compared(self.world_size)) is not None and self._state.modules():
+        if self._state.modules():
             try:
-                consistency.check_at_end(self._state.modules(), groups, self.between_steps)
+                self._state.check_at_end(self.world_size, self.between_steps)
             except consistency.NoMajority as exc:
                 report_error(self.store, self.worker_id, exc)
                 raise

@@ -59,6 +59,19 @@ class ProtectedState:
             return None
         return consistency.compared(world, twins)
 
+    def check_at_end(self, world: int, between_steps) -> None:
+        """The replicas agree at the end (consistency.check_at_end): every rank under ddp, a rank
+        and its twins under HSDP; and under tensor parallel the ranks of each tp group on the
+        parameters it leaves whole, which each of them computes alike."""
+        if (groups := self.compared(world)) is not None:
+            consistency.check_at_end(self.modules(), groups, between_steps)
+        tp = int(self.spec.tp_size)
+        if tp > 1:
+            consistency.check_at_end(self.modules(), [list(range(f, f + tp))
+                                                      for f in range(0, world, tp)],
+                                     between_steps, only=consistency.whole_on_tp,
+                                     what="the ranks of a tensor-parallel group")
+
     def _on_optimizer_step(self, *_):
         self.update_applied = True
 
