@@ -5,7 +5,7 @@ bits (tests/external_kill.py does the killing).
 in forward, inside a reduce-scatter or an all-reduce, in the optimizer step, during the replica
 exchange, in the export after the last step, on the way out. The suite runs one fsdp job killed
 three times (mid-run twice, once after its last step); `make test-sweep` runs many single kills
-over a grid of seeded moments, under fsdp (with and without its memory savers) and ddp.
+over a grid of seeded moments, under fsdp (with and without its memory savers), ddp and fsdp x tp 2.
 """
 import pytest
 
@@ -50,8 +50,9 @@ def test_fsdp_kills_inside_a_steps_compute_and_from_outside_end_with_the_failure
     assert (out / "model" / "model.safetensors.index.json").exists()
 
 
-RUNS = {"fsdp": FSDP_12, "fsdp-savers": FSDP_12 + FSDP_SAVERS, "ddp": ("trainer.max_steps=12",)}
-SWEEP = [(kind, seed) for kind, n in (("fsdp", 6), ("fsdp-savers", 4), ("ddp", 6))
+RUNS = {"fsdp": FSDP_12, "fsdp-savers": FSDP_12 + FSDP_SAVERS, "ddp": ("trainer.max_steps=12",),
+        "tp": FSDP_12 + ("distributed.tp_size=2",)}
+SWEEP = [(kind, seed) for kind, n in (("fsdp", 6), ("fsdp-savers", 4), ("ddp", 6), ("tp", 4))
          for seed in range(n)]
 
 

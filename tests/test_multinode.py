@@ -218,3 +218,21 @@ def test_with_a_standalone_coordinator_losing_node_0_and_rank_0_is_recovered(tmp
             for r in rep["recoveries"]} == {(0, "node_lost", 0, 2), (1, "node_lost", 0, 2)}
     time.sleep(1)
     assert not _job_processes(tmp_path)
+
+
+def test_tp_inside_each_node_a_lost_node_takes_a_whole_tp_group_and_comes_back_with_the_bits(
+        tmp_path, references):
+    """2 nodes x 2 workers, tp 2 inside each node (one tp group per node) x fsdp 2 across them:
+    node 1's launcher and workers SIGKILLed mid-step take both ranks of a tp group; the spare
+    node takes them at their (dp_shard, tp) coordinates, each slice sent from node 0's memory,
+    and the run ends with the bits of the same tp run on one node without a failure."""
+    tp = ("distributed.tp_size=2",)
+    _, want, _ = references.train("tiny-llama", *FSDP_12, *tp)
+    rep = lose_node_1(tmp_path, *FSDP_12, *tp)
+    recs = rep["recoveries"]
+    assert rep["parallelism"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "pp": 1}
+    assert sorted(r["failed_rank"] for r in recs) == [2, 3]
+    assert {r["restored_from"] for r in recs} == {"peer_memory"}
+    assert {r["failed_coordinates"]["dp_shard"] for r in recs} == {1}
+    assert set(recs[0]["served"].values()) <= {0, 1}  # copies a node away
+    assert rep["params_sha256"] == want["params_sha256"]

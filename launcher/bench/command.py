@@ -47,7 +47,7 @@ def bench(args: list[str]) -> int:
             tau_steps = checkpoint_every(save_cost, cfg.mtbf_s, step_s)
         rc_cfg, out = mode_recipe(cfg, overrides, mode, tau_steps)
         print(f"[bench] mode {mode} -> {out}", flush=True)
-        killer_plan = plan if mode in ("checkpointless", "restart") else None
+        killer_plan = plan if mode in ("checkpointless", "restart", "tp") else None
         if mode in ("off", "restart", "flat"):
             rc, kills, elapsed = run_torchrun(cfg, out, killer_plan, cfg.steps)
         elif mode == "plain":
@@ -75,7 +75,7 @@ def bench(args: list[str]) -> int:
               f"({cfg.paired_steps} steps each)", flush=True)
         paired = run_paired(cfg, overrides, pair)
         print(f"[bench] paired: {json.dumps(paired)}", flush=True)
-    sharded = [m for m in ("fsdp", "fsdp-replicated", "hsdp") if m in modes]
+    sharded = [m for m in ("fsdp", "fsdp-replicated", "hsdp", "tp") if m in modes]
     if len(sharded) >= 2 and cfg.paired_steps:
         print(f"[bench] {' and '.join(sharded)} side by side, taking turns every "
               f"{cfg.turn_s:g} s ({cfg.paired_steps} steps each)", flush=True)

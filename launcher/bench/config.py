@@ -12,8 +12,10 @@ from ..recipes import RecipeError
 # flat: off with distributed.grad_sync=flat (one all-reduce after backward, no overlap)
 # slow-evict and slow-report: on with a straggler (rank slow_rank slow_factor times as slow from
 # step slow_step on), evicted to a spare or only reported; beside on, the failure-free run
+# tp: fsdp x tensor parallel 2 (distributed.tp_size=2) with spares, killed on the failure
+# schedule like checkpointless; its failure-free step time is taken beside fsdp-replicated's
 MODES = ("off", "on", "plain", "flat", "checkpointless", "restart", "fsdp", "fsdp-replicated",
-         "hsdp", "slow-evict", "slow-report")
+         "hsdp", "tp", "slow-evict", "slow-report")
 
 
 @dataclass

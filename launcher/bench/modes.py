@@ -28,6 +28,9 @@ def mode_recipe(cfg, overrides: list[str], mode: str, tau_steps: int = 0,
     elif mode == "hsdp":  # two replica groups: they are the copies, nothing kept for peers
         extra += ["distributed.strategy=hsdp", f"distributed.shard_size={max(1, cfg.workers // 2)}",
                   "checkpointless.spares=0", "~checkpointless.replication.factor"]
+    elif mode == "tp":  # 2 shards x tp 2 on 4 workers; peer copies as fsdp-replicated keeps
+        extra += ["distributed.strategy=fsdp", "distributed.tp_size=2",
+                  f"checkpointless.spares={cfg.spares}"]
     else:
         extra += [f"checkpointless.spares={cfg.spares}"]
     if mode.startswith("slow-"):  # a straggler (in place of any other fault), evicted or not

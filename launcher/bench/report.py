@@ -173,6 +173,8 @@ def report(cfg, results: dict, save_cost: float, out_root: Path,
         print(replication_line(s, paired))
     if "hsdp" in s and "fsdp-replicated" in s:
         print(hsdp_line(s, paired))
+    if "tp" in s and "fsdp-replicated" in s:
+        print(tp_line(s, paired))
     if "checkpointless" in s and "off" in s:
         same = s["checkpointless"]["params_sha256"] == s["off"]["params_sha256"] is not None
         print(f"final bits: checkpointless {'EQUAL to' if same else 'DIFFER from'} the "
@@ -230,6 +232,22 @@ def straggler_table(s: dict) -> str:
             "beside the failure-free run (on):\n" +
             table(rows, ["mode", "goodput", "slow_s", "straggler", "from_step", "until_step",
                          "step_ms", "step_ms_after", "bits_vs_on"]))
+
+
+def tp_line(s: dict, paired: dict) -> str:
+    """fsdp x tp 2 against fsdp-replicated (the same 4 workers): the failure-free step time from
+    the runs taking turns (else one after the other), and the tp mode's recoveries."""
+    t, rep = s["tp"], s["fsdp-replicated"]
+    a, b = (paired or {}).get("step_s_median_tp"), \
+        (paired or {}).get("step_s_median_fsdp-replicated")
+    how = "the runs taking turns on the machine" if a and b else "runs one after the other"
+    a, b = (a, b) if a and b else (t["step_s_median"], rep["step_s_median"])
+    t["step_vs_fsdp_replicated"] = round(a / b - 1, 4)
+    rec = t.get("recovery_s_all") or []
+    return (f"tp (fsdp 2 shards x tp 2) median step {a * 1000:.1f} ms vs fsdp-replicated "
+            f"{b * 1000:.1f} ms ({a / b - 1:+.1%}, {how}); recoveries of tp from the kill: "
+            f"{rec or 'none (no failure fell inside its run)'} s, goodput "
+            f"{'-' if t.get('goodput') is None else format(t['goodput'], '.1%')}")
 
 
 def hsdp_line(s: dict, paired: dict) -> str:
