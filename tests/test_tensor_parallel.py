@@ -7,7 +7,8 @@ import pytest
 
 from checkpointless.worker.mesh import Layout
 from launcher.recipes import RecipeError, load
-from tests.conftest import FSDP_12, assert_replicas_agree, assert_same_bits, losses, spawn_gloo
+from tests.conftest import (FSDP_12, assert_replicas_agree, assert_same_bits, losses,
+                            spawn_gloo, train)
 from tests.external_kill import seeded_moments, train_killing
 
 TP_12 = (*FSDP_12, "distributed.tp_size=2")
@@ -149,3 +150,22 @@ def test_tp_trains_like_plain_fsdp_and_kills_anywhere_in_a_step_keep_the_tp_bits
     assert {x["restored_from"] for x in recs} == {"peer_memory"}
     for x in recs:  # the slice came from the rank holding its copy, named with its place
         assert x["source_coordinates"] is not None and x["source"] != x["failed_rank"], x
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # 9 processes on 2 cores: in make test-scale, not make test
+def test_hsdp_x_tp_a_lost_rank_gets_its_slice_from_the_twin_at_its_coordinates(tmp_path,
+                                                                              references):
+    """8 workers: 2 replica groups x dp_shard 2 x tp 2. Rank 5 (group 1, shard 0, tp 1) killed in
+    backward: its twin, rank 1 (group 0, shard 0, tp 1), sends the slice; the bits are the
+    failure-free hsdp x tp run's."""
+    hsdp_tp = ("distributed.strategy=hsdp", "distributed.num_processes=8",
+               "distributed.shard_size=4", "distributed.tp_size=2", "trainer.max_steps=10")
+    _, ref, _ = references.train("tiny-llama", *hsdp_tp)
+    _, rep, _ = train(tmp_path, "kill", "tiny-llama", *hsdp_tp, "checkpointless.spares=1",
+                      "faults=[kill:5:4@backward]")
+    assert_same_bits(rep, ref)
+    (rec,) = rep["recoveries"]
+    assert rec["failed_coordinates"] == {"dp_replicate": 1, "dp_shard": 0, "tp": 1}
+    assert rec["source"] == 1
+    assert rec["source_coordinates"] == {"dp_replicate": 0, "dp_shard": 0, "tp": 1}
