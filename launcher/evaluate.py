@@ -21,10 +21,10 @@ from .data import batch_of, to_device
 
 @torch.no_grad()
 def evaluate(model, ds, rows: list[int], rank: int, world: int, batch_size: int, device,
-             autocast, counted: bool = True) -> dict:
+             autocast, adds: bool = True) -> dict:
     """{"eval_loss", "eval_ppl", "eval_tokens"} over `rows` of `ds`; a collective. `rank` and
-    `world` are data-parallel; a rank not `counted` (a tp group's other ranks, which compute
-    the same rows) runs the same passes and adds zeros."""
+    `world` are data-parallel; a rank that `adds` nothing (a tp group's other ranks, which
+    compute the same rows) runs the same passes and adds zeros."""
     slots = torch.zeros(len(rows), 2, dtype=torch.float64)
     mine = list(range(rank, len(rows), world))
     was_training = model.training
@@ -50,7 +50,7 @@ def evaluate(model, ds, rows: list[int], rank: int, world: int, batch_size: int,
             slots[chunk, 1] = counted.sum(dim=1).double().cpu()
     finally:
         model.train(was_training)
-    if not counted:
+    if not adds:
         slots.zero_()
     if dist.is_initialized() and dist.get_world_size() > 1:
         on_device = slots.to(device)

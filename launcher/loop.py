@@ -170,7 +170,7 @@ def join(cfg, out_dir: Path) -> Run:
     # a tp group's ranks evaluate the same rows together; its first rank's figures count
     validate = (lambda: evaluate(model, *evalset, job.data_rank, job.data_world,
                                  t.micro_batch_size, device, Autocast(accelerator),
-                                 counted=job.rank % d.tp_size == 0)) if evalset else None
+                                 adds=job.rank % d.tp_size == 0)) if evalset else None
     return Run(cfg, out_dir, job, accelerator, model, wrapped, optimizer, opt, ckpt, metrics,
                tokenizer, sampler, validate, catch_up_threads,
                overlapped=d.strategy == "ddp" and d.grad_sync == "buckets")

@@ -81,6 +81,9 @@ def test_interpolation_resolves_output_dir():
     (["faults=[{kind: kill, rank: 1, step: 2, seed: 3}]"],
      ["faults[0].seed", "3", "only phase=random", "delete it"]),
     (["faults=[kill:1:3@backward:4]"], ["kill:1:3@backward:4", "only @random takes a seed"]),
+    (["faults=[slow:2:5:0]"], ["faults[0].factor=0.0", "must be > 1"]),  # not "the default"
+    (["faults=[slow:2:5:1]"], ["faults[0].factor=1.0", "must be > 1"]),
+    (["faults=[{kind: kill, rank: 1, step: 2, factor: 0}]"], ["faults[0].factor", "kind=slow"]),
     (["model.init=pretrained"], ["model.id", "pretrained"]),
     (["trainer.max_steps"], ["key=value"]),
     (["~trainer.nope"], ["trainer.nope"]),

@@ -31,6 +31,7 @@ spare that takes over the rank and redoes the step does not fail again.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 KINDS = ("kill", "hang", "raise", "corrupt", "slow")
 SLOW_FACTOR = 3.0  # a slow fault's factor when none is given
@@ -67,7 +68,7 @@ class Fault:
     step: int = 0  # step in which it fails
     phase: str = "step"  # when in it (PHASES; the module's docstring says what each means)
     seed: int = 0  # phase=random: the seed of the moment (kill:2:5@random:7)
-    factor: float = 0.0  # kind=slow: how many times as long its steps take (0: SLOW_FACTOR)
+    factor: Optional[float] = None  # kind=slow: how many times as long its steps take (None: SLOW_FACTOR)
 
     def __post_init__(self):
         problem = _problem(self)
@@ -91,10 +92,10 @@ def _problem(f: Fault) -> FaultError | None:
     if f.seed != 0 and f.phase != "random":
         return FaultError(f"faults: seed={f.seed} is for phase=random only (@random:SEED)", "seed",
                           f.seed, "only phase=random takes a seed (kill:2:5@random:7); delete it")
-    if f.factor and f.kind != "slow":
+    if f.factor is not None and f.kind != "slow":
         return FaultError(f"faults: factor={f.factor:g} is for kind=slow only (slow:2:5:3)",
                           "factor", f.factor, "only kind=slow takes a factor; delete it")
-    if f.kind == "slow" and f.factor and f.factor <= 1:
+    if f.kind == "slow" and f.factor is not None and not f.factor > 1:
         return FaultError(f"faults: factor={f.factor:g} must be > 1 (a slow rank's steps take "
                           "that many times as long)", "factor", f.factor, "must be > 1, e.g. 3")
     if f.rank < 0 or f.step < 0:
@@ -111,7 +112,7 @@ def split_fault(text: str) -> dict:
     spec, _, phase = text.partition("@")
     phase, _, seed = phase.partition(":")
     parts = spec.split(":")
-    factor = "0"
+    factor = None
     if len(parts) == 4 and parts[0] == "slow":
         factor = parts.pop()
     if len(parts) != 3:
@@ -121,7 +122,8 @@ def split_fault(text: str) -> dict:
         raise ValueError(f"fault {text!r}: only @random takes a seed (@random:SEED)")
     try:
         return {"kind": parts[0], "rank": int(parts[1]), "step": int(parts[2]),
-                "phase": phase or "step", "seed": int(seed or 0), "factor": float(factor)}
+                "phase": phase or "step", "seed": int(seed or 0),
+                "factor": None if factor is None else float(factor)}
     except ValueError:
         raise ValueError(f"fault {text!r}: rank, step and seed must be integers and a slow "
                          "fault's factor a number, e.g. kill:2:5@random:7 or slow:1:20:3") \
@@ -134,7 +136,7 @@ def parse_fault(item) -> Fault:
         item = split_fault(item)
     return Fault(kind=str(item["kind"]), rank=int(item["rank"]), step=int(item["step"]),
                  phase=str(item.get("phase", "step")), seed=int(item.get("seed", 0) or 0),
-                 factor=float(item.get("factor", 0) or 0))
+                 factor=None if item.get("factor") is None else float(item["factor"]))
 
 
 def parse_faults(items) -> list[Fault]:

@@ -119,7 +119,7 @@ class FaultInjector:
             for i, f in enumerate(self.faults):
                 if f.kind == "slow" and f.rank == rank and step >= f.step and \
                         self._claim(i):
-                    self._slow = f.factor or SLOW_FACTOR
+                    self._slow = SLOW_FACTOR if f.factor is None else f.factor
                     self._record(f)
                     print(f"[fault] injecting slow x{self._slow:g} at rank {rank}, step {step}",
                           flush=True)

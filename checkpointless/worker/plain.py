@@ -110,6 +110,14 @@ class PlainJob:
     def step_started_at(self) -> float:
         return self.steploop.step_started_at
 
+    @property
+    def data_rank(self) -> int:  # no tensor parallel under torchrun: every rank its own share
+        return self.rank
+
+    @property
+    def data_world(self) -> int:
+        return self.world_size
+
     def resume_at(self, step: int) -> None:
         self.steploop.completed = step
 
