@@ -2,7 +2,8 @@
 
     python -m launcher ls                              the shipped recipes
     python -m launcher show RECIPE [key=value ...]     the fully resolved recipe, as YAML
-    python -m launcher validate [RECIPE ...]           check recipes (all when none given)
+    python -m launcher validate [RECIPE [key=value ...]]  check a recipe with overrides, or
+                                                       every shipped one when none is given
     python -m launcher plan RECIPE [key=value ...]     memory per rank before launch (no weights)
     python -m launcher prepare RECIPE [key=value ...]  tokenize the recipe's data into its cache
     python -m launcher train RECIPE [key=value ...]    train (workers + spares, supervised)
@@ -42,11 +43,17 @@ def cmd_show(args) -> int:
 
 
 def cmd_validate(args) -> int:
-    names = args or recipe_names()
+    if args and args[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    # like show and plan: one recipe and its overrides (key=value, ~key); without any, all
+    overrides = [a for a in args[1:] if "=" in a or a.startswith("~")]
+    names = ([args[0]] + [a for a in args[1:] if a not in overrides]) if args \
+        else recipe_names()
     bad = 0
     for name in names:
         try:
-            load(name)
+            load(name, overrides)
             print(f"ok      {name}")
         except RecipeError as exc:
             bad += 1

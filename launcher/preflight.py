@@ -33,7 +33,8 @@ def preflight(cfg) -> None:
     """Raise RecipeError listing every problem found, each with its fix; return when none."""
     offline_unless_reachable(cfg)
     model, tokenizer = _model(cfg), _tokenizer(cfg)
-    problems = [p for p in (_devices(cfg), *missing_packages(cfg), model, tokenizer, _data(cfg),
+    problems = [p for p in (_devices(cfg), _etcd_binary(cfg), *missing_packages(cfg), model,
+                            tokenizer, _data(cfg),
                             # the model is built to compare shapes only when it can be
                             _checkpoints(cfg, model_ok=not (model or tokenizer))) if p]
     if not problems:
@@ -311,6 +312,22 @@ def _data(cfg) -> str | None:
     except (ValueError, FileNotFoundError) as exc:
         return str(exc)
     return None
+
+
+def _etcd_binary(cfg) -> str | None:
+    """coordinator=etcd with the embedded members: nodes 0, 1 and 2 run etcd, so it must be
+    here (else each node would print a traceback from the member's start)."""
+    c, d = cfg.checkpointless, cfg.distributed
+    if c.coordinator != "etcd" or c.etcd.endpoints or d.node_rank >= 3:
+        return None
+    from checkpointless.ha import member
+    if member.binary() is not None:
+        return None
+    return ("checkpointless.coordinator=etcd: node "
+            f"{d.node_rank} runs a member of the embedded etcd, and no etcd binary is on this "
+            "machine. Fix: install it (apt-get install etcd-server), point "
+            "CHECKPOINTLESS_ETCD at one, or name a cluster you run with "
+            "checkpointless.etcd.endpoints=host:port,...")
 
 
 def _tensor_parallel(cfg) -> str | None:

@@ -373,3 +373,29 @@ def test_coordinator_etcd_on_too_few_nodes_for_the_embedded_members():
     cfg = load("tiny-llama", ETCD + ["checkpointless.etcd.member_hosts=a,b,c",
                                      "checkpointless.confirm_s=12"])
     assert cfg.checkpointless.coordinator == "etcd"
+
+
+def test_coordinator_etcd_without_an_etcd_binary_is_said_in_one_sentence_before_launch(
+        monkeypatch):
+    from checkpointless.protocol import keys
+    from launcher.preflight import _etcd_binary
+    cfg = load("tiny-llama", ETCD + ["checkpointless.etcd.member_hosts=a,b,c",
+                                     "checkpointless.confirm_s=12"])
+    monkeypatch.delenv(keys.ENV_ETCD, raising=False)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    said = _etcd_binary(cfg)
+    assert said.startswith("checkpointless.coordinator=etcd: node 0 runs a member") and \
+        "Fix: install it" in said and "\n" not in said
+    monkeypatch.setenv(keys.ENV_ETCD, "/usr/bin/etcd")
+    assert _etcd_binary(cfg) is None
+    ext = load("tiny-llama", ETCD + ["checkpointless.etcd.endpoints=e:2379",
+                                     "checkpointless.confirm_s=12"])
+    assert _etcd_binary(ext) is None  # the user's own cluster: nothing to run here
+
+
+def test_cli_validate_takes_overrides_like_show_and_plan():
+    r = _cli("validate", "tiny-llama", "trainer.max_steps=0")
+    assert r.returncode == 1 and "INVALID tiny-llama: trainer.max_steps=0" in r.stdout
+    assert _cli("validate", "tiny-llama", "trainer.max_steps=7").returncode == 0
+    r = _cli("validate", "--help")
+    assert r.returncode == 0 and "validate [RECIPE [key=value ...]]" in r.stdout
