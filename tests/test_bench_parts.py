@@ -365,3 +365,15 @@ def test_without_matplotlib_the_plot_is_skipped_in_one_line_said_up_front(monkey
     note = plot_skipped()
     assert note.startswith("[bench] matplotlib is not installed: timeline.png will not be drawn")
     assert "pip install matplotlib" in note and "\n" not in note
+
+
+def test_a_schedule_whose_failures_fall_after_the_training_gets_one_in_its_middle(tmp_path):
+    """bench.mtbf_s longer than the run: the first failure moves to the middle of the steps
+    (measured from the first ones), so every killed mode measures a recovery."""
+    t0 = time.time() - 5
+    write_records(tmp_path, *({"step": i, "t_start": t0 + 0.1 * i, "t_end": t0 + 0.1 * (i + 1)}
+                              for i in range(4)))
+    killer = Killer(tmp_path, lambda: {}, [(100.0, 0.25), (180.0, 0.5)], max_steps=24)
+    assert killer.inside_training(killer.plan, t0) == [(pytest.approx(1.0, abs=1e-3), 0.25)]  # 20 x 0.1 / 2
+    early = [(0.5, 0.1), (1.5, 0.2), (100.0, 0.3)]
+    assert killer.inside_training(early, t0) == early[:2]  # those inside stay where they were

@@ -42,12 +42,34 @@ class Killer(threading.Thread):
         self.kills: list[dict] = []
         self.stop = threading.Event()
 
+    def inside_training(self, plan, t0: float) -> list[tuple[float, float]]:
+        """The plan's failures that fall inside the training, judged from the first steps' time:
+        a kill within 3 steps of the end would hit the export, not training, and a schedule
+        whose first failure lies past the end would measure nothing. With none inside, the first
+        is moved to the middle of the run, and that is said. The steps are waited for no longer
+        than the first failure's time: a plan that starts early is kept as it is."""
+        recs = read_records(self.run_dir)
+        while len(recs) < 4 and plan and time.time() < t0 + plan[0][0] and \
+                not self.stop.wait(0.05):
+            recs = read_records(self.run_dir)
+        if len(recs) < 4:
+            return plan
+        times = sorted(r["t_end"] - r["t_start"] for r in recs[1:4])  # the first is warm-up
+        span = (self.max_steps - 4) * times[1]
+        inside = [(o, d) for o, d in plan if o < span]
+        if plan and not inside:
+            inside = [(span / 2, plan[0][1])]
+            print(f"[bench] the schedule's first failure (+{plan[0][0]:.1f} s) falls after this "
+                  f"run's training (about {span:.1f} s of steps): placed at +{span / 2:.1f} s",
+                  flush=True)
+        return inside
+
     def run(self):
         t0 = None  # offsets count from the first step, not from start-up
         while t0 is None and not self.stop.wait(0.05):
             recs = read_records(self.run_dir)
             t0 = recs[0]["t_start"] if recs else None
-        for offset, draw in self.plan:
+        for offset, draw in self.inside_training(self.plan, t0):
             while time.time() < t0 + offset:
                 if self.stop.wait(min(0.05, t0 + offset - time.time())):
                     return
