@@ -190,14 +190,18 @@ def report(cfg, results: dict, save_cost: float, out_root: Path,
         print(f"\n[bench] wrote {out_root / 'bench.json'} and {out_root / 'timeline.png'}")
     else:
         print(f"\n{note}\n[bench] wrote {out_root / 'bench.json'}")
-    # a mode that was to meet failures and measured no recovery has no figure to report
-    unmeasured = [m for m in ("checkpointless", "restart", "tp")
-                  if m in s and s[m].get("recovery_s_median") is None]
-    if unmeasured:
-        print(f"[bench] ERROR: no recovery was measured in {', '.join(unmeasured)}: no failure "
-              "landed inside its training (see the [bench] killed lines above)")
     return 0 if same in (None, True) and all(bench_json["slow_same_bits_as_on"].values()) \
-        and not unmeasured else 1
+        and not _unmeasured(s) else 1
+
+
+def _unmeasured(s: dict) -> list[str]:
+    """The modes that were to meet failures and measured no recovery (said): no figure."""
+    out = [m for m in ("checkpointless", "restart", "tp")
+           if m in s and s[m].get("recovery_s_median") is None]
+    if out:
+        print(f"[bench] ERROR: no recovery was measured in {', '.join(out)}: no failure "
+              "landed inside its training (see the [bench] killed lines above)")
+    return out
 
 
 def _bench_json(cfg, results, s, save_cost, overhead, sequential, paired, speedup, plain_fig,
