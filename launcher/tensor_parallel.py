@@ -17,7 +17,7 @@ import logging
 
 import torch
 
-from checkpointless.worker import full_tensor, is_dtensor, local_tensor
+from checkpointless.worker import Layout, full_tensor, is_dtensor, local_tensor
 
 # the plan's words that map onto torch's styles; others (gpt-oss's embedding_rowwise, the packed
 # experts) are refused with the reason
@@ -37,13 +37,10 @@ def mesh_sizes(d) -> dict[str, int]:
 
 
 def coordinates(d, rank: int) -> dict[str, int]:
-    """Where `rank` sits in the mesh of mesh_sizes(d) (tp innermost, as mesh.py lays it out)."""
+    """Where `rank` sits in the mesh (checkpointless.worker.Layout's rule; ddp: every worker a
+    replica group of its own)."""
     m = mesh_sizes(d)
-    if d.strategy == "ddp":
-        return {"dp_replicate": rank, "dp_shard": 0, "tp": 0}
-    group = m["dp_shard"] * m["tp"]
-    return {"dp_replicate": rank // group, "dp_shard": (rank % group) // m["tp"],
-            "tp": rank % m["tp"]}
+    return Layout(d.num_processes, m["dp_shard"] * m["tp"], m["tp"]).coords(rank)
 
 
 def refusal(tp: int, hf) -> str | None:

@@ -245,15 +245,22 @@ def straggler_table(s: dict) -> str:
                          "step_ms", "step_ms_after", "bits_vs_on"]))
 
 
-def tp_line(s: dict, paired: dict) -> str:
-    """fsdp x tp 2 against fsdp-replicated (the same 4 workers): the failure-free step time from
-    the runs taking turns (else one after the other), and the tp mode's recoveries."""
-    t, rep = s["tp"], s["fsdp-replicated"]
-    a, b = (paired or {}).get("step_s_median_tp"), \
+def _against_replicated(s: dict, paired: dict, mode: str) -> tuple[float, float, str]:
+    """(`mode`'s median step, fsdp-replicated's, how they were measured): from the runs taking
+    turns when they ran, else one after the other; the ratio is kept in `mode`'s figures."""
+    a, b = (paired or {}).get(f"step_s_median_{mode}"), \
         (paired or {}).get("step_s_median_fsdp-replicated")
     how = "the runs taking turns on the machine" if a and b else "runs one after the other"
-    a, b = (a, b) if a and b else (t["step_s_median"], rep["step_s_median"])
-    t["step_vs_fsdp_replicated"] = round(a / b - 1, 4)
+    a, b = (a, b) if a and b else (s[mode]["step_s_median"], s["fsdp-replicated"]["step_s_median"])
+    s[mode]["step_vs_fsdp_replicated"] = round(a / b - 1, 4)
+    return a, b, how
+
+
+def tp_line(s: dict, paired: dict) -> str:
+    """fsdp x tp 2 against fsdp-replicated (the same 4 workers): the failure-free step time, and
+    the tp mode's recoveries."""
+    t = s["tp"]
+    a, b, how = _against_replicated(s, paired, "tp")
     rec = t.get("recovery_s_all") or []
     return (f"tp (fsdp 2 shards x tp 2) median step {a * 1000:.1f} ms vs fsdp-replicated "
             f"{b * 1000:.1f} ms ({a / b - 1:+.1%}, {how}); recoveries of tp from the kill: "
@@ -263,13 +270,9 @@ def tp_line(s: dict, paired: dict) -> str:
 
 def hsdp_line(s: dict, paired: dict) -> str:
     """hsdp (two replica groups, no peer copies) against fsdp with peer replication: step time
-    from the runs taking turns when they ran (else one after the other), host memory held."""
+    and host memory held."""
     h, rep = s["hsdp"], s["fsdp-replicated"]
-    a, b = (paired or {}).get("step_s_median_hsdp"), \
-        (paired or {}).get("step_s_median_fsdp-replicated")
-    how = "the runs taking turns on the machine" if a and b else "runs one after the other"
-    a, b = (a, b) if a and b else (h["step_s_median"], rep["step_s_median"])
-    h["step_vs_fsdp_replicated"] = round(a / b - 1, 4)
+    a, b, how = _against_replicated(s, paired, "hsdp")
     return (f"hsdp (2 replica groups, no peer copies) median step {a * 1000:.1f} ms vs "
             f"fsdp-replicated {b * 1000:.1f} ms ({a / b - 1:+.1%}, {how}); host memory per "
             f"worker for redundancy: hsdp {(h.get('replica_host_bytes') or 0) / 1e6:.1f} MB "
