@@ -180,6 +180,7 @@ class CheckpointlessConfig:
     heartbeat_timeout_s: float = ranged(CL.heartbeat_timeout_s, "> 0", " seconds")  # loop silence before a lagging worker is hung
     pg_timeout_s: float = ranged(CL.pg_timeout_s, "> 0", " seconds")  # last-resort timeout of collectives (hangs caught sooner)
     spare_wait_s: float = ranged(CL.spare_wait_s, "> 0", " seconds")  # how long to wait for a spare to warm up before giving up
+    startup_timeout_s: float = ranged(CL.startup_timeout_s, "> 0", " seconds")  # a first-generation worker silent this long after its launch (imports, model build or load, first group) is hung and replaced by a spare; refused when below what the model's load needs here
     confirm_s: float = ranged(CL.confirm_s, ">= 0", " seconds")  # how long a failed collective waits for a peer's loss to be confirmed
     consistency_every: int = ranged(CL.consistency_every, ">= 0", " steps (0 checks only at the end)")  # steps between checks that replicas hold the same parameters (0: end only)
     max_replacement_failures: int = ranged(CL.max_replacement_failures, ">= 1")  # replacements dying before a first step, in a row, before the run stops

@@ -19,10 +19,23 @@ from checkpointless.control.supervisor import SupervisorConfig
 
 
 # ---- stop rules --------------------------------------------------------------------------------
-def test_a_worker_lost_before_it_was_ready_is_a_start_up_failure():
+def test_a_start_up_error_of_the_workers_own_stops_and_a_signal_death_is_a_fault():
     assert policy.startup_failure(3, 1, 1, ready=True) is None
     msg = policy.startup_failure(3, 1, 1, ready=False)
     assert msg.startswith("worker 3 (rank 1) exited with code 1 before it finished starting up")
+    assert "output above" in msg
+    msg = policy.startup_failure(3, 1, 1, False, "Traceback ...\nValueError: bad recipe\n")
+    assert "starting up: ValueError: bad recipe." in msg
+    assert policy.startup_failure(3, 1, -9, ready=False) is None  # SIGKILL, the OOM killer
+    assert policy.startup_failure(3, 1, None, ready=False) is None  # hung, or its node lost
+
+
+def test_a_first_generation_worker_silent_past_the_start_up_deadline_is_overdue():
+    started = {0: 100.0, 1: 100.0, 2: 150.0}
+    beats = {0: {"t": 160.0, "step": 0}, 1: None, 2: None}
+    assert policy.startup_overdue(started, beats, 60.0, 170.0) == [1]
+    assert policy.startup_overdue(started, beats, 60.0, 159.0) == []
+    assert policy.startup_overdue(started, beats, 10.0, 170.0) == [1, 2]
 
 
 def test_exit_0_without_finish_stops_unless_hung_or_its_node_was_lost():

@@ -161,12 +161,12 @@ def test_a_failure_while_regrouping_waits_for_the_plan_that_replaces_that_peer_t
         sup, reference, monkeypatch):
     form, calls = Group.form, []
 
-    def flaky_form(self, plan):
+    def flaky_form(self, plan, after_barrier=lambda: None):
         calls.append(plan.gen)
         if plan.gen == 1:  # a second member dies while the first replacement's group forms
             sup.lose_a_worker()
             raise PeerLost("a member died during the regroup")
-        return form(self, plan)
+        return form(self, plan, after_barrier)
 
     def fail(job, step, where):
         if step == 4 and where == "forward" and job.gen == 0:

@@ -57,8 +57,19 @@ class FindingLosses:
         active = {wid: self.workers[wid] for wid in self.ranks}
         beats = self.pool.beats(list(active))
         self.stragglers.note(beats)
+        now = time.time()
         hung = policy.find_hung(beats, self.cfg.heartbeat_timeout_s,
-                                time.time(), stopped=lambda wid: self.pool.stopped(active[wid]))
+                                now, stopped=lambda wid: self.pool.stopped(active[wid]))
+        first = {wid: w.started for wid, w in active.items() if w.took_over_gen is None}
+        for wid in policy.startup_overdue(first, beats, self.cfg.startup_timeout_s, now):
+            # the others wait for it at the first barrier, silent too: the stuck one never
+            # said it was ready, or is stopped
+            if wid not in hung and (self.pool.stopped(active[wid]) or
+                                    not self.store.check([protocol.ready_key(wid)])):
+                self.log(f"[checkpointless] worker {wid} (rank {active[wid].rank}) has not "
+                         "finished starting up within checkpointless.startup_timeout_s="
+                         f"{self.cfg.startup_timeout_s:g} s: it is hung")
+                hung.append(wid)
         return [(active[wid], True) for wid in hung]
 
     def _slow(self) -> list[tuple[Worker, bool]]:

@@ -8,13 +8,27 @@ from __future__ import annotations
 
 
 # ---- stop rules: each returns why the run stops, or None -------------------------------------
-def startup_failure(wid: int, rank: int, code, ready: bool) -> str | None:
-    """A worker lost before it finished starting up is a bug, not a fault."""
-    if ready:
+def startup_failure(wid: int, rank: int, code, ready: bool, error: str | None = None) -> \
+        str | None:
+    """A worker lost before it finished starting up (before it said it was ready) is a fault
+    like any other when a signal ended it (a kill from outside, the OOM killer; hangs and lost
+    nodes never reach here with an exit of their own): a spare takes its rank. Its own error
+    (an exception in the script or the recipe, a non-zero exit) stops the run with its text."""
+    if ready or code is None or code < 0:
         return None
+    last = (error or "").rstrip().splitlines()[-1:]
+    why = f": {last[0]}" if last else "; its output above says why"
     return (f"worker {wid} (rank {rank}) exited with code {code} before it finished starting "
-            "up; its output above says why. A start-up failure is a bug, not a fault to recover "
-            "from")
+            f"up{why}. An error of the script's own at start-up is a bug, not a fault to "
+            "recover from")
+
+
+def startup_overdue(started: dict[int, float], beats: dict, timeout_s: float,
+                    now: float) -> list[int]:
+    """First-generation workers (wid -> launch time) with no heartbeat yet, launched longer
+    than `timeout_s` ago: stuck in their start-up (a hung import, model load or first group)."""
+    return [w for w, t in sorted(started.items())
+            if beats.get(w) is None and now - t > timeout_s]
 
 
 def clean_exit(wid: int, rank: int, code, hung: bool, node_lost: bool) -> str | None:

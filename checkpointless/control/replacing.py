@@ -48,10 +48,13 @@ class Replacing:
             self.store.add(protocol.LOST, len(more))
         lost += [(w, False) for w in more]
         for w, hung in lost:
-            code = w.proc.returncode
+            code = None if hung or w.node_lost else w.proc.returncode
+            err = protocol.read_json(self.store, protocol.error_key(w.wid))
             self._stop_if(policy.startup_failure(w.wid, w.rank, code,
-                                                 self.store.check([protocol.ready_key(w.wid)])))
-            self._stop_if(policy.clean_exit(w.wid, w.rank, code, hung, w.node_lost))
+                                                 self.store.check([protocol.ready_key(w.wid)]),
+                                                 err and err["error"]))
+            self._stop_if(policy.clean_exit(w.wid, w.rank, w.proc.returncode, hung,
+                                            w.node_lost))
         for w, _ in lost:  # hung ones, and the children of dead ones (their sockets too)
             self.pool.kill(w)
         for w, hung in lost:

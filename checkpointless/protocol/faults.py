@@ -10,6 +10,12 @@ A fault is data, `{kind, rank, step, phase}`, or `kind:rank:step[@phase]` on a c
            each step's own work (`slow:RANK:STEP[:FACTOR]`, 3 by default): a straggler, alive and
            correct, that the straggler check (policy.find_stragglers) must find
 and the phase says when it strikes:
+  init     while a worker of the first generation starts up, before it says it is ready (its
+           imports are done, its model not yet built): STEP must be 0 and RANK is the rank that
+           worker was launched for (worker RANK); kill and hang only
+  join     while the worker holding that rank forms a generation's process group, after every
+           member met at the store barrier and before the group's own rendezvous: at STEP 0 the
+           first generation's, at a later STEP the group of a recovery after a failure in it
   step     at the start of that step (the default; `raise` inside the step's scope)
   backward in that step's backward, once the later half of the model's blocks have their
            gradients (under fsdp they were reduce-scattered, under ddp their buckets' all-reduce
@@ -35,10 +41,12 @@ from typing import Optional
 
 KINDS = ("kill", "hang", "raise", "corrupt", "slow")
 SLOW_FACTOR = 3.0  # a slow fault's factor when none is given
-PHASES = ("step", "regroup", "receive", "exchange", "backward", "optimizer", "random")
+PHASES = ("step", "init", "join", "regroup", "receive", "exchange", "backward", "optimizer",
+          "random")
 # the kinds each phase can fire: a thread can only kill or stop its process, and a bit flipped
 # anywhere but between steps would be a different fault from the one the consistency check sees
-_KINDS_AT = {"exchange": ("kill", "hang"), "random": ("kill", "hang"),
+_KINDS_AT = {"exchange": ("kill", "hang"), "random": ("kill", "hang"), "init": ("kill", "hang"),
+             "join": ("kill", "hang", "raise"),
              "backward": ("kill", "hang", "raise"), "optimizer": ("kill", "hang", "raise"),
              "regroup": ("kill", "hang", "raise", "corrupt"),
              "receive": ("kill", "hang", "raise", "corrupt")}
@@ -98,6 +106,9 @@ def _problem(f: Fault) -> FaultError | None:
     if f.kind == "slow" and f.factor is not None and not f.factor > 1:
         return FaultError(f"faults: factor={f.factor:g} must be > 1 (a slow rank's steps take "
                           "that many times as long)", "factor", f.factor, "must be > 1, e.g. 3")
+    if f.phase == "init" and f.step != 0:
+        return FaultError(f"faults: step={f.step} with phase=init: a start-up fault strikes "
+                          "before the first step", "step", f.step, "use step 0 (kill:2:0@init)")
     if f.rank < 0 or f.step < 0:
         field = "rank" if f.rank < 0 else "step"
         return FaultError(f"faults: rank={f.rank} and step={f.step} must be >= 0", field,

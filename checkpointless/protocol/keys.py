@@ -233,6 +233,11 @@ def worker_env(host: str, port: int, wid: int, slot: int, spare: bool, node: int
            ENV_DEVICE_SLOT: str(slot), ENV_SPARE: "1" if spare else "0", ENV_NODE: str(node)}
     if node_store_port:
         env[ENV_NODE_STORE_PORT] = str(node_store_port)
+    # torch's C++ side prints a 30-line stack for every store connection a failure closes (a
+    # lost peer, a group cut short, a partition): each is handled and said in one line here.
+    # TORCH_CPP_LOG_LEVEL=WARNING in the launcher's environment shows them again.
+    if "TORCH_CPP_LOG_LEVEL" not in os.environ:
+        env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
     return env
 
 

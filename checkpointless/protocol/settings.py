@@ -17,6 +17,9 @@ class Defaults:
     heartbeat_timeout_s: float = 10.0  # training-loop silence before a lagging worker is hung
     pg_timeout_s: float = 300.0  # last-resort timeout of a collective (hangs are caught sooner)
     spare_wait_s: float = 600.0  # how long a lost rank may wait for a spare to warm up
+    # how long a first-generation worker may take from its launch to its first heartbeat (its
+    # imports, model build or load, the first group): past it, it is hung and replaced
+    startup_timeout_s: float = 600.0
     # how long a worker whose collective failed waits for the supervisor to confirm that a peer
     # was lost; unconfirmed, the error is the worker's own and is reported as such
     confirm_s: float = 5.0
@@ -119,6 +122,7 @@ class SupervisorConfig:
     faults: list = field(default_factory=list)
     pg_timeout_s: float = DEFAULTS.pg_timeout_s
     spare_wait_s: float = DEFAULTS.spare_wait_s
+    startup_timeout_s: float = DEFAULTS.startup_timeout_s
     confirm_s: float = DEFAULTS.confirm_s
     max_replacement_failures: int = DEFAULTS.max_replacement_failures
     consistency_every: int = DEFAULTS.consistency_every

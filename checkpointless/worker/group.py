@@ -4,13 +4,12 @@ Each generation gets a fresh group on its own store prefix. Before it is built, 
 at a barrier on the store, so a member that died after the plan was published cannot block the
 others inside the group's constructor. Tearing a group down must release any peer still blocked
 on it: gloo's abort does not, so a leaving worker also shuts its group's sockets
-(sever_peer_connections). A Watch thread aborts the group the moment a newer plan is published.
+(sockets.sever_peer_connections). A Watch thread aborts the group the moment a newer plan is
+published, and cuts a group still forming (its rendezvous has a store connection of its own).
 """
 from __future__ import annotations
 
 import json
-import os
-import socket
 import sys
 import threading
 import time
@@ -21,6 +20,7 @@ import torch.distributed as dist
 from ..protocol import membership
 from .. import protocol
 from . import mesh as meshes
+from . import sockets
 from .failures import communicating
 
 
@@ -29,8 +29,12 @@ class Group:
     keeping FSDP2 modules pointed at the live one."""
 
     def __init__(self, store, node_store, backend: str, pg_timeout_s: float, store_ports,
-                 modules, shard_size: int = 0, tp_size: int = 1):
+                 modules, shard_size: int = 0, tp_size: int = 1, connect=None):
         self.store, self.node_store = store, node_store
+        # () -> a new connection to the job's store, for one generation's rendezvous (None: the
+        # shared one, which nothing may cut)
+        self.connect = connect
+        self._rendezvous_fd: int | None = None  # that connection's socket, while it forms
         self.backend = backend
         self.pg_timeout_s = pg_timeout_s
         self.store_ports = set(store_ports)  # connections to the stores: never severed
@@ -40,18 +44,27 @@ class Group:
         self.layout: meshes.Layout | None = None
         self.subgroups: dict | None = None  # {dimension: group} of this generation (mesh.py)
 
-    def form(self, plan: membership.Seat) -> bool:
-        """Build generation `plan.gen`'s group; False when a newer plan replaced it meanwhile."""
+    def form(self, plan: membership.Seat, after_barrier=lambda: None) -> bool:
+        """Build generation `plan.gen`'s group; False when a newer plan replaced it meanwhile.
+        `after_barrier()` runs once every member met, just before the group's rendezvous (faults
+        @join strike there; it raises when a newer plan came meanwhile)."""
         self.teardown()
         rank = plan.rank
         if not membership.barrier(self.store, self.node_store, plan):
             return False
+        meeting = self._rendezvous_store()
+        after_barrier()  # after the connection exists: a newer plan seen later cuts it
         hook = sys.excepthook
-        with communicating(f"forming the process group of generation {plan.gen}"):
-            dist.init_process_group(
-                self.backend, store=dist.PrefixStore(protocol.group_prefix(plan.gen), self.store),
-                rank=rank, world_size=plan.world_size,
-                timeout=timedelta(seconds=self.pg_timeout_s))
+        try:
+            with communicating(f"forming the process group of generation {plan.gen}"):
+                dist.init_process_group(
+                    self.backend, store=dist.PrefixStore(protocol.group_prefix(plan.gen),
+                                                         meeting),
+                    rank=rank, world_size=plan.world_size,
+                    timeout=timedelta(seconds=self.pg_timeout_s))
+        except BaseException:
+            _forget_failed_init()
+            raise
         # torch wraps the excepthook at every init_process_group to prefix "[rankN]: ": one
         # wrapper more per generation. The job's own hook (failures.report_uncaught) stays.
         sys.excepthook = hook
@@ -62,12 +75,37 @@ class Group:
                                         else plan.world_size, self.tp_size)
             with communicating(f"forming the mesh's groups of generation {plan.gen}"):
                 self.subgroups = meshes.build(self.layout, rank)
+        self._rendezvous_fd = None  # formed: from here a newer plan aborts the group itself
         self.rebind_sharded_modules(dist.group.WORLD)
         got = dist.get_world_size()
         if got != plan.world_size:
             raise RuntimeError(f"process group has world size {got}, the plan asked for "
                                f"{plan.world_size}")
         return True
+
+    def _rendezvous_store(self):
+        """The store this generation's group meets on: a connection of its own, whose socket
+        `cut_rendezvous` can shut. A member lost after the barrier and before it wrote its
+        address would otherwise keep the others waiting in the group's constructor for
+        pg_timeout_s (seen: 60 s, then a lost run), where no abort reaches."""
+        self._rendezvous_fd = None
+        if self.connect is None:
+            return self.store
+        for _ in range(_CONNECT_TRIES):
+            before = sockets.to_ports(self.store_ports)
+            store = self.connect()
+            new = [fd for inode, fd in sockets.to_ports(self.store_ports).items()
+                   if inode not in before]
+            if len(new) == 1:  # else another thread connected at the same moment: again
+                self._rendezvous_fd = new[0]
+                return store
+            del store  # closes it
+        return self.store  # which nothing cuts: a member lost here costs pg_timeout_s
+
+    def cut_rendezvous(self) -> bool:
+        """From the watch thread, a newer plan published while this group forms: shut its
+        rendezvous connection, so that a wait for a member that is gone fails now."""
+        return self._rendezvous_fd is not None and sockets.shut(self._rendezvous_fd)
 
     def teardown(self) -> None:
         # Drop FSDP's handles on the old group first: while anything references it, its
@@ -88,7 +126,7 @@ class Group:
         them: children forked after join (DataLoader workers) hold the same sockets, so closing
         our descriptors alone would leave the connections open and peers blocked on them."""
         if self.backend == "gloo":
-            sever_peer_connections(self.store_ports)
+            sockets.sever_peer_connections(self.store_ports)
 
     @staticmethod
     def abort() -> None:
@@ -135,48 +173,6 @@ class Group:
                         info.shard_process_group = shard
                     if hasattr(info, "replicate_process_group"):
                         info.replicate_process_group = replicate
-
-
-def sever_peer_connections(keep_ports: set[int]) -> int:
-    """Shut down every established TCP connection of this process except those to `keep_ports`
-    (the store). Returns how many were shut down.
-
-    A gloo collective waits until every peer it talks to sends or closes the connection. A worker
-    that leaves a broken group for recovery stays alive, and destroying its group object does not
-    always close the sockets (other objects, FSDP's among them, can keep the group alive), so a
-    peer blocked on it would wait for the process-group timeout. Shutting the group's TCP
-    connections down by hand turns that wait into an immediate connection error on the peer's
-    side, the same error a dead process gives."""
-    n = 0
-    try:
-        fds = os.listdir("/proc/self/fd")
-    except OSError:
-        return 0
-    for name in fds:
-        fd = int(name)
-        try:
-            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
-                continue
-            s = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            continue
-        try:
-            if s.type != socket.SOCK_STREAM or s.family not in (socket.AF_INET, socket.AF_INET6):
-                continue
-            try:
-                peer_port = s.getpeername()[1]
-                local_port = s.getsockname()[1]
-            except OSError:
-                continue  # a listening socket: no peer
-            if peer_port in keep_ports or local_port in keep_ports:
-                continue
-            s.shutdown(socket.SHUT_RDWR)
-            n += 1
-        except OSError:
-            pass
-        finally:
-            s.close()  # closes our duplicate only; the shutdown applies to the connection
-    return n
 
 
 # How long one blocking wait lasts. Long: a wait that times out makes c10d log a warning.
@@ -260,12 +256,27 @@ class Watch:
                 if time.time() - t0 < _WAIT_S / 2:  # not a timeout: the store is gone, job over
                     return
                 continue
-            mine = self.generation()
-            if mine >= 0 and g > mine and g > self.latest_gen:
+            if g > self.latest_gen:  # seen before this worker entered a generation too
                 with self._seen:
                     self.latest_gen = g
                     self._seen.notify_all()
+            mine = self.generation()
+            if mine >= 0 and g > mine:
                 self.abort_older(g)
+
+
+# connections opened to find the rendezvous' own one, when other threads open theirs meanwhile
+_CONNECT_TRIES = 5
+
+
+def _forget_failed_init() -> None:
+    """A constructor that failed still counted a group: torch names the next default group by
+    that count, and its rendezvous keys with the name, so the next generation's survivors
+    would meet under "1" where a fresh spare meets under "0" and wait for each other until the
+    timeout (seen: two members lost 0.15 s apart, a 60 s stall, then a lost run). A
+    destroyed default group resets the count; a failed one must too."""
+    if not dist.is_initialized():
+        dist.distributed_c10d._world.group_count = 0
 
 
 def side_group(host: str, port: int, gen: int, rank: int, world_size: int, timeout_s: float):
@@ -274,7 +285,7 @@ def side_group(host: str, port: int, gen: int, rank: int, world_size: int, timeo
 
     Built in that thread on its own store connection, under its own prefix, and never registered
     with torch.distributed, so FSDP and the training group know nothing of it. Tearing down the
-    training group shuts its sockets too (sever_peer_connections shuts every peer connection)."""
+    training group shuts its sockets too (sockets.sever_peer_connections shuts every peer connection)."""
     store = membership.connect(host, port)
     return dist.ProcessGroupGloo(dist.PrefixStore(protocol.replicas_prefix(gen), store), rank,
                                  world_size, timedelta(seconds=timeout_s))

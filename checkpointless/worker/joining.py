@@ -55,6 +55,8 @@ def join(seed: int | None = None, backend: str | None = None):
         watch = health.HealthWatch(lambda: membership.connect(host, port), worker_id,
                                    spec.health, int(os.environ.get(protocol.ENV_DEVICE_SLOT, 0)))
         watch.first(store)
+    if not protocol.started_as_spare():  # rehearse a loss at start-up (launched as rank wid)
+        job._injector.at("init", worker_id, 0, kinds=("kill", "hang"))
     store.set(protocol.ready_key(worker_id), f"{time.time():.6f}")
     if job._rec.node_store is not store:  # its node's agent says so to a coordinator taking over
         job._rec.node_store.set(protocol.ready_key(worker_id), f"{time.time():.6f}")

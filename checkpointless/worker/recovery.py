@@ -25,7 +25,7 @@ from ..protocol import membership
 from .. import protocol
 from ..protocol.records import Entered
 from . import restore
-from .failures import Evicted, is_peer_failure
+from .failures import Evicted, MembershipMoved, is_peer_failure
 from .injector import FaultInjector
 from .grads import KeptGrads
 from .group import Group, Watch
@@ -45,6 +45,11 @@ class Phase(enum.Enum):
     FAILED = "failed"  # a peer failure cut the step short; recovery runs at the next turn
 
 
+# the phases in which a newer plan cuts this worker's group short: a step, and a recovery's own
+# group forming or state moving (a second member lost inside a recovery)
+_ABORTABLE = (Phase.IN_STEP, Phase.REGROUPING, Phase.RESTORING)
+
+
 class Recovery:
     """Owns this worker's place in the job and its phase: generation, rank, world size, committed
     steps, whether it holds the state; waiting for plans, entering a generation, and the records
@@ -62,7 +67,7 @@ class Recovery:
         self.node_store = membership.connect(*plans_at) if node_port else store
         self.group = Group(store, self.node_store, spec.backend, spec.pg_timeout_s,
                            {port, node_port} - {0}, state.modules, spec.shard_size,
-                           spec.tp_size)
+                           spec.tp_size, connect=lambda: membership.connect(host, port))
         self.watch = Watch(host, port, lambda: self.gen, self._abort_from_watch,
                            plans_at=plans_at)
         # held while the watch thread judges and aborts, and while this thread enters a step or
@@ -89,8 +94,10 @@ class Recovery:
         the abort after this worker had recovered into the new generation, whose group it then
         destroyed under the next collective."""
         with self._gate:
-            if self._phase is not Phase.IN_STEP or self.gen >= newer_gen:
+            if self._phase not in _ABORTABLE or self.gen >= newer_gen:
                 return
+            if self._phase is Phase.REGROUPING:  # a member lost inside the group's rendezvous
+                self.group.cut_rendezvous()
             # gloo's abort does not release a blocked collective; shutting the sockets does,
             # even when a dead peer's forked children keep its end open
             self.group.release_peers()
@@ -149,8 +156,8 @@ class Recovery:
         Workers of the first generation all start from the same seeded state; a worker that
         joins later is a spare and holds nothing until it receives the state."""
         self.holds_state = plan.gen == 0
+        self.watch.start()  # before the first group forms: a newer plan cuts that short too
         self.enter(plan, sync=False)
-        self.watch.start()
 
     def resume_at(self, step: int) -> None:
         """Count from `step` (a checkpoint was loaded), before the first step."""
@@ -167,9 +174,9 @@ class Recovery:
                     self.injector.at("regroup", plan.rank, self.completed)
                 with self._gate:  # an abort judged on the older generation ends first
                     self.plan, self.gen = plan, plan.gen
+                    self._phase = Phase.REGROUPING
                 self.rank, self.world_size = plan.rank, plan.world_size
-                self._phase = Phase.REGROUPING
-                if not self.group.form(plan):
+                if not self.group.form(plan, self._joining):
                     plan = self.wait_plan(plan.gen, None)
                     continue
                 self.t_group = time.time()
@@ -184,6 +191,14 @@ class Recovery:
                 self.group.teardown()
                 plan = self.wait_plan(plan.gen, self.recovery_timeout())
 
+    def _joining(self) -> None:
+        """Every member met at the barrier; the group's rendezvous comes next. A newer plan seen
+        by now would not cut it (the watch acts once per plan): stop here instead."""
+        self.injector.at("join", self.rank, self.completed, kinds=("kill", "hang", "raise"))
+        if self.watch.moved(self.gen):
+            raise MembershipMoved(f"generation {self.watch.latest_gen} replaced generation "
+                                  f"{self.gen} while its group formed")
+
     def sync_first(self) -> None:
         """The restore deferred from join(); a failure here is recovered like any other."""
         plan = self.plan
@@ -195,7 +210,11 @@ class Recovery:
             self.fail()
 
     def _restore(self, plan: membership.Seat, awaiting: int | None) -> None:
-        self._phase = Phase.RESTORING
+        with self._gate:  # from here a newer plan aborts the transfers (_abort_from_watch)
+            self._phase = Phase.RESTORING
+        if self.watch.moved(self.gen):  # one seen before: the group already lacks a member
+            raise MembershipMoved(f"generation {self.watch.latest_gen} replaced generation "
+                                  f"{self.gen} before its state was agreed")
         me = restore.Position(self.rank, self.world_size, self.completed, self.holds_state,
                               self.kept.usable(self.completed, self.rank, self.world_size),
                               agreed=self.agreed)
