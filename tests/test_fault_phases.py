@@ -145,3 +145,14 @@ def test_a_backward_cut_short_leaves_no_gradient_for_the_redo_to_add_to():
     ((left, same),) = spawn_gloo(_interrupted_backward_then_redo, 1)
     assert left > 0  # the cut pass left the head's gradients unsharded (the trap)
     assert same  # and the redo's gradients are a clean pass's, to the bit
+
+
+def test_start_up_phases_parse_and_an_init_fault_must_be_at_step_0():
+    got = parse_faults(["kill:2:0@init", "hang:1:0@init", "kill:1:6@join", "raise:0:0@join"])
+    assert [(f.kind, f.rank, f.step, f.phase) for f in got] == [
+        ("kill", 2, 0, "init"), ("hang", 1, 0, "init"), ("kill", 1, 6, "join"),
+        ("raise", 0, 0, "join")]
+    with pytest.raises(ValueError, match="step=3 with phase=init"):
+        parse_faults(["kill:2:3@init"])
+    with pytest.raises(ValueError, match="cannot strike @init"):
+        parse_faults(["raise:2:0@init"])
