@@ -285,7 +285,8 @@ def side_group(host: str, port: int, gen: int, rank: int, world_size: int, timeo
 
     Built in that thread on its own store connection, under its own prefix, and never registered
     with torch.distributed, so FSDP and the training group know nothing of it. Tearing down the
-    training group shuts its sockets too (sockets.sever_peer_connections shuts every peer connection)."""
+    training group shuts its sockets too (sockets.sever_peer_connections shuts every peer
+    connection)."""
     store = membership.connect(host, port)
     return dist.ProcessGroupGloo(dist.PrefixStore(protocol.replicas_prefix(gen), store), rank,
                                  world_size, timedelta(seconds=timeout_s))
