@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 
-from .recipes import RecipeError, load, recipe_names, to_yaml
+from .recipes import RecipeError, load, recipe_names, resolve, to_yaml
 
 USAGE = __doc__
 PREEMPTED = 143  # 128 + SIGTERM: stopped on request, resumable (checkpoint.resume=auto)
@@ -38,7 +38,9 @@ def cmd_ls(_args) -> int:
 def cmd_show(args) -> int:
     if not args:
         raise RecipeError("show needs a recipe: python -m launcher show RECIPE [key=value ...]")
-    print(to_yaml(load(args[0], args[1:])), end="")
+    cfg, notes = resolve(args[0], args[1:])
+    # YAML comments: what was derived stays said, and the output still loads as a recipe
+    print("".join(f"# {n}\n" for n in notes) + to_yaml(cfg), end="")
     return 0
 
 
@@ -53,8 +55,8 @@ def cmd_validate(args) -> int:
     bad = 0
     for name in names:
         try:
-            load(name, overrides)
-            print(f"ok      {name}")
+            _, notes = resolve(name, overrides)
+            print(f"ok      {name}" + "".join(f"\n        {n}" for n in notes))
         except RecipeError as exc:
             bad += 1
             print(f"INVALID {name}: {exc}")
@@ -71,9 +73,11 @@ def cmd_train(args) -> int:
         raise RecipeError("train needs a recipe: python -m launcher train RECIPE [key=value ...]")
     from .cluster_env import from_environment
     extra, said = from_environment(args[1:])
-    cfg = load(args[0], extra + args[1:])  # the command line's own overrides come last: they win
+    cfg, notes = resolve(args[0], extra + args[1:])  # the command line's own overrides win
     if extra:
         print("[launcher] this node's place in the job:\n  " + "\n  ".join(said), flush=True)
+    for note in notes:
+        print(f"[launcher] {note}", flush=True)
     from .launch import train  # imported late: ls/show/validate stay fast
     report = train(cfg)
     if report is not None and report.get("status") == "preempted":

@@ -24,14 +24,14 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from checkpointless.protocol import split_fault
-from checkpointless.protocol import DEFAULTS as CL_DEFAULTS
 
+from .derive import derive
 from .schema import Recipe, RecipeError
 from .validate import validate
 
 # RecipeError and validate live below this module (no cycle) and are imported from here too
-__all__ = ["RECIPES_DIR", "RecipeError", "load", "recipe_names", "recipe_path", "to_yaml",
-           "validate"]
+__all__ = ["RECIPES_DIR", "RecipeError", "load", "recipe_names", "recipe_path", "resolve",
+           "to_yaml", "validate"]
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
@@ -288,6 +288,12 @@ def _normalize_faults(cfg: DictConfig) -> None:
 
 def load(name_or_path: str, overrides: list[str] = ()) -> DictConfig:
     """The resolved recipe (interpolations done), validated; raises RecipeError."""
+    return resolve(name_or_path, overrides)[0]
+
+
+def resolve(name_or_path: str, overrides: list[str] = ()) -> tuple[DictConfig, list[str]]:
+    """(the resolved recipe, as `load` gives it; one line for each value it derived from others
+    because the user left it unset, launcher/derive.py), for the commands that say so."""
     path = recipe_path(name_or_path)
     cfg = _read_chain(path)
     for o in overrides:
@@ -324,30 +330,9 @@ def load(name_or_path: str, overrides: list[str] = ()) -> DictConfig:
         raise RecipeError(f"recipe interpolation failed{where}: {str(exc).splitlines()[0]}. A "
                           "${...} reference must name another key, e.g. ${run.name}, and must "
                           "not refer to itself") from None
-    _world_from_nodes(merged, overrides)
-    _sharding_defaults(merged)
+    notes = derive(merged, cfg, overrides)  # cfg: what the files and overrides wrote
     validate(merged)
-    return merged
-
-
-def _sharding_defaults(cfg: DictConfig) -> None:
-    """hsdp's shard group is one node's processes unless given; peer copies default to none
-    where replica groups already hold every slice twice or more, else to 2."""
-    d, rep = cfg.distributed, cfg.checkpointless.replication
-    if d.strategy == "hsdp" and d.shard_size == 0:
-        d.shard_size = max(1, d.num_processes // max(1, d.num_nodes))
-    if rep.factor is None:
-        groups = d.num_processes // d.shard_size if d.strategy == "hsdp" and d.shard_size else 1
-        rep.factor = 0 if groups >= 2 else CL_DEFAULTS.replication_factor
-
-
-def _world_from_nodes(cfg: DictConfig, overrides) -> None:
-    """With distributed.nproc_per_node given and num_processes not, the world is nodes x per
-    node (a recipe's own num_processes is its one-node default, not a request)."""
-    d = cfg.distributed
-    asked = any(o.split("=", 1)[0].strip() == "distributed.num_processes" for o in overrides)
-    if d.nproc_per_node > 0 and not asked:
-        d.num_processes = d.num_nodes * d.nproc_per_node
+    return merged, notes
 
 
 def _require_model(cfg: DictConfig, path: Path) -> None:

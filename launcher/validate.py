@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 
 from checkpointless.protocol import FaultError, parse_fault
 
+from .derive import etcd_confirm_s
 from .schema import RecipeError, leaves
 
 TRACKERS = ("tensorboard", "wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "swanlab",
@@ -131,8 +132,9 @@ def check_etcd(cfg: DictConfig) -> None:
     need(c.confirm_s > c.node_timeout_s + e.ttl_s + 2, "checkpointless.confirm_s", c.confirm_s,
          f"must exceed node_timeout_s + etcd.ttl_s + 2 = {c.node_timeout_s + e.ttl_s + 2:g} "
          "under coordinator=etcd: a survivor whose collective failed with the coordinator's "
-         "node waits this long for the next coordinator to record the loss, e.g. "
-         f"checkpointless.confirm_s={math.ceil(c.node_timeout_s + e.ttl_s + 5)}")
+         "node waits this long for the next coordinator to record the loss. Fix: "
+         f"checkpointless.confirm_s={etcd_confirm_s(c.node_timeout_s, e.ttl_s)}, or leave it "
+         "unset and it is derived so")
 
 
 def check_trackers(cfg: DictConfig) -> None:

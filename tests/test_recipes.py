@@ -353,7 +353,8 @@ ETCD = ["distributed.num_nodes=3", "distributed.nproc_per_node=2", "checkpointle
 
 @pytest.mark.parametrize("extra, key", [
     ([], "checkpointless.etcd.member_hosts"),  # the embedded etcd needs its members' addresses
-    (["checkpointless.etcd.member_hosts=a,b,c"], "checkpointless.confirm_s"),  # 5 <= 3 + 3 + 2
+    (["checkpointless.etcd.member_hosts=a,b,c", "checkpointless.confirm_s=5"],
+     "checkpointless.confirm_s"),  # set by hand: 5 <= 3 + 3 + 2 (unset, it is derived)
     (["checkpointless.etcd.endpoints=e:2379", "checkpointless.confirm_s=12",
       "distributed.standalone_coordinator=true"], "distributed.standalone_coordinator"),
     (["checkpointless.etcd.endpoints=e:2379", "checkpointless.confirm_s=12",
