@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -41,6 +42,7 @@ def main(argv: list[str]) -> int:
         else:
             os._exit(5)
 
+    _stop_on_signals(held, d.node_rank)
     role = Role(etcd, f"{prefix}/coordinator",
                 {"node": d.node_rank, "host": addr, "port": d.master_port},
                 ttl_s=c.etcd.ttl_s, on_lost=lost)
@@ -100,18 +102,38 @@ def _run_as_holder(cfg, recipe_file: Path, addr: str, role, facts, fresh: bool,
         return 1
     # every rank's result reached this coordinator's store: the job ended under it, even if
     # its lease lapses now (the launchers stop their etcd members as the job ends)
-    report = _report(cfg, run, t0, status="ok")
+    preempted = sup.preempted_at is not None
+    report = _report(cfg, run, t0, status="preempted" if preempted else "ok")
     report["coordinator_moves"] = sup.moves
+    outcome = "ok"
+    if preempted:
+        report["preempted"] = {"why": sup.stop_asked, "stopped_before_step": sup.preempted_at}
+        outcome = f"preempted before step {sup.preempted_at} ({sup.stop_asked})"
     agree = len(set(report["params_sha256_by_rank"].values())) == 1
     if not agree:
         report.update(status="failed", error="ranks ended with different params_sha256")
+        outcome = "failed: replicas disagree"
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"[coordinator] done: {report['steps_completed']} steps, params_sha256 "
-          f"{str(report['params_sha256'])[:16]}, {len(sup.moves) - 1} coordinator move(s), "
-          f"report {out / 'report.json'}", flush=True)
-    facts.finish("ok" if agree else "failed: replicas disagree")
+          f"{str(report['params_sha256'])[:16]}, {len(sup.moves) - 1} coordinator move(s)"
+          + (f", {outcome}" if preempted else "") + f", report {out / 'report.json'}",
+          flush=True)
+    facts.finish(outcome)  # every node's launcher reads it: 143 when preempted
     role.resign()
     return 0 if agree else 1
+
+
+def _stop_on_signals(held: dict, node: int) -> None:
+    """SIGTERM or SIGINT reaching the candidate itself (a preemption that signals every
+    process of the job, or one sent to it by hand) stops the job at a step boundary, as one
+    reaching its launcher does; a candidate that does not coordinate leaves it to its
+    launcher, whose agent asks the coordinator."""
+    def handler(sig, _frame):
+        if held.get("sup") is not None:
+            held["sup"].request_stop(f"{signal.Signals(sig).name} on node {node}")
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

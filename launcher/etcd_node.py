@@ -24,12 +24,13 @@ from pathlib import Path
 from checkpointless.ha import member as etcd_member
 from checkpointless.protocol import membership
 from checkpointless.control import NodeAgent
-from checkpointless.ha import Etcd, parse_endpoints
+from checkpointless.ha import Etcd, EtcdError, EtcdUnavailable, parse_endpoints
 from checkpointless.ha import MemberSpec
 from checkpointless.control import start_process, stop_all
 from checkpointless.ha import RoleWatch
 from checkpointless.ha import StoreDoor
 
+from .cli import PREEMPTED
 from .recipes import RecipeError
 
 
@@ -104,11 +105,9 @@ def run_node(cfg, recipe_file: Path, out: Path) -> None:
         os._exit(1)
     addr = own_address(cfg, endpoints)
     etcd = Etcd(endpoints, timeout_s=1.0)
-    done = etcd.get(prefix_of(cfg) + "/done")
-    if done is not None:  # an etcd of the user's, still holding an earlier launch's job
-        say(f"[launcher] node {k}: the job under checkpointless.etcd.prefix={prefix_of(cfg)} in "
-            f"etcd is over ({done.value.decode()}): set checkpointless.etcd.prefix to a new "
-            "one for a new launch, or remove the old keys (etcdctl del --prefix PREFIX)")
+    why = ended_job(cfg, etcd)
+    if why:
+        say(f"[launcher] node {k}: {why}")
         _stop(member)
         os._exit(1)
     door = StoreDoor(log=say)
@@ -142,14 +141,57 @@ def run_node(cfg, recipe_file: Path, out: Path) -> None:
         _stop(candidate)
     why = {0: "the job is over", 3: "this node was fenced (declared lost)",
            4: "nothing can coordinate this node any more"}.get(rc, f"exit {rc}")
-    print(f"[launcher] node {k}: {why}", flush=True)
-    # the coordinator, if it runs here, writes the report as the job ends: give it the time
+    # the coordinator, if it runs here, writes the report as the job ends: give it the time;
+    # how it ended comes from etcd, while this node's member still helps its quorum answer
+    outcome = _outcome(etcd, cfg, wait_s=30 if rc == 0 else 0)
+    preempted = rc == 0 and outcome.startswith("preempted")
+    print(f"[launcher] node {k}: {why}" + (f" ({outcome}; continue with "
+                                           "checkpoint.resume=auto)" if preempted else ""),
+          flush=True)
     deadline = time.time() + (30 if rc == 0 else 2)
     while candidate.poll() is None and time.time() < deadline:
         time.sleep(0.1)
+    if member is not None and rc == 0:
+        time.sleep(1.0)  # the nodes without a member read the outcome before quorum goes
     _stop(candidate, member)
     sys.stderr.flush()
-    os._exit(0 if rc == 0 else 1)
+    os._exit(PREEMPTED if preempted else 0 if rc == 0 else 1)
+
+
+def ended_job(cfg, etcd) -> str | None:
+    """Why this launch cannot start under the job's prefix, or None. An earlier launch that
+    ended (its `done` key) is cleared when this one resumes from its checkpoint
+    (checkpoint.resume=auto): a preempted job is resubmitted under the same prefix (the same
+    run, and under Slurm the same job id). Every node clears it in one transaction that holds
+    only while `done` is the one it read, so a node arriving late deletes nothing the new job
+    wrote."""
+    prefix = prefix_of(cfg)
+    done = etcd.get(prefix + "/done")
+    if done is None:
+        return None
+    if cfg.checkpoint.resume == "auto":
+        etcd.delete_prefix_if(prefix + "/", prefix + "/done", done.value)
+        return None
+    return (f"the job under checkpointless.etcd.prefix={prefix} in etcd is over "
+            f"({done.value.decode()}): continue it with checkpoint.resume=auto, set "
+            "checkpointless.etcd.prefix to a new one for a new launch, or remove the old keys "
+            "(etcdctl del --prefix PREFIX)")
+
+
+def _outcome(etcd, cfg, wait_s: float) -> str:
+    """How the job ended, as its last coordinator wrote in etcd (`done`): "ok", "preempted
+    ...", "failed: ..."; "" when it is not said within wait_s (or etcd does not answer)."""
+    deadline = time.time() + wait_s
+    while True:
+        try:
+            done = etcd.get(prefix_of(cfg) + "/done")
+            if done is not None:
+                return done.value.decode()
+        except (EtcdUnavailable, EtcdError):
+            pass
+        if time.time() >= deadline:
+            return ""
+        time.sleep(0.2)
 
 
 def _stop(*procs) -> None:

@@ -165,6 +165,15 @@ class Etcd:
                          [{"request_delete_range": {"key": _b64(key)}}])
         return ok
 
+    def delete_prefix_if(self, prefix: str, key: str, value: str | bytes) -> bool:
+        """Delete every key under `prefix` only while `key` still holds `value`, in one
+        transaction: of several launchers clearing the same ended job, one deletes and the
+        others change nothing (not even keys a new job wrote meanwhile)."""
+        ok, _ = self.txn([{"target": "VALUE", "key": _b64(key), "value": _b64(value)}],
+                         [{"request_delete_range": {"key": _b64(prefix),
+                                                    "range_end": _prefix_end(prefix)}}])
+        return ok
+
     # ---- leases -------------------------------------------------------------------------------
     def grant(self, ttl_s: int) -> int:
         return int(self.call("/v3/lease/grant", {"TTL": str(int(ttl_s))})["ID"])
