@@ -102,6 +102,8 @@ def _run_as_holder(cfg, recipe_file: Path, addr: str, role, facts, fresh: bool,
         return 1
     # every rank's result reached this coordinator's store: the job ended under it, even if
     # its lease lapses now (the launchers stop their etcd members as the job ends)
+    if sup.moves and sup.moves[0].get("start"):  # after a takeover, wall_s from the launch
+        t0 = min(t0, sup.moves[0].get("t_taken") or t0)
     preempted = sup.preempted_at is not None
     report = _report(cfg, run, t0, status="preempted" if preempted else "ok")
     report["coordinator_moves"] = sup.moves

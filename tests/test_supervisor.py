@@ -22,7 +22,8 @@ from checkpointless.control.prometheus import Snapshot
 from checkpointless.control.supervisor import Supervisor, SupervisorConfig
 from checkpointless.control.takeover import adopt, take_over
 from checkpointless.protocol import membership
-from checkpointless.protocol.records import NodeWord, Word
+from checkpointless.control.report import goodput_from_steps
+from checkpointless.protocol.records import Entered, NodeWord, Word
 
 TIMEOUT_S = 0.5  # heartbeat_timeout_s and node_timeout_s: short, so each test takes a second
 
@@ -51,7 +52,7 @@ class Facts(NoFacts):
 
     def __init__(self):
         self.taking = {"node": 0, "token": 2, "t_taken": time.time()}
-        self.plans, self.fences, self.moves = {}, [], []
+        self.plans, self.fences, self.moves, self.records = {}, [], [], {}
 
     def record_plan(self, plan, lost, next_wid):
         self.plans[plan.gen] = {"ranks": dict(plan.ranks), "lost": lost, "next_wid": next_wid}
@@ -61,6 +62,10 @@ class Facts(NoFacts):
 
     def record_move(self, move):
         self.moves.append(move)
+
+    def record(self, name, value):
+        self.records[name] = value
+        return True
 
 
 def new_store():
@@ -73,13 +78,13 @@ def beat(store, wid: int, step: int, t: float) -> None:
         {"t": t, "step": step, "gen": 0, "phase": "step"}))
 
 
-def one_machine(nproc=2, spares=2, ready_spares=(3,)):
+def one_machine(nproc=2, spares=2, ready_spares=(3,), facts=None):
     """A supervisor on one machine, in generation 0: ranks 0..nproc-1 held by workers of the
     same ids, spares after them (only `ready_spares` warmed up)."""
     cfg = SupervisorConfig(nproc=nproc, spares=spares, refill=False,
                            heartbeat_timeout_s=TIMEOUT_S)
     said = []
-    sup = Supervisor(["true"], cfg, env={}, log=said.append)
+    sup = Supervisor(["true"], cfg, env={}, log=said.append, facts=facts)
     sup.said = said
     sup.store = sup.pool.store = store = new_store()
     for wid in range(nproc + spares):
@@ -166,7 +171,7 @@ KNOWN_PLANS = {  # as etcd keeps them (ha/etcd_facts.py): worker 1 of node 0 was
 }
 
 
-def taken_over():
+def taken_over(record=None):
     """A stand-alone coordinator (every node has an agent) taking over at generation 3: node
     0 (ranks 0, 1) and spare node 2 (two warm spares) say hello to its new store; node 1 (ranks
     2, 3) never does."""
@@ -199,7 +204,8 @@ def taken_over():
         agent.hello(len(workers))
         agents[node] = agent
     known = Known(spec=cfg.spec().to_json(), gen=3, plans=KNOWN_PLANS, lost=1, next_wid=9,
-                  notices=2, moves=[{"node": 1, "token": 1, "start": True}])
+                  notices=2, moves=[{"node": 1, "token": 1, "start": True}],
+                  record=record or {})
     t = take_over(store, sup.pool, facts, known, said.append)
     sup.store = store
     sup.resume(t)
@@ -287,3 +293,48 @@ def test_a_node_fenced_before_a_takeover_still_finds_its_fence_in_the_new_store(
     adopt(pool, store, known.plans[0], known)
     assert pool.nodes[1].lost
     assert store.get(protocol.node_health_key(1)) == b"fenced: slow"
+
+
+# ---- the run's record across a takeover ----------------------------------------------------------
+def steps_done(store, steps, t0: float) -> None:
+    """Rank 0's step records: step s ran from t0 + s to t0 + s + 0.9."""
+    for s in steps:
+        store.set(protocol.step_key(s), f"{t0 + s:.6f},{t0 + s + 0.9:.6f}")
+
+
+def test_a_takeover_keeps_the_runs_record_from_the_launch():
+    """The first coordinator ran steps 0..79, lost rank 1 at step 40 and recovered it; its
+    store is then lost. The one taking over reports steps, goodput, failures and recoveries from
+    the launch: what the first copied into the job's facts (ledger.py), and its own on top."""
+    t0 = time.time() - 200
+    facts = Facts()
+    first, store = one_machine(facts=facts)
+    store.set(protocol.FIRST_STEP, "0")
+    steps_done(store, range(80), t0)
+    first.workers[1].proc.returncode = -9
+    first._handle([(w, False) for w in first._exited()])
+    for rank, wid in ((0, 0), (1, 3)):  # both members entered generation 1 and went on
+        store.set(protocol.entered_key(1, rank), Entered(
+            worker_id=wid, resumed_step=40, t_plan=t0 + 40.1, t_group=t0 + 40.2,
+            t_ready=t0 + 40.3, bytes_received=1000 * (rank == 1)).to_json())
+        store.set(protocol.first_commit_key(1, rank), f"{t0 + 41:.6f}")
+    first._say_recoveries()
+    first.ledger.tick(store, first.failures, first._reported, 2, first.gen, force=True)
+    had = first._report()
+    assert had["steps_completed"] == 80 and len(had["recoveries"]) == 1
+    assert set(facts.records) == {"steps/0", "failure/1", "recovery/1"}
+
+    sup, store2, _, _, _ = taken_over(record=dict(facts.records))
+    # the new store's step records start after the known ones (not at 0, which it lacks)
+    assert int(store2.get(protocol.FIRST_STEP)) == 80
+    steps_done(store2, range(80, 120), t0)
+    rep = sup._report()
+    assert rep["steps_completed"] == 120
+    assert rep["step_times"] == {s: (round(t0 + s, 6), round(t0 + s + 0.9, 6))
+                                 for s in range(120)}
+    assert rep["goodput"] == goodput_from_steps(rep["step_times"]) == round(108 / 119.9, 4)
+    assert rep["recoveries"] == json.loads(json.dumps(had["recoveries"]))
+    assert rep["recoveries"][0]["failed_rank"] == 1
+    assert rep["failures"] == had["failures"] == [
+        {"rank": 1, "worker": 1, "cause": "exit", "step": had["failures"][0]["step"],
+         "error": None}]

@@ -27,6 +27,8 @@ class Known:
     notices: int = 0  # notices the coordinators wrote so far (protocol.notice_key)
     done: str | None = None  # the job ended ("ok" or "failed: ..."): nobody coordinates it again
     moves: list = field(default_factory=list)
+    # the run's record so far (ledger.py): name ("steps/<c>", "failure/<wid>", ...) -> JSON
+    record: dict = field(default_factory=dict)
 
 
 class NoFacts:
@@ -51,3 +53,8 @@ class NoFacts:
 
     def record_notices(self, n: int) -> None:
         pass
+
+    def record(self, name: str, value: str) -> bool:
+        """Keep one entry of the run's record (ledger.py); False when it could not be kept
+        now (tried again later)."""
+        return True

@@ -192,17 +192,22 @@ class RunFacts:
     killed_after_done: list = field(default_factory=list)
     stragglers: list = field(default_factory=list)  # the straggler entries
     check: dict = field(default_factory=dict)  # the straggler check's settings and verdict
+    # what coordinators before this one recorded (ledger.py): "steps", "failures" and
+    # "recoveries", so that a report after a takeover counts from the launch
+    earlier: dict = field(default_factory=dict)
 
 
 def run_report(store, run: RunFacts) -> dict:
     nproc, failures, workers = run.nproc, run.failures, run.workers
-    steps = step_records(store)
+    earlier = run.earlier
+    steps = {**earlier.get("steps", {}), **step_records(store)}  # this store's are the newest
     stragglers = run.stragglers
     slow_s, healthy_s = slow_time(steps, stragglers)
     results = {r: v for r in range(nproc)
                for v in [protocol.read_json(store, protocol.result_key(r))] if v is not None}
-    recoveries = [e for f in failures if f.gen >= 0
-                  for e in [recovery_entry(store, f, nproc, run.last_gen)] if e is not None]
+    recoveries = earlier.get("recoveries", []) + [
+        e for f in failures if f.gen >= 0
+        for e in [recovery_entry(store, f, nproc, run.last_gen)] if e is not None]
     report = {
         "world_size": nproc,
         "spares": run.spares,
@@ -215,7 +220,9 @@ def run_report(store, run: RunFacts) -> dict:
         "stragglers": stragglers,
         "straggler_check": run.check or {},
         "recoveries": recoveries,
-        "failures": [{"rank": f.rank, "worker": f.wid, "cause": f.cause, "step": f.step,
+        "failures": [{k: v for k, v in e.items() if k != "t_fail"}
+                     for e in earlier.get("failures", [])] +
+                    [{"rank": f.rank, "worker": f.wid, "cause": f.cause, "step": f.step,
                       "error": f.error} for f in failures],
         "results_by_rank": results,
         "pids_at_end": {w.rank: w.proc.pid for w in workers if w.rank >= 0},

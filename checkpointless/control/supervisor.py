@@ -30,6 +30,7 @@ from .cluster import ClusterPool, pool_for
 from .losses import FindingLosses
 from .replacing import Replacing
 from .facts import Deposed, NoFacts
+from .ledger import Ledger
 from .takeover import Takeover, take_over
 from ..protocol import SupervisorConfig
 from .prometheus import Snapshot, serve_metrics
@@ -58,6 +59,8 @@ class Supervisor(FindingLosses, Replacing):
         # next holder of the role takes over from it; nowhere on one machine
         self.facts = facts or NoFacts()
         self.moves: list[dict] = []  # the coordinator's moves (takeovers) in this job
+        # the run's record copied into the facts as it goes, for a coordinator taking over
+        self.ledger = Ledger(self.facts)
         self.deposed: str | None = None  # why this coordinator lost its role (depose())
         self.log = log
         self.on_start = on_start
@@ -117,6 +120,7 @@ class Supervisor(FindingLosses, Replacing):
         self.ranks, self.gen, self._plan = dict(t.ranks), t.gen, t.plan
         self._notices, self.moves = t.notices, t.moves
         self.pids_at_start = {}
+        self.ledger.resume(self.store, t.record)  # the record from the launch on
 
     def run(self) -> dict:
         cfg = self.cfg
@@ -200,6 +204,7 @@ class Supervisor(FindingLosses, Replacing):
         """The loop's duties every poll_s; True once the job is over."""
         self._preempt_if_asked()
         self._say_recoveries()
+        self.ledger.tick(self.store, self.failures, self._reported, self.cfg.nproc, self.gen)
         self.pool.replace_dead_spares(self.store.check([protocol.SHUTDOWN]), self.log)
         self.pool.refill_due()
         return self._finished()
@@ -261,7 +266,8 @@ class Supervisor(FindingLosses, Replacing):
             nproc=self.cfg.nproc, spares=self.cfg.spares, wall_s=time.time() - self.t_start,
             failures=self.failures, last_gen=self.gen, workers=list(self.workers.values()),
             pids_at_start=self.pids_at_start, killed_after_done=self.killed_after_done,
-            stragglers=self.stragglers.entries or [], check=self.stragglers.summary()))
+            stragglers=self.stragglers.entries or [], check=self.stragglers.summary(),
+            earlier=self.ledger.earlier()))
 
 
 __all__ = ["Supervisor", "SupervisorConfig", "JobFailed", "Failure"]

@@ -33,6 +33,7 @@ class Takeover:
     plan: membership.Plan  # the newest plan, published again
     notices: int  # notices the lost coordinator wrote
     moves: list[dict]  # the coordinator's moves so far, this one last
+    record: dict  # the run's record the coordinators before kept (ledger.py)
 
 
 def take_over(store, pool, facts, known, log=print) -> Takeover:
@@ -55,7 +56,8 @@ def take_over(store, pool, facts, known, log=print) -> Takeover:
                                                        if known.moves else None))
     facts.record_move(move)
     out = Takeover(gen=known.gen, ranks={int(w): r for w, r in last["ranks"].items()},
-                   plan=plan, notices=known.notices, moves=known.moves + [move])
+                   plan=plan, notices=known.notices, moves=known.moves + [move],
+                   record=known.record)
     log(f"[checkpointless] took over as the coordinator at generation {known.gen} "
         f"(node {move['node']}, token {move['token']}): {len(hellos)} node(s) answered, "
         f"{len(out.ranks)} ranks" +

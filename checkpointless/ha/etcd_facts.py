@@ -10,8 +10,11 @@ Kept under one prefix per job (`<prefix>/...`):
   worker id to hand out;
 - `fence/<k>`: node k was declared lost (its agent, reading this, stops its processes);
 - `moves/<token>`: each takeover (who, from which node, when, how long it took);
-- `done`: the job ended ("ok", or "failed: why"): no candidate takes the role after it, and a new
-  launch under the same prefix is refused until the keys are removed.
+- `record/...`: the run's record so far (step times, failures, recoveries; control/ledger.py), so
+  that a report written after a takeover counts from the launch;
+- `done`: the job ended ("ok", "preempted before step N (why)", or "failed: why"): no candidate
+  takes the role after it, and a new launch under the same prefix clears it only when it resumes
+  (checkpoint.resume=auto), else is refused until the keys are removed.
 
 Every write goes through the role's fence (`Role.write`): a deposed coordinator changes nothing.
 The supervisor sees only the interface of control/facts.py, which this implements; on one
@@ -68,6 +71,8 @@ class JobFacts(NoFacts):
                 k.fenced[int(name[6:])] = e.value.decode()
             elif name.startswith("moves/"):
                 k.moves.append(json.loads(e.value))
+            elif name.startswith("record/"):
+                k.record[name[7:]] = e.value.decode()
         k.moves.sort(key=lambda m: m.get("token", 0))
         return k
 
@@ -106,3 +111,16 @@ class JobFacts(NoFacts):
 
     def record_notices(self, n: int) -> None:
         self._write("notices", str(n))
+
+    def record(self, name: str, value: str) -> bool:
+        """One entry of the run's record (`record/<name>`, control/ledger.py). Unlike the
+        facts above, one that etcd does not take now is tried again at the coordinator's next
+        copy, so a moment without etcd's leader deposes nobody; a stale holder is deposed."""
+        try:
+            self.role.write(self.key(f"record/{name}"), value)
+            return True
+        except Fenced as exc:
+            raise Deposed(f"the coordinator cannot record the job's facts in etcd ({exc})") \
+                from None
+        except (EtcdUnavailable, EtcdError):
+            return False

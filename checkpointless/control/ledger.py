@@ -1,0 +1,118 @@
+"""The run's record across coordinators (coordinator=etcd): its step records, failures and
+recoveries, copied where the next holder of the coordinator's role finds them (facts.py).
+
+The records themselves live in the coordinator's store (rank 0's step records, each member's
+entry into a generation), and that store is lost with the coordinator's node. So that a report
+written after a takeover still counts from the launch (steps, goodput, every recovery), the
+coordinator copies them into the job's facts as it goes:
+- `steps/<c>`: steps c*CHUNK .. c*CHUNK+CHUNK-1, step -> [start, end], the chunks that changed,
+  at most once every `every_s` (a few small writes a second at most, never one per step);
+- `failure/<wid>`: each lost worker, as the report lists it, once the loss is recorded;
+- `recovery/<wid>`: its recovery's entry, once the recovery completed (said in the log).
+A coordinator taking over reads them back (`resume`) and merges its own store's on top. The
+steps a lost coordinator had not copied yet (at most `every_s` of them) are missing from the
+record: goodput counts their time as lost, as it counts the takeover's.
+
+On one machine, or with the default coordinator, the facts keep nothing (NoFacts) and this does
+nothing: the store is the whole record.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+
+from .. import protocol
+from .report import Failure, recovery_entry
+
+CHUNK = 256  # steps per key: about 12 KB of JSON, far under etcd's request limit
+RESCAN = 8  # newest step records read again: a step redone after a rollback rewrites its own
+
+
+class Ledger:
+    def __init__(self, facts, every_s: float = 1.0):
+        self.facts, self.every_s = facts, every_s
+        self.steps: dict[int, tuple[float, float]] = {}  # every step known, earlier ones too
+        self.next_step: int | None = None  # the first step record of this store not read yet
+        self.earlier_failures: list[dict] = []  # recorded by coordinators before this one
+        self.earlier_recoveries: list[dict] = []
+        self._dirty: set[int] = set()  # chunks with steps not copied yet
+        self._failures: set[int] = set()  # worker ids whose failure / recovery is copied
+        self._recoveries: set[int] = set()
+        self._last = 0.0
+
+    # ---- a takeover ---------------------------------------------------------------------------
+    def resume(self, store, record: dict) -> None:
+        """Take the record the coordinators before this one kept (Known.record: name -> JSON)
+        and make this store's step records start where it ends."""
+        for name, raw in record.items():
+            kind, _, key = name.partition("/")
+            value = json.loads(raw)
+            if kind == "steps":
+                self.steps.update({int(s): tuple(v) for s, v in value.items()})
+            elif kind == "failure":
+                self.earlier_failures.append(value)
+                self._failures.add(int(key))
+            elif kind == "recovery":
+                self.earlier_recoveries.append(value)
+                self._recoveries.add(int(key))
+        self.earlier_failures.sort(key=lambda f: f.get("t_fail", 0.0))
+        self.earlier_recoveries.sort(key=lambda e: e["generation"])
+        if self.steps:
+            # this store holds only the steps from now on: its scan starts past the known ones
+            # (from step 0 it would stop at the first 64 missing records and find none)
+            self.next_step = max(self.steps) + 1
+            store.set(protocol.FIRST_STEP, str(self.next_step))
+
+    # ---- as the job runs ----------------------------------------------------------------------
+    def tick(self, store, failures: list[Failure], said: set[int], nproc: int,
+             last_gen: int, force: bool = False) -> None:
+        """Copy what changed since the last call (at most every `every_s`, unless `force`)."""
+        if not self.facts.durable or (not force and time.time() - self._last < self.every_s):
+            return
+        self._last = time.time()
+        self._read_steps(store)
+        for c in sorted(self._dirty):
+            chunk = {str(s): [round(self.steps[s][0], 6), round(self.steps[s][1], 6)]
+                     for s in range(c * CHUNK, c * CHUNK + CHUNK) if s in self.steps}
+            if self.facts.record(f"steps/{c}", json.dumps(chunk)):
+                self._dirty.discard(c)  # else tried again at the next call
+        for i, f in enumerate(failures):
+            if f.wid not in self._failures and \
+                    self.facts.record(f"failure/{f.wid}", json.dumps(failure_of(f))):
+                self._failures.add(f.wid)
+            if i in said and f.wid not in self._recoveries:  # complete: its entry, once
+                e = recovery_entry(store, f, nproc, last_gen)
+                if e is not None and self.facts.record(f"recovery/{f.wid}", json.dumps(e)):
+                    self._recoveries.add(f.wid)
+
+    def _read_steps(self, store) -> None:
+        """The step records written since the last read (a cursor, as prometheus.py keeps)."""
+        if self.next_step is None:
+            if not store.check([protocol.FIRST_STEP]):
+                return
+            self.next_step = int(store.get(protocol.FIRST_STEP))
+        s, misses = max(0, self.next_step - RESCAN), 0
+        while misses < 8:
+            key = protocol.step_key(s)
+            if store.check([key]):
+                t0, t1 = (float(x) for x in store.get(key).decode().split(","))
+                if self.steps.get(s) != (t0, t1):
+                    self.steps[s] = (t0, t1)
+                    self._dirty.add(s // CHUNK)
+                misses = 0
+                self.next_step = max(self.next_step, s + 1)
+            elif s >= self.next_step:
+                misses += 1
+            s += 1
+
+    def earlier(self) -> dict:
+        """What the report adds to its own store's records (report.RunFacts.earlier)."""
+        return {"steps": dict(self.steps), "failures": list(self.earlier_failures),
+                "recoveries": list(self.earlier_recoveries)}
+
+
+def failure_of(f: Failure) -> dict:
+    """A failure as the report lists it, with when it happened (the record's order)."""
+    return {"rank": f.rank, "worker": f.wid, "cause": f.cause, "step": f.step,
+            "error": f.error, "t_fail": round(f.t_fail, 6)}
