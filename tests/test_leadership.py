@@ -174,6 +174,10 @@ def test_the_jobs_facts_round_trip_and_a_deposed_holder_records_none(cluster):
     assert k.plans[2] == {"ranks": {"12": 0, "1": 1}, "nodes": {"12": 2, "1": 0},
                           "world_size": 2}
     assert k.fenced == {0: "fenced: silent"} and k.moves == [{"token": role.token, "node": 1}]
+    facts.record("steps/0", '{"0": [1.0, 1.5]}')  # the run's record (control/ledger.py)
+    facts.record("recovery/7", '{"generation": 1}')
+    assert facts.known().record == {"steps/0": '{"0": [1.0, 1.5]}',
+                                    "recovery/7": '{"generation": 1}'}
     facts.finish("ok")
     assert facts.known().done == "ok"
     # a holder whose key was taken over writes nothing more
@@ -182,5 +186,36 @@ def test_the_jobs_facts_round_trip_and_a_deposed_holder_records_none(cluster):
     assert other.try_take()
     with pytest.raises(Deposed):
         facts.record_fence(3, "fenced: too late")
-    assert 3 not in facts.known().fenced
+    with pytest.raises(Deposed):
+        facts.record("steps/1", "{}")
+    assert 3 not in facts.known().fenced and "steps/1" not in facts.known().record
     other.resign()
+
+
+def test_a_resumed_launch_clears_the_ended_job_and_a_new_one_is_refused(cluster):
+    """A job that ended (preempted) under a prefix: a launch with checkpoint.resume=auto clears
+    its keys (its resubmission), a launch without is refused naming the way out, and a node
+    arriving after the new job began deletes nothing of it."""
+    from omegaconf import OmegaConf
+
+    from launcher.etcd_node import ended_job
+    etcd = Etcd(cluster.endpoints)
+    ended = "preempted before step 10 (SIGTERM on node 0)"
+    for name, value in {"gen": "3", "plan/3": "{}", "record/steps/0": "{}",
+                        "done": ended}.items():
+        etcd.put(f"ended/{name}", value)
+    etcd.put("ended-too/gen", "4")  # another job's prefix, sharing the first letters
+
+    def cfg(resume):
+        return OmegaConf.create({"run": {"name": "r"}, "checkpoint": {"resume": resume},
+                                 "checkpointless": {"etcd": {"prefix": "ended"}}})
+    why = ended_job(cfg("never"), etcd)
+    assert "checkpointless.etcd.prefix=ended" in why and ended in why
+    assert "checkpoint.resume=auto" in why
+    assert etcd.get("ended/gen") is not None  # refused: nothing removed
+    assert ended_job(cfg("auto"), etcd) is None
+    assert etcd.get_prefix("ended/") == [] and etcd.get("ended-too/gen").value == b"4"
+    etcd.put("ended/gen", "0")  # the new job began; a late node clears what it read before
+    assert not etcd.delete_prefix_if("ended/", "ended/done", ended)
+    assert etcd.get("ended/gen").value == b"0"
+    assert ended_job(cfg("auto"), etcd) is None and etcd.get("ended/gen").value == b"0"
