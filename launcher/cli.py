@@ -4,6 +4,8 @@
     python -m launcher show RECIPE [key=value ...]     the fully resolved recipe, as YAML
     python -m launcher validate [RECIPE [key=value ...]]  check a recipe with overrides, or
                                                        every shipped one when none is given
+                                                       (its keys, and startup_timeout_s against
+                                                       the model's start-up here)
     python -m launcher plan RECIPE [key=value ...]     memory per rank before launch (no weights)
     python -m launcher prepare RECIPE [key=value ...]  tokenize the recipe's data into its cache
     python -m launcher train RECIPE [key=value ...]    train (workers + spares, supervised)
@@ -55,12 +57,25 @@ def cmd_validate(args) -> int:
     bad = 0
     for name in names:
         try:
-            _, notes = resolve(name, overrides)
+            cfg, notes = resolve(name, overrides)
+            _startup(cfg)
             print(f"ok      {name}" + "".join(f"\n        {n}" for n in notes))
         except RecipeError as exc:
             bad += 1
             print(f"INVALID {name}: {exc}")
     return 1 if bad else 0
+
+
+def _startup(cfg) -> None:
+    """The one check of the pre-flight that validate makes too, as it judges a key's value
+    (startup_timeout_s) rather than the machine's contents: it measures the model on the meta
+    device, so it imports torch and transformers (late: ls and show stay fast)."""
+    from .hub import offline_unless_reachable
+    from .startup import startup_problem
+    offline_unless_reachable(cfg)  # an unreachable hub: the built-in configs, no retries
+    problem = startup_problem(cfg)
+    if problem:
+        raise RecipeError(problem)
 
 
 def cmd_plan(args) -> int:
@@ -78,7 +93,7 @@ def cmd_train(args) -> int:
         print("[launcher] this node's place in the job:\n  " + "\n  ".join(said), flush=True)
     for note in notes:
         print(f"[launcher] {note}", flush=True)
-    from .launch import train  # imported late: ls/show/validate stay fast
+    from .launch import train  # imported late: ls/show stay fast
     report = train(cfg)
     if report is not None and report.get("status") == "preempted":
         return PREEMPTED

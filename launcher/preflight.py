@@ -15,7 +15,9 @@ Checked here, in the launcher:
     a hub id whose weights are not in the local cache while the hub cannot be reached;
   * the optional packages the recipe's keys ask for (the trackers; prometheus_client for
     checkpointless.metrics_port): named with the install command;
-  * the memory plan (launcher/plan/).
+  * the memory plan (launcher/plan/);
+  * checkpointless.startup_timeout_s against the time a worker needs to start with this model
+    (launcher/startup.py).
 The hub helpers they share with the plan live in launcher/hub.py.
 """
 from __future__ import annotations
@@ -27,6 +29,7 @@ from .hub import hub_problem, looks_like_path, offline_unless_reachable
 from .plan import check_fits
 from .recipes import RecipeError
 from .schema import SHARDED
+from .startup import startup_problem
 
 
 def preflight(cfg) -> None:
@@ -39,6 +42,7 @@ def preflight(cfg) -> None:
                             _checkpoints(cfg, model_ok=not (model or tokenizer))) if p]
     if not problems:
         problems += [p for p in (_tensor_parallel(cfg),) if p] or _memory(cfg)
+        problems += [p for p in (startup_problem(cfg),) if p]
     if problems:
         raise RecipeError("this recipe cannot start on this machine:\n  - " +
                           "\n  - ".join(problems))

@@ -72,3 +72,76 @@ def test_show_validate_and_train_see_the_derived_value(capsys, monkeypatch):
     assert cli.main(["train", "tiny-llama", *ETCD]) == 0
     assert seen[0].checkpointless.confirm_s == 9
     assert "[launcher] checkpointless.confirm_s=9: derived" in capsys.readouterr().out
+
+
+def _facts(n_params: int, param_bytes: int = 2):
+    from types import SimpleNamespace
+    return SimpleNamespace(n_params=n_params, param_bytes=param_bytes)
+
+
+def test_the_startup_estimate_follows_the_model_and_how_it_is_loaded():
+    from launcher.startup import IMPORT_S, estimate
+    tiny = estimate(load("tiny-llama"), _facts(10**6, 4), "cpu")
+    assert IMPORT_S["cpu"] <= tiny.seconds < IMPORT_S["cpu"] + 1  # the imports, nearly all
+    assert estimate(load("tiny-llama"), _facts(10**6, 4), "cuda").seconds >= IMPORT_S["cuda"]
+    eight = 8 * 10**9
+    ddp = estimate(load("llama3-8b", ["distributed.strategy=ddp"]), _facts(eight), "cuda")
+    fsdp = estimate(load("llama3-8b"), _facts(eight), "cuda")
+    random = estimate(load("llama3-8b", ["model.init=random"]), _facts(eight), "cuda")
+    assert "reading 16.0 GB of the checkpoint" in ddp.says()  # whole, once per node
+    assert "reading 16.0 GB" in fsdp.says()  # 8 ranks on one node: every slice
+    assert ddp.seconds > fsdp.seconds > random.seconds and "reading" not in random.says()
+    # the same job over 8 nodes: each node reads its eighth
+    spread = estimate(load("llama3-8b", ["distributed.num_nodes=8", "distributed.nproc_per_node=1",
+                                         "distributed.master_port=29400"]), _facts(eight), "cuda")
+    assert "reading 2.0 GB" in spread.says() and spread.seconds < fsdp.seconds
+    assert estimate(load("llama3-8b"), _facts(10 * eight), "cuda").seconds > fsdp.seconds
+
+
+def test_a_startup_timeout_below_the_estimate_is_refused_naming_key_value_estimate_and_fix():
+    from launcher.startup import estimate, startup_problem
+    cfg = load("llama3-8b", ["checkpointless.startup_timeout_s=60"])
+    est = estimate(cfg, _facts(8 * 10**9), "cuda")
+    said = startup_problem(cfg, est)
+    assert said.startswith("checkpointless.startup_timeout_s=60: a worker of this recipe needs "
+                           f"about {est.seconds:.0f} s here")
+    assert f"Fix: checkpointless.startup_timeout_s={est.enough()}" in said
+    assert est.enough() >= est.seconds and "\n" not in said
+    assert startup_problem(load("llama3-8b"), est) is None  # the default, 600 s
+    assert startup_problem(load("llama3-8b", [f"checkpointless.startup_timeout_s="
+                                              f"{est.seconds + 1:.0f}"]), est) is None
+
+
+def test_preflight_and_validate_refuse_a_startup_timeout_too_short_for_the_model(capsys):
+    from launcher.preflight import preflight
+    with pytest.raises(RecipeError) as err:
+        preflight(load("tiny-llama", ["checkpointless.startup_timeout_s=5"]))
+    assert "checkpointless.startup_timeout_s=5: a worker of this recipe needs about 15 s" in \
+        str(err.value)
+    preflight(load("tiny-llama", ["checkpointless.startup_timeout_s=30"]))  # as docs/recovery.md
+    assert cli.main(["validate", "tiny-llama", "checkpointless.startup_timeout_s=5"]) == 1
+    assert "INVALID tiny-llama: checkpointless.startup_timeout_s=5" in capsys.readouterr().out
+    assert cli.main(["plan", "tiny-llama", "checkpointless.startup_timeout_s=5"]) == 1
+    out = capsys.readouterr().out
+    assert "start-up: about 15 s a worker" in out and out.rstrip().endswith("TOO LOW")
+
+
+def test_every_shipped_recipe_that_fits_starts_within_the_default_timeout():
+    from launcher.plan import model_facts, plan
+    from launcher.startup import estimate
+    for name in ("tiny-llama", "llama3-8b", "llama3-70b", "gpt-oss-20b"):  # the largest loads
+        cfg = load(name)
+        facts = model_facts(cfg)
+        if plan(cfg, facts, search=False).fits:
+            est = estimate(cfg, facts, "cuda" if cfg.distributed.device == "cuda" else "cpu")
+            assert est.seconds < cfg.checkpointless.startup_timeout_s == 600, (name, est.says())
+
+
+def test_the_bad_inputs_of_issue_37_item_5():
+    """Checked already (tests/test_recipes.py, tests/test_stragglers.py), said again in one place:
+    a slow fault's factor above 1, named by fault; validate's overrides and --help."""
+    for factor in ("0", "1", "0.5"):
+        with pytest.raises(RecipeError, match=r"^faults\[0\]\.factor=.*must be > 1"):
+            load("tiny-llama", [f"faults=[slow:2:5:{factor}]"])
+    assert load("tiny-llama", ["faults=[slow:2:5:1.5]"]).faults[0].factor == 1.5
+    assert cli.main(["validate", "--help"]) == 0

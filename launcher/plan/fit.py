@@ -120,13 +120,19 @@ def check_fits(cfg, loop: LoopFacts = CURRENT_LOOP) -> Plan:
 
 
 def main(args: list[str]) -> int:
-    """`python -m launcher plan RECIPE [key=value ...]`: print the plan; exit 1 if it does not
-    fit (2 for a recipe error)."""
+    """`python -m launcher plan RECIPE [key=value ...]`: print the plan and the start-up
+    estimate; exit 1 if it does not fit or startup_timeout_s is below the estimate (2 for a
+    recipe error)."""
     if not args:
         raise RecipeError("plan needs a recipe: python -m launcher plan RECIPE [key=value ...]")
     cfg = load(args[0], args[1:])
     offline_unless_reachable(cfg)  # an unreachable hub: the built-in table at once, no retries
-    result = plan(cfg)
+    from ..startup import estimate, startup_line
+    facts = model_facts(cfg)
+    result = plan(cfg, facts)
     result.overrides = list(args[1:])
+    est = estimate(cfg, facts, result.device_type)
     print(result.report())
-    return 0 if result.fits else 1
+    # the other per-model figure the launcher checks before launch: start-up time
+    print(startup_line(est, cfg.checkpointless.startup_timeout_s))
+    return 0 if result.fits and est.seconds <= cfg.checkpointless.startup_timeout_s else 1
