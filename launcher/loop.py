@@ -146,7 +146,7 @@ def join(cfg, out_dir: Path) -> Run:
     # built after join: accelerate reads this worker's rank once, and a spare has none before
     accelerator = build_accelerator(cfg, job, device)
     if d.strategy in SHARDED:  # sharded here, not by accelerate's plugin (see start_line)
-        shard(model, cfg, job.device_mesh())
+        shard(model, cfg, job.device_mesh(), receives_state=not job.builds_own_state)
         wrapped = model
     elif d.grad_sync == "buckets":  # averaged in fixed buckets during backward
         wrapped = checkpointless.DistributedDataParallel(model, bucket_cap_mb=d.bucket_cap_mb)

@@ -126,11 +126,13 @@ def build_eval(cfg, tokenizer):
     return ds, eval_rows(ds, cfg.eval.max_batches, cfg.trainer.micro_batch_size)
 
 
-def shard(model, cfg, mesh=None):
+def shard(model, cfg, mesh=None, receives_state: bool = False):
     """FSDP2: each decoder block and then the root becomes a sharded unit over `mesh` (the job's:
     1-D under fsdp, dp_replicate x dp_shard under hsdp; by default the default group's); with a
     tp dimension the plan's linear layers are split over it first (tensor_parallel.py). A model
-    still on the meta device (build()) then gets its shard allocated and filled on this rank."""
+    still on the meta device (build()) then gets its shard allocated and filled on this rank
+    (`receives_state`: a replacement whose state will come from peers fills only what is not
+    sent)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from models.lora import base_of
@@ -160,7 +162,7 @@ def shard(model, cfg, mesh=None):
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     if model in _UNFILLED:
-        _fill_shards(model, cfg, *_UNFILLED.pop(model))
+        _fill_shards(model, cfg, *_UNFILLED.pop(model), receives_state)
     return model
 
 
@@ -181,13 +183,13 @@ def shard_mesh():
                                  "cuda" if dist.get_backend() == "nccl" else "cpu")
 
 
-def _fill_shards(model, cfg, rules, seed):
+def _fill_shards(model, cfg, rules, seed, receives_state: bool):
     """Allocate this rank's shard and give it its values: under model.init=pretrained read from
     the checkpoint's safetensors files, this rank's rows only (a parameter the files lack, such
     as a LoRA adapter, gets its init); else drawn by the recorded init rules. A spare taking
     over a rank fills only what it will not receive: nothing when the whole state is sent, the
-    frozen base under LoRA (protect(send_frozen=False): rebuilt bit for bit, not sent)."""
-    import checkpointless
+    frozen base under LoRA (protect(send_frozen=False): rebuilt bit for bit, not sent). One
+    that took its rank before any step was committed fills it all (Job.builds_own_state)."""
     from models.init import materialize
     from models.lora import base_of
     weights = None
@@ -195,7 +197,7 @@ def _fill_shards(model, cfg, rules, seed):
         from models.pretrained import SafetensorsFiles
         weights = SafetensorsFiles.locate(cfg.model.id)
     fill = lambda name, p: True  # noqa: E731
-    if checkpointless.started_as_spare():
+    if receives_state:
         if cfg.peft.method == "none":
             fill = lambda name, p: False  # noqa: E731
         else:

@@ -8,12 +8,13 @@ then rank 0 (a survivor) dies inside the recovery's own group rendezvous. Before
 could be cut and torch's group counter was reset after a failed constructor, the last one cost
 a 60 s stall and then the run. It must end with the failure-free bits.
 
-Not yet under fsdp: a slice lost at step 0 has no peer copy yet (the first snapshot comes with
-the first step), and its rebuild from the seed is not wired into the sharded restore.
+Under fsdp a slice lost before the first step has no peer copy yet (the first snapshot's
+exchange runs beside step 0): its replacement starts from its own build of that slice, the
+recipe's seeded init, which is the lost rank's bit for bit (restore.py, _start_from_build).
 """
 import pytest
 
-from tests.conftest import assert_same_bits, train
+from tests.conftest import FSDP_12, assert_same_bits, train
 
 DDP_12 = ("trainer.max_steps=12",)
 
@@ -38,3 +39,22 @@ def test_losses_at_start_up_and_inside_a_recovery_end_with_the_failure_free_bits
     # no recovery waited out a timeout: the cut group failed at once
     assert max(x["recovery_s"] for x in recs) < 30, recs
     assert "[c10d]" not in log  # torch's C++ stack dumps of the closed connections
+
+
+def test_fsdp_slices_lost_before_the_first_step_start_from_the_seeded_build(tmp_path,
+                                                                           fsdp_12_steps):
+    """Rank 2 killed while building its model, rank 1 inside the first group's rendezvous: no
+    member has trained, no copy of either slice exists, and no durable checkpoint has been written
+    (the old path stopped the run with "no durable checkpoint"). Then rank 3 dies in step 0's
+    backward, once the first snapshots may or may not have landed."""
+    _, want = fsdp_12_steps
+    faults = "faults=[kill:2:0@init,kill:1:0@join,kill:3:0@backward]"
+    out, rep, r = train(tmp_path, "fsdp-start", "tiny-llama", *FSDP_12, faults,
+                        "checkpointless.spares=3")
+    log = r.stdout + r.stderr
+    assert rep["status"] == "ok", log[-3000:]
+    assert_same_bits(rep, want)
+    recs = rep["recoveries"]
+    assert {x["resumed_step"] for x in recs} == {0}, recs
+    assert "build" in {x["restored_from"] for x in recs}, recs
+    assert "start from their replacement's own build" in log

@@ -74,21 +74,27 @@ def test_sweep_a_kill_at_a_seeded_moment_ends_with_the_failure_free_bits(
 TWICE = {**{k: RUNS[k] for k in ("ddp", "fsdp")},
          "hsdp": ("distributed.strategy=hsdp", "distributed.shard_size=2", "trainer.max_steps=12",
                   "checkpoint.interval=4")}
-SWEEP_TWICE = [(kind, seed) for kind in TWICE for seed in range(4)]
+# the second victim: worker 3, a survivor; or worker 4, the first spare, which takes rank 1
+SWEEP_TWICE = [(kind, seed, 3) for kind in TWICE for seed in range(4)] + \
+              [(kind, seed, 4) for kind in TWICE for seed in range(4, 6)]
 
 
 @pytest.mark.sweep
-@pytest.mark.parametrize("kind,seed", SWEEP_TWICE, ids=[f"{k}-{n}" for k, n in SWEEP_TWICE])
+@pytest.mark.parametrize("kind,seed,second_victim", SWEEP_TWICE,
+                         ids=[f"{k}-{n}-w{v}" for k, n, v in SWEEP_TWICE])
 def test_sweep_a_second_kill_inside_the_first_recovery_ends_with_the_failure_free_bits(
-        tmp_path, kind, seed, references):
-    """Worker 1 killed at a seeded moment, then worker 3 (a survivor: not rank 1's neighbour on
-    the copy ring, so every slice keeps a copy) 0 to 1 s later, wherever the first recovery then
-    is: detection, the barrier, the group's rendezvous, the transfer, the first redone step."""
+        tmp_path, kind, seed, second_victim, references):
+    """Worker 1 killed at a seeded moment, then 0 to 1 s later, wherever the first recovery then
+    is (detection, the barrier, the group's rendezvous, the transfer, the first redone step),
+    worker 3 (a survivor: not rank 1's neighbour on the copy ring, so every slice keeps a copy)
+    or worker 4 (the spare taking rank 1, while it receives or before its first step)."""
     import random
     rng = random.Random(f"twice:{kind}:{seed}")
     first = (rng.randint(2, 10), round(rng.uniform(0.0, 0.5), 3))
     second = (first[0], round(rng.uniform(0.0, 1.0), 3))
     _, want, _ = references.train("tiny-llama", *TWICE[kind])
     _, rep, kills, _ = train_killing(tmp_path, "twice", "tiny-llama", [first, second],
-                                     *TWICE[kind], "checkpointless.spares=2", victims=[1, 3])
+                                     *TWICE[kind], "checkpointless.spares=2",
+                                     victims=[1, second_victim])
+    assert all(pid is not None for *_, pid in kills), kills
     assert_same_bits(rep, want, first, second, kills)

@@ -115,7 +115,7 @@ class Entered:
     bytes_sent: int = 0
     bytes_received: int = 0
     transfer_s: float = 0.0
-    restored_from: str = "peer_memory"  # or "durable_checkpoint"
+    restored_from: str = "peer_memory"  # or "durable_checkpoint", or "build" (lost at step 0)
     steps_redone: int = 0
     sent_from: dict = field(default_factory=dict)  # rank that received -> how it was served
     start_broadcast_from: int | None = None  # the first generation's source of the state

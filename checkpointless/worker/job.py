@@ -97,6 +97,15 @@ class Job:
         return not self._rec.holds_state
 
     @property
+    def builds_own_state(self) -> bool:
+        """True where this worker's own build of its state is one the job may start from: a
+        worker of the launch, or a spare that took its rank before any step was committed
+        (nothing was trained: under sharded state no peer may hold its slice yet, and its own
+        seeded build is the lost rank's). A loop that skips building what a replacement will
+        receive builds it anyway when this is True."""
+        return self._rec.own_build
+
+    @property
     def last_recovery(self) -> dict | None:
         return self._rec.last
 

@@ -30,6 +30,7 @@ class PlainStepLoop:
     failed = False
     update_applied = False
     may_communicate = True
+    builds_own_state = True  # torchrun restarts the whole job: every worker builds its state
 
     def __init__(self, rank: int, seed: int):
         self.rank, self.seed = rank, seed

@@ -78,6 +78,7 @@ class Recovery:
         self.gen, self.rank, self.world_size = -1, -1, 0
         self.completed = 0  # committed steps
         self.holds_state = True
+        self.own_build = True  # its own build is a state the job may start from (join())
         self.agreed = False  # through a restore since the launch (restore.Position)
         self.catching_up = 0
         self.awaiting_first: int | None = None  # generation whose first commit is not yet recorded
@@ -155,7 +156,12 @@ class Recovery:
 
         Workers of the first generation all start from the same seeded state; a worker that
         joins later is a spare and holds nothing until it receives the state."""
-        self.holds_state = plan.gen == 0
+        # a worker launched as a rank built its own state even when the first plan it reads is
+        # a later one (a peer was lost before the first group formed)
+        self.holds_state = plan.gen == 0 or not protocol.started_as_spare()
+        # a spare taking a rank before any step was committed: nothing was trained, so its own
+        # build (if it makes one: Job.builds_own_state) is that rank's step-0 state
+        self.own_build = self.holds_state or not self.store.check([protocol.LAST_STEP])
         self.watch.start()  # before the first group forms: a newer plan cuts that short too
         self.enter(plan, sync=False)
 
@@ -217,7 +223,7 @@ class Recovery:
                                   f"{self.gen} before its state was agreed")
         me = restore.Position(self.rank, self.world_size, self.completed, self.holds_state,
                               self.kept.usable(self.completed, self.rank, self.world_size),
-                              agreed=self.agreed)
+                              agreed=self.agreed, built=self.own_build)
         out = restore.restore(self.state, me,
                               lambda rank, step: self.injector.at("receive", rank, step))
         if out.drop_kept_grads:

@@ -10,7 +10,8 @@ spare receives its rank's slice from a peer that holds a copy (redundancy.py). U
 ranks at the same shard position in the other replica groups (twins, mesh.py) hold the
 slice live: a spare, or a survivor that cannot reach the step alone, receives it from a twin.
 When some slice has no copy left anywhere, every rank loads the newest durable checkpoint
-instead, and says so.
+instead, and says so; before any rank finished a step, nothing was trained, and the lost slice is
+the one its replacement built.
 
 Who sends to whom is decided by pure functions over what the members told each other
 (assign_sources, restorable_step, pick_senders, at the end); transfer.py moves the bytes.
@@ -40,6 +41,9 @@ class Position:
     # it has been through a restore since the launch: its state is the job's, not only its own
     # build (an unseeded script's ranks each build a different model)
     agreed: bool = True
+    # a spare that took its rank before any step was committed: its own build of its slice is
+    # the step-0 state the lost rank had (nothing was trained), where no peer holds a copy yet
+    built: bool = False
 
 
 @dataclass
@@ -122,7 +126,9 @@ def _restore_shards(state: ProtectedState, me: Position, hook) -> Outcome:
     t0 = time.time()
     replicas = state.replicas
     reshard_all(state.modules())
-    mine = {"completed": me.completed if me.holds_state else -1, **replicas.summary()}
+    has_state = me.holds_state or me.built
+    mine = {"completed": me.completed if has_state else -1, "built": has_state and not
+            me.holds_state, **replicas.summary()}
     infos = [None] * me.world_size
     with communicating("exchanging which shard copies each member holds"):
         dist.all_gather_object(infos, mine)
@@ -141,7 +147,7 @@ def _restore_shards(state: ProtectedState, me: Position, hook) -> Outcome:
     # rank had at that boundary, byte for byte. Without one (it failed before taking it), its
     # live state is that boundary's: the body never started. A member that can reach `step`
     # neither way receives it, as a spare does.
-    if me.holds_state and me.rank not in senders:
+    if has_state and me.rank not in senders:
         if step in replicas.own:
             skel, flat = replicas.own[step]
             state.load(transfer.unflatten_state(skel, flat))
@@ -161,9 +167,15 @@ def _restore_shards(state: ProtectedState, me: Position, hook) -> Outcome:
             got_state, info["bytes_received"] = transfer.recv_state(h)
             state.load(got_state)
             info["source"] = h
+    # replacements of ranks lost before the first commit that start from their own build
+    built = [r for r, i in enumerate(infos) if i.get("built") and r not in senders]
+    if built and me.rank == min(set(range(me.world_size)) - set(built)):
+        print(f"[checkpointless] rank(s) {built} lost before any step was trained start from "
+              f"their replacement's own build of the step-{step} state", flush=True)
     info.update(pairs={f: h for f, (h, _) in senders.items()},
                 sent_from={f: how for f, (_, how) in senders.items()},
-                restored_from="peer_memory", steps_redone=max(0, newest - step),
+                restored_from="build" if built else "peer_memory",
+                steps_redone=max(0, newest - step),
                 transfer_s=time.time() - t0)
     return Outcome(resumed_step=step, drop_kept_grads=True, info=info)
 
@@ -207,13 +219,21 @@ def assign_sources(receivers: list[int], sources: list[int]) -> dict[int, int]:
 
 def _reaches(info: dict, s: int) -> bool:
     """A member with state can be brought to step `s` by itself (it is there, or rolls back)."""
-    return info["completed"] >= 0 and (info["completed"] == s or s in info["own"])
+    return info["completed"] >= 0 and not info.get("built") and \
+        (info["completed"] == s or s in info["own"])
+
+
+def _built_at(info: dict, s: int) -> bool:
+    """A replacement from before the first commit holds its own build of step `s`'s slice: the
+    last resort for that slice (a copy or a twin, where one exists, is what the lost rank held)."""
+    return bool(info.get("built")) and info["completed"] == s
 
 
 def restorable_step(infos: list[dict], twins: list[list[int]] | None = None) -> int | None:
     """The newest step to which every member's slice can be brought.
 
     `infos[r]` = {"completed": steps done by rank r (-1: a spare, holds nothing),
+                  "built": r is a replacement from before the first commit (its own build),
                   "own": steps of r's own snapshots, "held": {rank: steps of its copies}};
     `twins[r]`: the ranks whose live slice is r's (HSDP's replica groups), none without them.
     A member with state can be at s if it completed exactly s or snapshotted s; any rank can
@@ -229,7 +249,8 @@ def restorable_step(infos: list[dict], twins: list[list[int]] | None = None) -> 
             any(s in infos[h]["held"].get(str(f), []) for h in with_state)
 
     for s in sorted(candidates, reverse=True):
-        if all(_reaches(i, s) or sendable(r, s) for r, i in enumerate(infos)):
+        if all(_reaches(i, s) or sendable(r, s) or _built_at(i, s)
+               for r, i in enumerate(infos)):
             return s
     return None
 
@@ -250,6 +271,8 @@ def pick_senders(infos: list[dict], step: int,
         if not options:
             options = [(h, "held") for h, i in enumerate(infos) if i["completed"] >= 0
                        and step in i["held"].get(str(f), [])]
+        if not options and _built_at(info, step):
+            continue  # it keeps its own build
         h, how = min(options, key=lambda o: (load.get(o[0], 0), o[0]))
         load[h] = load.get(h, 0) + 1
         out[f] = (h, how)
