@@ -6,12 +6,12 @@ entry into a generation), and that store is lost with the coordinator's node. So
 written after a takeover still counts from the launch (steps, goodput, every recovery), the
 coordinator copies them into the job's facts as it goes:
 - `steps/<c>`: steps c*CHUNK .. c*CHUNK+CHUNK-1, step -> [start, end], the chunks that changed,
-  at most once every `every_s` (a few small writes a second at most, never one per step);
+  at most once every `every_s` (usually one write of a few KB, never one per step);
 - `failure/<wid>`: each lost worker, as the report lists it, once the loss is recorded;
 - `recovery/<wid>`: its recovery's entry, once the recovery completed (said in the log).
 A coordinator taking over reads them back (`resume`) and merges its own store's on top. The
-steps a lost coordinator had not copied yet (at most `every_s` of them) are missing from the
-record: goodput counts their time as lost, as it counts the takeover's.
+steps a lost coordinator had not copied yet (those of its last `every_s` at most) are missing
+from the record: goodput counts their time as lost, as it counts the takeover's.
 
 On one machine, or with the default coordinator, the facts keep nothing (NoFacts) and this does
 nothing: the store is the whole record.
@@ -25,7 +25,9 @@ from dataclasses import asdict
 from .. import protocol
 from .report import Failure, recovery_entry
 
-CHUNK = 256  # steps per key: about 12 KB of JSON, far under etcd's request limit
+# steps per key: about 2.5 KB of JSON, the most rewritten at once (the open chunk, up to once
+# every `every_s`), so that etcd's history grows slowly between its compactions
+CHUNK = 64
 RESCAN = 8  # newest step records read again: a step redone after a rollback rewrites its own
 
 

@@ -72,7 +72,10 @@ def command(me: MemberSpec, members: list[MemberSpec], data_dir: str, token: str
             "--initial-advertise-peer-urls", me.peer_url,
             "--initial-cluster", initial_cluster(members), "--initial-cluster-state", "new",
             "--initial-cluster-token", token, "--heartbeat-interval", "100",
-            "--election-timeout", "1000", "--logger", "zap", "--log-level", "error"]
+            "--election-timeout", "1000", "--logger", "zap", "--log-level", "error",
+            # the coordinator rewrites the run's record (control/ledger.py) up to once a
+            # second: old revisions are dropped, or etcd's history would grow all run long
+            "--auto-compaction-mode", "periodic", "--auto-compaction-retention", "10m"]
 
 
 def start(me: MemberSpec, members: list[MemberSpec], data_dir: str, token: str,
