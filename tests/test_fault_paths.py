@@ -69,6 +69,19 @@ def test_the_replacement_killed_while_it_receives_the_state(tmp_path, clean_dige
     assert rep["recoveries"] and rep["recoveries"][-1]["resumed_step"] == 5
 
 
+def test_the_sender_killed_midway_through_sending_the_state(tmp_path, clean_digest):
+    """Rank 2 lost at step 5; rank 0, the survivor sending its state to rank 2's replacement,
+    is killed after the sizes and skeleton and before the payload: the replacement's receive
+    fails, and the next plan gives rank 0 to a second spare; both receive from the others."""
+    rep = run(tmp_path, "--spares", "2", "--fault", "kill:2:5", "--fault", "kill:0:5@send")
+    assert_same_bits(rep, clean_digest)
+    assert sorted(f["rank"] for f in rep["failures"]) == [0, 2]
+    assert "(send)" in rep["stdout"]
+    assert rep["recoveries"][-1]["resumed_step"] == 5
+    for r in (1, 3):  # the other survivors kept their processes throughout
+        assert rep["pids_at_start"][str(r)] == rep["pids_at_end"][str(r)]
+
+
 def test_a_survivor_killed_while_the_new_group_forms(tmp_path, clean_digest):
     rep = run(tmp_path, "--spares", "2", "--fault", "kill:2:5", "--fault", "kill:1:5@regroup")
     assert_same_bits(rep, clean_digest)

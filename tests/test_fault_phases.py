@@ -152,6 +152,10 @@ def test_start_up_phases_parse_and_an_init_fault_must_be_at_step_0():
     assert [(f.kind, f.rank, f.step, f.phase) for f in got] == [
         ("kill", 2, 0, "init"), ("hang", 1, 0, "init"), ("kill", 1, 6, "join"),
         ("raise", 0, 0, "join")]
+    sent = parse_faults(["kill:0:5@send", "hang:1:5@send"])
+    assert [(f.kind, f.phase) for f in sent] == [("kill", "send"), ("hang", "send")]
+    with pytest.raises(ValueError, match="cannot strike @send"):
+        parse_faults(["corrupt:0:5@send"])
     with pytest.raises(ValueError, match="step=3 with phase=init"):
         parse_faults(["kill:2:3@init"])
     with pytest.raises(ValueError, match="cannot strike @init"):

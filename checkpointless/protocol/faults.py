@@ -28,6 +28,9 @@ and the phase says when it strikes:
   regroup  while the worker holding that rank builds a new generation's group after a failure
            at that step (a second failure during a recovery)
   receive  in the worker taking over that rank, just before it receives the state of that step
+  send     in the rank sending the state of that step (or a copy of a slice) to a replacement,
+           midway: after the sizes and the skeleton, before the payload (the receiver is inside
+           its receive; the sender lost mid-transfer)
   exchange in that rank's background replica exchange (fsdp) of its snapshot of that step, after
            the headers and before the payloads: its holder is receiving, the step computing
 
@@ -41,12 +44,12 @@ from typing import Optional
 
 KINDS = ("kill", "hang", "raise", "corrupt", "slow")
 SLOW_FACTOR = 3.0  # a slow fault's factor when none is given
-PHASES = ("step", "init", "join", "regroup", "receive", "exchange", "backward", "optimizer",
-          "random")
+PHASES = ("step", "init", "join", "regroup", "receive", "send", "exchange", "backward",
+          "optimizer", "random")
 # the kinds each phase can fire: a thread can only kill or stop its process, and a bit flipped
 # anywhere but between steps would be a different fault from the one the consistency check sees
 _KINDS_AT = {"exchange": ("kill", "hang"), "random": ("kill", "hang"), "init": ("kill", "hang"),
-             "join": ("kill", "hang", "raise"),
+             "join": ("kill", "hang", "raise"), "send": ("kill", "hang", "raise"),
              "backward": ("kill", "hang", "raise"), "optimizer": ("kill", "hang", "raise"),
              "regroup": ("kill", "hang", "raise", "corrupt"),
              "receive": ("kill", "hang", "raise", "corrupt")}

@@ -225,7 +225,8 @@ class Recovery:
                               self.kept.usable(self.completed, self.rank, self.world_size),
                               agreed=self.agreed, built=self.own_build)
         out = restore.restore(self.state, me,
-                              lambda rank, step: self.injector.at("receive", rank, step))
+                              lambda rank, step: self.injector.at("receive", rank, step),
+                              lambda rank, step: self.injector.at("send", rank, step))
         if out.drop_kept_grads:
             self.kept.drop()
         self.completed, self.holds_state = out.resumed_step, True

@@ -55,19 +55,22 @@ class Outcome:
     info: dict = field(default_factory=dict)  # what happened, for the recovery report
 
 
-def restore(state: ProtectedState, me: Position, before_receive=None) -> Outcome:
-    """`before_receive(rank, step)` is called on a receiver just before it receives (faults)."""
+def restore(state: ProtectedState, me: Position, before_receive=None,
+            mid_send=None) -> Outcome:
+    """`before_receive(rank, step)` is called on a receiver just before it receives, and
+    `mid_send(rank, step)` on a sender midway through a send (faults)."""
     hook = before_receive or (lambda rank, step: None)
+    send_hook = mid_send or (lambda rank, step: None)
     if state.replicas is not None:
-        out = _restore_shards(state, me, hook)
+        out = _restore_shards(state, me, hook, send_hook)
     else:
-        out = _restore_replicated(state, me, hook)
+        out = _restore_replicated(state, me, hook, send_hook)
     state.zero_grads()  # a loop that recomputes the step starts clean; kept ones are aside
     out.info["resumed_step"] = out.resumed_step
     return out
 
 
-def _restore_replicated(state: ProtectedState, me: Position, hook) -> Outcome:
+def _restore_replicated(state: ProtectedState, me: Position, hook, send_hook) -> Outcome:
     mine = torch.tensor([me.completed if me.holds_state else -1, int(me.grads_kept),
                          int(me.agreed)])
     got = [torch.zeros(3, dtype=torch.int64) for _ in range(me.world_size)]
@@ -91,7 +94,8 @@ def _restore_replicated(state: ProtectedState, me: Position, hook) -> Outcome:
     t0 = time.time()
     for dst, src in pairs.items():
         if me.rank == src:
-            sent += transfer.send_state(state.state(), dst)
+            sent += transfer.send_state(state.state(), dst,
+                                        midway=lambda: send_hook(me.rank, resume))
         elif me.rank == dst:
             hook(me.rank, resume)
             got_state, received = transfer.recv_state(src)
@@ -122,7 +126,7 @@ def _start_equal(state: ProtectedState, me: Position, steps: list[int], src: int
     return Outcome(resumed_step=resume, drop_kept_grads=me.rank != src, info=info)
 
 
-def _restore_shards(state: ProtectedState, me: Position, hook) -> Outcome:
+def _restore_shards(state: ProtectedState, me: Position, hook, send_hook) -> Outcome:
     t0 = time.time()
     replicas = state.replicas
     reshard_all(state.modules())
@@ -161,7 +165,8 @@ def _restore_shards(state: ProtectedState, me: Position, hook) -> Outcome:
                 payload = transfer.unflatten_state(skel, flat, copy=False)
             else:  # a twin (HSDP): its live state is at `step` now, and is f's slice
                 payload = state.state()
-            info["bytes_sent"] += transfer.send_state(payload, f)
+            info["bytes_sent"] += transfer.send_state(payload, f,
+                                                      midway=lambda: send_hook(me.rank, step))
         elif me.rank == f:
             hook(me.rank, step)
             got_state, info["bytes_received"] = transfer.recv_state(h)

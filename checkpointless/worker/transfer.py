@@ -108,8 +108,9 @@ def _digest(skeleton: bytes, flat: torch.Tensor) -> bytes:
     return h.digest()
 
 
-def send_state(obj, dst: int, group=None) -> int:
-    """Send `obj` to rank `dst`; returns the number of bytes sent."""
+def send_state(obj, dst: int, group=None, midway=None) -> int:
+    """Send `obj` to rank `dst`; returns the number of bytes sent. `midway()` is called between
+    the skeleton and the payload, while the receiver waits inside its receive (faults)."""
     skeleton, payload = flatten_state(obj, tail=32)  # the digest goes in the last 32 bytes
     flat = payload[:-32]
     payload[-32:] = torch.frombuffer(bytearray(_digest(skeleton, flat)), dtype=torch.uint8)
@@ -117,6 +118,8 @@ def send_state(obj, dst: int, group=None) -> int:
     with communicating(f"sending the state to rank {dst}"):
         dist.send(sizes, dst, group=group)
         dist.send(torch.frombuffer(bytearray(skeleton), dtype=torch.uint8), dst, group=group)
+        if midway is not None:
+            midway()
         dist.send(payload, dst, group=group)
     return len(skeleton) + payload.numel()
 
