@@ -221,3 +221,57 @@ def test_a_peer_lost_in_any_exchange_never_holds_a_survivor_for_the_timeout():
     for moved, abandon in ((moved0, abandon0), (moved1, abandon1)):
         assert moved is not None and 0.9 < moved < 5  # released by the new plan, not a timeout
         assert abandon < 0.5
+
+
+class _Sliced:
+    """The ProtectedState a sharded restore reads: one slice `w`, its replicas, no modules."""
+
+    def __init__(self, replicas: ShardReplicas, w: torch.Tensor):
+        self.replicas, self.w = replicas, w
+
+    def state(self):
+        return {"w": self.w}
+
+    def load(self, state):
+        self.w = state["w"].clone()
+
+    def modules(self):
+        return []
+
+    def twins(self, world):
+        return None
+
+    def zero_grads(self):
+        pass
+
+
+def test_a_roll_back_cut_by_a_lost_receiver_leaves_the_member_counting_the_step_it_is_at(
+        monkeypatch):
+    """Rank 2 of 3 completed 7 steps; rank 1 is a spare, whose slice exists only as rank 2's
+    copy of step 6. The restore picks step 6: rank 2 rolls back to its snapshot of 6, then
+    its send of the copy fails (the spare died). Its state is step 6's from the roll-back on,
+    so it must count 6, not 7: a next restore at 7 would otherwise keep step 6's state as 7's
+    (with no snapshot of 7 to roll back to), and the replicas would silently disagree."""
+    from checkpointless.worker import restore as restore_mod
+    from checkpointless.worker.failures import PeerLost
+    reps = ShardReplicas(factor=2)
+    for step in (5, 6):
+        reps.snapshot(step, {"w": torch.full((2,), float(step))})
+    theirs = ShardReplicas(factor=2)
+    theirs.snapshot(6, {"w": torch.full((2,), 60.0)})
+    reps.held[1] = {6: theirs.own[6]}  # rank 2 holds rank 1's slice at 6
+    said = [info(7, [6, 7], {}), {**info(-1, [], {}), "built": False}, None]
+
+    def gather(out, mine):
+        out[:] = said[:2] + [mine]
+    monkeypatch.setattr(restore_mod.dist, "all_gather_object", gather)
+
+    def lost(*_, **__):
+        raise PeerLost("rank 1 is gone")
+    monkeypatch.setattr(restore_mod.transfer, "send_state", lost)
+    state, at = _Sliced(reps, torch.full((2,), 7.0)), []
+    me = restore_mod.Position(rank=2, world_size=3, completed=7, holds_state=True,
+                              grads_kept=False)
+    with pytest.raises(PeerLost):
+        restore_mod.restore(state, me, loaded=at.append)
+    assert at == [6] and torch.equal(state.w, torch.full((2,), 6.0))

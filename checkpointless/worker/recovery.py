@@ -226,7 +226,8 @@ class Recovery:
                               agreed=self.agreed, built=self.own_build)
         out = restore.restore(self.state, me,
                               lambda rank, step: self.injector.at("receive", rank, step),
-                              lambda rank, step: self.injector.at("send", rank, step))
+                              lambda rank, step: self.injector.at("send", rank, step),
+                              self._loaded)
         if out.drop_kept_grads:
             self.kept.drop()
         self.completed, self.holds_state = out.resumed_step, True
@@ -239,6 +240,12 @@ class Recovery:
         self.last = asdict(entered)
         self.awaiting_first = awaiting
         self._phase = Phase.TRAINING
+
+    def _loaded(self, step: int) -> None:
+        """A restore replaced this member's live state by that of `step` (and may still fail
+        after this): from now on it is at `step`, whatever it had committed before."""
+        self.kept.drop()
+        self.completed, self.holds_state = step, True
 
     # ---- failing and recovering ------------------------------------------------------------
     def enter_step(self) -> None:

@@ -56,13 +56,16 @@ class Outcome:
 
 
 def restore(state: ProtectedState, me: Position, before_receive=None,
-            mid_send=None) -> Outcome:
+            mid_send=None, loaded=None) -> Outcome:
     """`before_receive(rank, step)` is called on a receiver just before it receives, and
-    `mid_send(rank, step)` on a sender midway through a send (faults)."""
+    `mid_send(rank, step)` on a sender midway through a send (faults). `loaded(step)` is called
+    as soon as this member's live state was replaced by that of `step` (a roll-back to its
+    snapshot, a slice received), so that a failure later in the same restore leaves the member
+    knowing which step its state is at: its own count of committed steps would be wrong."""
     hook = before_receive or (lambda rank, step: None)
     send_hook = mid_send or (lambda rank, step: None)
     if state.replicas is not None:
-        out = _restore_shards(state, me, hook, send_hook)
+        out = _restore_shards(state, me, hook, send_hook, loaded or (lambda step: None))
     else:
         out = _restore_replicated(state, me, hook, send_hook)
     state.zero_grads()  # a loop that recomputes the step starts clean; kept ones are aside
@@ -126,7 +129,7 @@ def _start_equal(state: ProtectedState, me: Position, steps: list[int], src: int
     return Outcome(resumed_step=resume, drop_kept_grads=me.rank != src, info=info)
 
 
-def _restore_shards(state: ProtectedState, me: Position, hook, send_hook) -> Outcome:
+def _restore_shards(state: ProtectedState, me: Position, hook, send_hook, loaded) -> Outcome:
     t0 = time.time()
     replicas = state.replicas
     reshard_all(state.modules())
@@ -155,6 +158,7 @@ def _restore_shards(state: ProtectedState, me: Position, hook, send_hook) -> Out
         if step in replicas.own:
             skel, flat = replicas.own[step]
             state.load(transfer.unflatten_state(skel, flat))
+            loaded(step)
         elif me.completed != step:
             raise RuntimeError(f"restore: rank {me.rank} has no snapshot of step {step} and "
                                f"completed {me.completed}")
@@ -171,6 +175,7 @@ def _restore_shards(state: ProtectedState, me: Position, hook, send_hook) -> Out
             hook(me.rank, step)
             got_state, info["bytes_received"] = transfer.recv_state(h)
             state.load(got_state)
+            loaded(step)
             info["source"] = h
     # replacements of ranks lost before the first commit that start from their own build
     built = [r for r, i in enumerate(infos) if i.get("built") and r not in senders]
