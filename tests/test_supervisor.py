@@ -338,3 +338,19 @@ def test_a_takeover_keeps_the_runs_record_from_the_launch():
     assert rep["failures"] == had["failures"] == [
         {"rank": 1, "worker": 1, "cause": "exit", "step": had["failures"][0]["step"],
          "error": None}]
+
+
+def test_a_preemption_asked_before_a_takeover_still_stops_the_job_there():
+    """The notices go to the job's facts before the store; the coordinator taking over publishes
+    them again (a rank joining under it reads them all) and ends the job as preempted."""
+    facts = Facts()
+    first, store = one_machine(facts=facts)
+    first.request_stop("SIGTERM on node 1")
+    first._preempt_if_asked()
+    stop = first.preempted_at
+    assert json.loads(facts.records["notice/0"]) == {
+        "kind": "preempt", "before_step": stop, "why": "SIGTERM on node 1"}
+
+    sup, store2, _, _, _ = taken_over(record=dict(facts.records))
+    assert json.loads(store2.get(protocol.notice_key(0))) == json.loads(facts.records["notice/0"])
+    assert (sup.preempted_at, sup.stop_asked) == (stop, "SIGTERM on node 1")

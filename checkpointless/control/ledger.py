@@ -8,7 +8,9 @@ coordinator copies them into the job's facts as it goes:
 - `steps/<c>`: steps c*CHUNK .. c*CHUNK+CHUNK-1, step -> [start, end], the chunks that changed,
   at most once every `every_s` (usually one write of a few KB, never one per step);
 - `failure/<wid>`: each lost worker, as the report lists it, once the loss is recorded;
-- `recovery/<wid>`: its recovery's entry, once the recovery completed (said in the log).
+- `recovery/<wid>`: its recovery's entry, once the recovery completed (said in the log);
+- `notice/<i>`: the supervisor's notices (a preemption, a straggler asked to leave), written by
+  the supervisor itself before it publishes each, and published again by takeover.py.
 A coordinator taking over reads them back (`resume`) and merges its own store's on top. The
 steps a lost coordinator had not copied yet (those of its last `every_s` at most) are missing
 from the record: goodput counts their time as lost, as it counts the takeover's.
@@ -58,6 +60,7 @@ class Ledger:
             elif kind == "recovery":
                 self.earlier_recoveries.append(value)
                 self._recoveries.add(int(key))
+            # notice/<i>: the supervisor's notices, published again by takeover.py
         self.earlier_failures.sort(key=lambda f: f.get("t_fail", 0.0))
         self.earlier_recoveries.sort(key=lambda e: e["generation"])
         if self.steps:

@@ -121,6 +121,8 @@ class Supervisor(FindingLosses, Replacing):
         self._notices, self.moves = t.notices, t.moves
         self.pids_at_start = {}
         self.ledger.resume(self.store, t.record)  # the record from the launch on
+        if t.preempt:  # asked before the takeover: the job still stops there
+            self.preempted_at, self.stop_asked = t.preempt["before_step"], t.preempt.get("why")
 
     def run(self) -> dict:
         cfg = self.cfg
@@ -246,12 +248,16 @@ class Supervisor(FindingLosses, Replacing):
         # heartbeat was read, and every rank must learn of the stop before it reaches it
         stop = self._job_step() + 2
         self.preempted_at = stop
-        self._notice(kind="preempt", before_step=stop)
+        self._notice(kind="preempt", before_step=stop, why=self.stop_asked)
         self.log(f"[checkpointless] {self.stop_asked}: stopping every rank before step {stop}")
 
     def _notice(self, **notice) -> None:
         """A notice every worker's watch learns of (protocol.notice_key), in order."""
-        self.store.set(protocol.notice_key(self._notices), json.dumps(notice))
+        raw = json.dumps(notice)
+        # kept for a coordinator taking over first (it publishes it again, takeover.py): the
+        # ranks that join under it (a lost node's replacements) must stop where the others do
+        self.facts.record(f"notice/{self._notices}", raw)
+        self.store.set(protocol.notice_key(self._notices), raw)
         self._notices += 1
         self.facts.record_notices(self._notices)
 

@@ -34,6 +34,7 @@ class Takeover:
     notices: int  # notices the lost coordinator wrote
     moves: list[dict]  # the coordinator's moves so far, this one last
     record: dict  # the run's record the coordinators before kept (ledger.py)
+    preempt: dict | None = None  # the preemption notice, when one was given before
 
 
 def take_over(store, pool, facts, known, log=print) -> Takeover:
@@ -43,6 +44,7 @@ def take_over(store, pool, facts, known, log=print) -> Takeover:
     are lost at the next look."""
     last, before = known.plans[known.gen], known.plans.get(known.gen - 1)
     store.add(protocol.LOST, known.lost)
+    preempt = republish_notices(store, known.record)
     hellos = adopt(pool, store, last, known)
     plan = _plan_of(known.gen, last, known.lost)
     membership.publish(store, plan,
@@ -57,7 +59,7 @@ def take_over(store, pool, facts, known, log=print) -> Takeover:
     facts.record_move(move)
     out = Takeover(gen=known.gen, ranks={int(w): r for w, r in last["ranks"].items()},
                    plan=plan, notices=known.notices, moves=known.moves + [move],
-                   record=known.record)
+                   record=known.record, preempt=preempt)
     log(f"[checkpointless] took over as the coordinator at generation {known.gen} "
         f"(node {move['node']}, token {move['token']}): {len(hellos)} node(s) answered, "
         f"{len(out.ranks)} ranks" +
@@ -107,6 +109,19 @@ def adopt(pool, store, plan: dict, known) -> dict[int, dict]:
                                                   rank % pool.per_node, now)
         w.rank = rank
     return hellos
+
+
+def republish_notices(store, record: dict) -> dict | None:
+    """The notices the coordinators before wrote (a preemption, a straggler asked to leave),
+    in this store again under their numbers: a rank waiting for the next one goes on waiting
+    here, and a rank that joins now reads them all. Returns the preemption's, if one was."""
+    preempt = None
+    for name, raw in record.items():
+        if name.startswith("notice/"):
+            store.set(protocol.notice_key(int(name[7:])), raw)
+            n = json.loads(raw)
+            preempt = n if n.get("kind") == "preempt" else preempt
+    return preempt
 
 
 def _hellos(store, nodes: list[int], timeout_s: float) -> dict[int, dict]:
