@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from .protocol.faults import parse_faults
+from .protocol.faults import FaultError, parse_fault
 from .protocol import DEFAULTS
 from .control.supervisor import JobFailed, Supervisor, SupervisorConfig
 
@@ -69,10 +69,14 @@ def _parser() -> argparse.ArgumentParser:
 def _checked(p: argparse.ArgumentParser, argv) -> tuple[argparse.Namespace, list[dict]]:
     """The options, refused with the option, its value and the fix before any worker starts."""
     a = p.parse_args(argv)
-    try:
-        faults = [f.__dict__ for f in parse_faults(a.fault)]
-    except ValueError as exc:
-        p.error(str(exc))
+    faults = []
+    for text in a.fault or []:
+        try:
+            faults.append(parse_fault(text).__dict__)
+        except FaultError as exc:  # its values: said with the fault as typed (there may be many)
+            p.error(f"--fault {text}: {str(exc).removeprefix('faults: ')}")
+        except ValueError as exc:  # its form: split_fault's message already quotes it
+            p.error(str(exc))
     if a.straggler_factor <= 1 or a.straggler_window < 1:
         p.error(f"--straggler-factor={a.straggler_factor:g} must be > 1 and "
                 f"--straggler-window={a.straggler_window} >= 1")

@@ -145,3 +145,14 @@ def test_the_bad_inputs_of_issue_37_item_5():
             load("tiny-llama", [f"faults=[slow:2:5:{factor}]"])
     assert load("tiny-llama", ["faults=[slow:2:5:1.5]"]).faults[0].factor == 1.5
     assert cli.main(["validate", "--help"]) == 0
+
+
+def test_the_library_command_line_names_the_slow_fault_it_refuses(capsys):
+    from checkpointless.__main__ import _checked, _parser
+    for bad, said in [("slow:1:3:0", "--fault slow:1:3:0: factor=0 must be > 1"),
+                      ("slow:1:3:x", "fault 'slow:1:3:x': rank, step and seed")]:
+        with pytest.raises(SystemExit) as ended:
+            _checked(_parser(), ["--nproc", "2", "--fault", "kill:1:3", "--fault", bad, "x.py"])
+        assert ended.value.code == 2 and said in capsys.readouterr().err
+    _, faults = _checked(_parser(), ["--nproc", "2", "--fault", "slow:1:3:2", "x.py"])
+    assert faults[0]["factor"] == 2.0
