@@ -7,6 +7,7 @@
                                                        (its keys, and startup_timeout_s against
                                                        the model's start-up here)
     python -m launcher plan RECIPE [key=value ...]     memory per rank before launch (no weights)
+                                                       and a worker's start-up time
     python -m launcher prepare RECIPE [key=value ...]  tokenize the recipe's data into its cache
     python -m launcher train RECIPE [key=value ...]    train (workers + spares, supervised)
     python -m launcher coordinator RECIPE [...]        a stand-alone coordinator for many nodes
