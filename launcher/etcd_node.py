@@ -74,9 +74,9 @@ def own_address(cfg, endpoints: list[str]) -> str:
         return s.getsockname()[0]
 
 
-def start_member(cfg, out: Path) -> subprocess.Popen | None:
+def start_member(cfg, out: Path) -> etcd_member.Kept | None:
     """This node's embedded member (nodes 0..2 without endpoints of the user's), its data a new
-    cluster's under the output folder."""
+    cluster's under the output folder, started again if it stops (a preemption's SIGTERM)."""
     d, e = cfg.distributed, cfg.checkpointless.etcd
     if e.endpoints or d.node_rank >= 3:
         return None
@@ -86,8 +86,10 @@ def start_member(cfg, out: Path) -> subprocess.Popen | None:
     shutil.rmtree(data, ignore_errors=True)  # a new launch is a new cluster
     print(f"[launcher] node {d.node_rank}: etcd member {me.name} on {me.host} "
           f"(clients :{me.client_port}, peers :{me.peer_port}), data in {data}", flush=True)
-    return etcd_member.start(me, members, str(data), token=f"{cfg.run.name}-{d.master_port}",
-                             log_path=str(out / "etcd" / f"{me.name}.log"))
+    return etcd_member.Kept(lambda: etcd_member.start(
+        me, members, str(data), token=f"{cfg.run.name}-{d.master_port}",
+        log_path=str(out / "etcd" / f"{me.name}.log")),
+        log=lambda m: print(f"[launcher] node {d.node_rank}: {m}", file=sys.stderr, flush=True))
 
 
 def run_node(cfg, recipe_file: Path, out: Path) -> None:

@@ -219,3 +219,33 @@ def test_a_resumed_launch_clears_the_ended_job_and_a_new_one_is_refused(cluster)
     assert not etcd.delete_prefix_if("ended/", "ended/done", ended)
     assert etcd.get("ended/gen").value == b"0"
     assert ended_job(cfg("auto"), etcd) is None and etcd.get("ended/gen").value == b"0"
+
+
+def test_a_kept_member_stopped_by_sigterm_starts_again_on_its_data(tmp_path):
+    """A preemption's SIGTERM under Slurm reaches the embedded members too: each starts again
+    on its data (member.Kept), its keys still there; once killed by its launcher, it stays
+    down."""
+    from checkpointless.ha import member
+    from tests.etcd_cluster import _free_ports
+    if member.binary() is None:
+        pytest.skip("no etcd binary (Debian's etcd-server package; .ci/run installs it)")
+    spec = member.MemberSpec("solo", "127.0.0.1", *_free_ports(2))
+    said = []
+    kept = member.Kept(lambda: member.start(spec, [spec], str(tmp_path / "data"), token="t"),
+                       log=said.append)
+    try:
+        member.wait_healthy([spec.client_url])
+        Etcd([spec.client_url]).put("kept", "yes")
+        first = kept.proc
+        first.send_signal(signal.SIGTERM)
+        deadline = time.time() + 10
+        while kept.proc is first and time.time() < deadline:
+            time.sleep(0.05)
+        member.wait_healthy([spec.client_url], timeout_s=20)
+        assert Etcd([spec.client_url]).get("kept").value == b"yes"
+        assert len(said) == 1 and "exit -15" in said[0], said
+    finally:
+        kept.kill()
+        kept.wait()
+    time.sleep(0.5)
+    assert kept.poll() is not None and kept.restarts == 1

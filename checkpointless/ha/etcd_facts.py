@@ -23,6 +23,7 @@ machine (a TCPStore coordinator) it is `NoFacts`.
 from __future__ import annotations
 
 import json
+import time
 
 from ..control.facts import Deposed, Known, NoFacts
 from .etcd import Etcd, EtcdError, EtcdUnavailable
@@ -43,11 +44,20 @@ class JobFacts(NoFacts):
         return f"{self.prefix}/{name}"
 
     def _write(self, name: str, value: str) -> None:
-        try:
-            self.role.write(self.key(name), value)
-        except (Fenced, EtcdUnavailable, EtcdError) as exc:
-            raise Deposed(f"the coordinator cannot record the job's facts in etcd ({exc})") \
-                from None
+        """Write through the role's fence. While etcd answers nothing (its members starting
+        again after a preemption's SIGTERM, a new etcd leader) it is tried again as long as
+        the role's lease may still hold: the write is fenced either way."""
+        while True:
+            try:
+                return self.role.write(self.key(name), value)
+            except EtcdUnavailable as exc:
+                if not self.role.held():
+                    raise Deposed(f"the coordinator cannot record the job's facts in etcd "
+                                  f"({exc})") from None
+                time.sleep(0.1)
+            except (Fenced, EtcdError) as exc:
+                raise Deposed(f"the coordinator cannot record the job's facts in etcd ({exc})") \
+                    from None
 
     def known(self) -> Known:
         k = Known()

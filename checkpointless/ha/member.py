@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 
@@ -101,3 +102,42 @@ def wait_healthy(endpoints: list[str], timeout_s: float = 30.0) -> None:
         time.sleep(keys.DEFAULTS.join_poll_s)
     raise TimeoutError(f"etcd at {', '.join(endpoints)} had no quorum after {timeout_s:g} s")
 
+
+class Kept:
+    """A member started again on its own data whenever it stops while its launcher runs.
+
+    Under Slurm a preemption's SIGTERM reaches every process of the job step, the members
+    too, and etcd stops on it whatever disposition it was started with (it installs its own
+    handler). All three at once would take the quorum away just as the job stops in order at
+    a step boundary, which needs etcd for the coordinator's lease and its last writes. A member
+    started again on its data rejoins the same cluster within a second or two, inside the
+    role's lease. Answers poll/kill/wait as the Popen of the member it runs now."""
+
+    def __init__(self, start, log=print, tries: int = 5):
+        self._start, self.log, self.tries = start, log, tries
+        self._lock, self._stopping = threading.Lock(), threading.Event()
+        self.proc = start()
+        self.restarts = 0
+        threading.Thread(target=self._keep, daemon=True, name="etcd-member").start()
+
+    def _keep(self) -> None:
+        while not self._stopping.wait(keys.DEFAULTS.join_poll_s):
+            with self._lock:
+                code = self.proc.poll()
+                if code is None or self._stopping.is_set() or self.restarts >= self.tries:
+                    continue
+                self.restarts += 1
+                self.log(f"[etcd] the member stopped (exit {code}); starting it again on its "
+                         f"data ({self.restarts} of {self.tries})")
+                self.proc = self._start()
+
+    def poll(self):
+        return self.proc.poll()
+
+    def kill(self) -> None:
+        self._stopping.set()
+        with self._lock:
+            self.proc.kill()
+
+    def wait(self, timeout=None):
+        return self.proc.wait(timeout)
