@@ -183,6 +183,35 @@ def lose_node_1(tmp_path, *extra, after_steps=6) -> dict:
     return json.loads((tmp_path / "out" / "report.json").read_text())
 
 
+@pytest.mark.extended  # in make test-scale, not make test (four launchers: its time budget)
+@pytest.mark.parametrize("gap_s", [0.3, 1.0])
+def test_a_node_lost_while_another_nodes_ranks_move_ends_with_the_one_node_bits(
+        tmp_path, one_node_digest, gap_s):
+    """2 nodes x 2 and two spare nodes: node 1 lost 0.15 s into step 6, then `gap_s` later node
+    2, the first spare node (the one that takes node 1's ranks when it is ready first), while
+    those ranks move: the other spare node takes them, the run keeps the one-node bits."""
+    port = _port()
+    procs = [_launch(tmp_path, k, port, "checkpointless.spare_nodes=2") for k in range(4)]
+    try:
+        _wait_steps(tmp_path, 6, procs)
+        time.sleep(0.15)
+        os.killpg(procs[1].pid, signal.SIGKILL)
+        time.sleep(gap_s)
+        os.killpg(procs[2].pid, signal.SIGKILL)
+        assert procs[0].wait(timeout=300) == 0, (tmp_path / "node0.log").read_text()[-3000:]
+        assert procs[3].wait(timeout=30) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert rep["status"] == "ok" and rep["params_sha256"] == one_node_digest
+    recs = rep["recoveries"]
+    assert {r["failed_node"] for r in recs} >= {1}, recs
+    assert all(r["replacement_node"] in (2, 3) for r in recs), recs
+    assert not _job_processes(tmp_path)
+
+
 def test_fsdp_across_nodes_restores_a_lost_nodes_slices_from_another_nodes_memory(
         tmp_path, fsdp_12_steps):
     rep = lose_node_1(tmp_path, *FSDP_12)
