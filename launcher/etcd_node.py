@@ -94,7 +94,7 @@ def start_member(cfg, out: Path) -> etcd_member.Kept | None:
 
 def run_node(cfg, recipe_file: Path, out: Path) -> None:
     """This node's launcher under coordinator=etcd; exits the process with 0 once the job is
-    over, 1 otherwise."""
+    over, 143 when it was preempted (as `launcher train` does), 1 otherwise."""
     d, c = cfg.distributed, cfg.checkpointless
     k = d.node_rank
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
