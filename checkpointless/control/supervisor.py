@@ -199,6 +199,9 @@ class Supervisor(FindingLosses, Replacing):
                 lost += self._silent_nodes(lost)
             if lost:
                 self._handle(lost)
+                # the failures on record at once: a takeover a moment from now still lists them
+                self.ledger.tick(self.store, self.failures, self._reported, self.cfg.nproc,
+                                 self.gen, force=True)
             if checks and self._tick():
                 return
 
