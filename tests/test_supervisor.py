@@ -319,10 +319,14 @@ def test_a_takeover_keeps_the_runs_record_from_the_launch():
             t_ready=t0 + 40.3, bytes_received=1000 * (rank == 1)).to_json())
         store.set(protocol.first_commit_key(1, rank), f"{t0 + 41:.6f}")
     first._say_recoveries()
-    first.ledger.tick(store, first.failures, first._reported, 2, first.gen, force=True)
+    slow = {"rank": 0, "worker": 0, "from_step": 60, "until_step": 62, "action": "evicted"}
+    first.stragglers.entries.append(slow)
+    first.ledger.tick(store, first.failures, first._reported, 2, first.gen, force=True,
+                      stragglers=first.stragglers.entries)
     had = first._report()
     assert had["steps_completed"] == 80 and len(had["recoveries"]) == 1
-    assert set(facts.records) == {"steps/0", "steps/1", "failure/1", "recovery/1"}  # 64 a chunk
+    assert set(facts.records) == {"steps/0", "steps/1", "failure/1", "recovery/1",  # 64 a chunk
+                                  "stragglers/2"}
 
     sup, store2, _, _, _ = taken_over(record=dict(facts.records))
     # the new store's step records start after the known ones (not at 0, which it lacks)
@@ -335,6 +339,7 @@ def test_a_takeover_keeps_the_runs_record_from_the_launch():
     assert rep["goodput"] == goodput_from_steps(rep["step_times"]) == round(108 / 119.9, 4)
     assert rep["recoveries"] == json.loads(json.dumps(had["recoveries"]))
     assert rep["recoveries"][0]["failed_rank"] == 1
+    assert rep["stragglers"] == [slow]
     assert rep["failures"] == had["failures"] == [
         {"rank": 1, "worker": 1, "cause": "exit", "step": had["failures"][0]["step"],
          "error": None}]

@@ -9,6 +9,7 @@ coordinator copies them into the job's facts as it goes:
   at most once every `every_s` (usually one write of a few KB, never one per step);
 - `failure/<wid>`: each lost worker, as the report lists it, once the loss is recorded;
 - `recovery/<wid>`: its recovery's entry, once the recovery completed (said in the log);
+- `stragglers/<token>`: each coordinator's straggler entries, when they change;
 - `notice/<i>`: the supervisor's notices (a preemption, a straggler asked to leave), written by
   the supervisor itself before it publishes each, and published again by takeover.py.
 A coordinator taking over reads them back (`resume`) and merges its own store's on top. The
@@ -40,6 +41,8 @@ class Ledger:
         self.next_step: int | None = None  # the first step record of this store not read yet
         self.earlier_failures: list[dict] = []  # recorded by coordinators before this one
         self.earlier_recoveries: list[dict] = []
+        self.earlier_stragglers: list[dict] = []
+        self._stragglers = "[]"  # this coordinator's entries as last copied
         self._dirty: set[int] = set()  # chunks with steps not copied yet
         self._failures: set[int] = set()  # worker ids whose failure / recovery is copied
         self._recoveries: set[int] = set()
@@ -60,6 +63,8 @@ class Ledger:
             elif kind == "recovery":
                 self.earlier_recoveries.append(value)
                 self._recoveries.add(int(key))
+            elif kind == "stragglers":
+                self.earlier_stragglers += value
             # notice/<i>: the supervisor's notices, published again by takeover.py
         self.earlier_failures.sort(key=lambda f: f.get("t_fail", 0.0))
         self.earlier_recoveries.sort(key=lambda e: e["generation"])
@@ -71,7 +76,7 @@ class Ledger:
 
     # ---- as the job runs ----------------------------------------------------------------------
     def tick(self, store, failures: list[Failure], said: set[int], nproc: int,
-             last_gen: int, force: bool = False) -> None:
+             last_gen: int, force: bool = False, stragglers: list | None = None) -> None:
         """Copy what changed since the last call (at most every `every_s`, unless `force`)."""
         if not self.facts.durable or (not force and time.time() - self._last < self.every_s):
             return
@@ -90,6 +95,10 @@ class Ledger:
                 e = recovery_entry(store, f, nproc, last_gen)
                 if e is not None and self.facts.record(f"recovery/{f.wid}", json.dumps(e)):
                     self._recoveries.add(f.wid)
+        raw = json.dumps(stragglers or [])
+        if raw != self._stragglers and self.facts.record(
+                f"stragglers/{self.facts.taking.get('token', 0)}", raw):
+            self._stragglers = raw
 
     def _read_steps(self, store) -> None:
         """The step records written since the last read (a cursor, as prometheus.py keeps)."""
@@ -114,7 +123,8 @@ class Ledger:
     def earlier(self) -> dict:
         """What the report adds to its own store's records (report.RunFacts.earlier)."""
         return {"steps": dict(self.steps), "failures": list(self.earlier_failures),
-                "recoveries": list(self.earlier_recoveries)}
+                "recoveries": list(self.earlier_recoveries),
+                "stragglers": list(self.earlier_stragglers)}
 
 
 def failure_of(f: Failure) -> dict:

@@ -192,8 +192,8 @@ class RunFacts:
     killed_after_done: list = field(default_factory=list)
     stragglers: list = field(default_factory=list)  # the straggler entries
     check: dict = field(default_factory=dict)  # the straggler check's settings and verdict
-    # what coordinators before this one recorded (ledger.py): "steps", "failures" and
-    # "recoveries", so that a report after a takeover counts from the launch
+    # what coordinators before this one recorded (ledger.py): "steps", "failures",
+    # "recoveries" and "stragglers", so that a report after a takeover counts from the launch
     earlier: dict = field(default_factory=dict)
 
 
@@ -201,7 +201,7 @@ def run_report(store, run: RunFacts) -> dict:
     nproc, failures, workers = run.nproc, run.failures, run.workers
     earlier = run.earlier
     steps = {**earlier.get("steps", {}), **step_records(store)}  # this store's are the newest
-    stragglers = run.stragglers
+    stragglers = earlier.get("stragglers", []) + run.stragglers
     slow_s, healthy_s = slow_time(steps, stragglers)
     results = {r: v for r in range(nproc)
                for v in [protocol.read_json(store, protocol.result_key(r))] if v is not None}

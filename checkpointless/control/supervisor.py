@@ -201,7 +201,7 @@ class Supervisor(FindingLosses, Replacing):
                 self._handle(lost)
                 # the failures on record at once: a takeover a moment from now still lists them
                 self.ledger.tick(self.store, self.failures, self._reported, self.cfg.nproc,
-                                 self.gen, force=True)
+                                 self.gen, force=True, stragglers=self.stragglers.entries)
             if checks and self._tick():
                 return
 
@@ -209,7 +209,8 @@ class Supervisor(FindingLosses, Replacing):
         """The loop's duties every poll_s; True once the job is over."""
         self._preempt_if_asked()
         self._say_recoveries()
-        self.ledger.tick(self.store, self.failures, self._reported, self.cfg.nproc, self.gen)
+        self.ledger.tick(self.store, self.failures, self._reported, self.cfg.nproc, self.gen,
+                         stragglers=self.stragglers.entries)
         self.pool.replace_dead_spares(self.store.check([protocol.SHUTDOWN]), self.log)
         self.pool.refill_due()
         return self._finished()
