@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict
 
 from .. import protocol
 from .report import Failure, recovery_entry
@@ -35,6 +34,9 @@ RESCAN = 8  # newest step records read again: a step redone after a rollback rew
 
 
 class Ledger:
+    """One coordinator's copy of the run's record into the job's facts, and what the
+    coordinators before it copied (after a takeover)."""
+
     def __init__(self, facts, every_s: float = 1.0):
         self.facts, self.every_s = facts, every_s
         self.steps: dict[int, tuple[float, float]] = {}  # every step known, earlier ones too
@@ -68,6 +70,7 @@ class Ledger:
             # notice/<i>: the supervisor's notices, published again by takeover.py
         self.earlier_failures.sort(key=lambda f: f.get("t_fail", 0.0))
         self.earlier_recoveries.sort(key=lambda e: e["generation"])
+        self.earlier_stragglers.sort(key=lambda e: e.get("from_step", 0))
         if self.steps:
             # this store holds only the steps from now on: its scan starts past the known ones
             # (from step 0 it would stop at the first 64 missing records and find none)
