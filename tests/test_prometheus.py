@@ -62,6 +62,22 @@ def test_a_scrape_reads_the_steps_written_since_the_last_and_rewritten_ones():
     assert fig.steps[9] == (t - 1, t - 0.5)
 
 
+def test_after_a_takeover_the_steps_count_from_the_launch():
+    """A coordinator taking over scrapes its own store's step records (from step 5 on) and the
+    ones its predecessors kept (steps 0..4, ledger.py), as its report does."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store.set(protocol.FIRST_STEP, "5")
+    for s in range(5, 10):
+        store.set(protocol.step_key(s), f"{1000.0 + 2 * s},{1001.0 + 2 * s}")
+    snap = Snapshot(gen=3, world_size=3, nproc=3, failures=[], spares_ready=0, stragglers=[],
+                    nodes_alive=2, nodes_lost=1, t_start=time.time(),
+                    earlier_steps={s: (1000.0 + 2 * s, 1001.0 + 2 * s) for s in range(5)})
+    fig = Figures(lambda store: snap, store.port)
+    got = {m.name: m for m in fig.collect()}
+    assert got["checkpointless_steps_completed"].samples[0].value == 10
+    assert got["checkpointless_goodput_ratio"].samples[0].value == round(10 / 19, 4)
+
+
 def test_metrics_are_served_over_http_and_the_dashboard_asks_only_for_them():
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     sup = _supervisor(store, store.port)

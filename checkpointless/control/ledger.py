@@ -40,6 +40,7 @@ class Ledger:
     def __init__(self, facts, every_s: float = 1.0):
         self.facts, self.every_s = facts, every_s
         self.steps: dict[int, tuple[float, float]] = {}  # every step known, earlier ones too
+        self.resumed_steps: dict[int, tuple[float, float]] = {}  # as read back; never changed
         self.next_step: int | None = None  # the first step record of this store not read yet
         self.earlier_failures: list[dict] = []  # recorded by coordinators before this one
         self.earlier_recoveries: list[dict] = []
@@ -71,6 +72,7 @@ class Ledger:
         self.earlier_failures.sort(key=lambda f: f.get("t_fail", 0.0))
         self.earlier_recoveries.sort(key=lambda e: e["generation"])
         self.earlier_stragglers.sort(key=lambda e: e.get("from_step", 0))
+        self.resumed_steps = dict(self.steps)  # the scraper's thread reads it (prometheus.py)
         if self.steps:
             # this store holds only the steps from now on: its scan starts past the known ones
             # (from step 0 it would stop at the first 64 missing records and find none)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..protocol import membership
 from .. import protocol
@@ -34,6 +34,9 @@ class Snapshot:
     nodes_alive: int
     nodes_lost: int | None  # None: one machine, no nodes to lose
     t_start: float
+    # after a takeover: the step records its coordinators before kept (ledger.py), so that
+    # the steps and goodput count from the launch, as report.json does
+    earlier_steps: dict = field(default_factory=dict)
 
 
 class Figures:
@@ -84,7 +87,7 @@ class Figures:
         now = self.snapshot(self.store)
         self._read_steps()
         self._read_recoveries(now)
-        steps = self.steps
+        steps = {**now.earlier_steps, **self.steps} if now.earlier_steps else self.steps
         entries = now.stragglers
         slow_s, _ = slow_time(steps, entries) if steps else (0.0, None)
 

@@ -113,7 +113,7 @@ class Supervisor(FindingLosses, Replacing):
                         stragglers=list(self.stragglers.entries), spares_ready=ready,
                         nodes_alive=sum(not n.lost for n in nodes.values()) if nodes else 1,
                         nodes_lost=sum(n.lost for n in nodes.values()) if nodes else None,
-                        t_start=self.t_start)
+                        t_start=self.t_start, earlier_steps=self.ledger.resumed_steps)
 
     def resume(self, t: Takeover) -> None:
         """Go on from where a lost coordinator left the job (takeover.py)."""
