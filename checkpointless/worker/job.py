@@ -98,11 +98,8 @@ class Job:
 
     @property
     def builds_own_state(self) -> bool:
-        """True where this worker's own build of its state is one the job may start from: a
-        worker of the launch, or a spare that took its rank before any step was committed
-        (nothing was trained: under sharded state no peer may hold its slice yet, and its own
-        seeded build is the lost rank's). A loop that skips building what a replacement will
-        receive builds it anyway when this is True."""
+        """Its own build is a state the job may start from: a worker of the launch, or a spare
+        that took its rank before any step was committed (a loop builds it all then)."""
         return self._rec.own_build
 
     @property
@@ -139,9 +136,7 @@ class Job:
     # ---- state ---------------------------------------------------------------------------------
     def protect(self, send_frozen: bool = True, **objects) -> None:
         """Register what a replacement needs: anything with state_dict() / load_state_dict(),
-        and a DataLoader (its position, see data.py).
-
-        send_frozen=False: parameters with requires_grad=False (a frozen base under LoRA) are
+        and a DataLoader (its position, see data.py). send_frozen=False: parameters with requires_grad=False (a frozen base under LoRA) are
         not sent to a replacement, which builds them itself the way every worker did (from the
         same pretrained files, or the same seeded init): a recovery moves the adapters and
         their optimizer state only. The replicas are still compared whole."""
@@ -155,8 +150,7 @@ class Job:
                     self._rec.completed, self.rank, self.world_size, grads, extra)
 
     def take_rank(self) -> None:
-        """Block until a plan gives this worker a rank (a spare waits here, warm), then build
-        its group; the state is agreed at the first loop call."""
+        """Block until a plan gives a rank (a spare waits here, warm); build its group."""
         plan = self._rec.wait_plan(-1, None)
         try:  # a refilled spare warmed up at low priority; training runs at normal priority
             if os.getpriority(os.PRIO_PROCESS, 0) > 0:
@@ -166,9 +160,8 @@ class Job:
         self._rec.join(plan)
 
     def set_fallback(self, newest_step, load_step) -> None:
-        """Durable checkpoints, used when no peer holds a lost slice: `newest_step()` gives the
-        newest step on disk (None if none, finishing any write in flight first) and
-        `load_step(step)` loads that checkpoint into the live objects."""
+        """Durable checkpoints for a lost slice no peer holds: `newest_step()` (None if none; a
+        write in flight first finishes) and `load_step(step)` into the live objects."""
         self._state.fallback = (newest_step, load_step)
 
     def resume_at(self, step: int) -> None:
@@ -182,8 +175,8 @@ class Job:
     # ---- the loop ------------------------------------------------------------------------------
     @property
     def preempted(self) -> bool:
-        """True once the job was asked to stop (SIGTERM or SIGINT to a launcher) and this rank's
-        loop ended early at the agreed step: write a durable checkpoint now, then finish()."""
+        """The job was asked to stop (SIGTERM, SIGINT) and this loop ended at the agreed step:
+        write a durable checkpoint now, then finish()."""
         return self._preempted
 
     def _stop_here(self, step: int) -> bool:
@@ -294,13 +287,10 @@ class Job:
     @property
     def grads_kept(self) -> bool:
         """True when this rank redoes a step whose all-reduce a peer's failure cut short and it
-        still holds its own gradients of that step (same state, rank and world size).
-
-        The loop may then skip forward and backward (and zero_grad): `all_reduce_grads` puts the
-        kept gradients back and reuses the `extra` given with them. Only the replacement computes,
-        so a recovery costs one rank's share of a step, not a whole step on every rank. A loop
-        that ignores this and recomputes gets the same result, at the full cost.
-        """
+        still holds its own gradients of that step (same state, rank and world size). The loop
+        may then skip forward and backward (and zero_grad): `all_reduce_grads` puts the kept
+        gradients back and reuses the `extra` given with them. Only the replacement computes, so
+        a recovery costs one rank's share of a step; a loop that recomputes gets the same bits."""
         return self._kept.usable(self._rec.completed, self.rank, self.world_size)
 
     @property
