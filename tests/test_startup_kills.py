@@ -23,6 +23,7 @@ import pytest
 
 from tests.conftest import FSDP_12, ROOT, assert_same_bits, launcher_cmd
 from tests.external_kill import steps_logged, worker_pids
+from tests.test_multinode import _launch, _port
 
 DDP_12 = ("trainer.max_steps=12",)
 FRESH = {"CHECKPOINTLESS_FORKSERVER": "0"}
@@ -77,14 +78,7 @@ def test_sweep_a_worker_killed_from_outside_while_it_starts_up(tmp_path, referen
         assert [r["resumed_step"] for r in rep["recoveries"]] == [0], rep["recoveries"]
 
 
-# ---- a whole node lost at start-up, across launchers
-
-def _port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+# ---- a whole node lost at start-up, across launchers (tests/test_multinode.py's three)
 
 def _node_workers_up(out, ids) -> bool:
     return all(worker_pids(out, w) for w in ids)
@@ -98,18 +92,7 @@ def test_fsdp_a_node_lost_before_the_first_step_moves_to_the_spare_node_with_the
     the spare node's workers start from their own build). The bits of 1 node x 4."""
     _, want = fsdp_12_steps
     port, out = _port(), tmp_path / "out"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
-
-    def launch(node):
-        args = launcher_cmd(tmp_path, out, "tiny-llama", "distributed.num_nodes=2",
-                            "distributed.nproc_per_node=2", "checkpointless.spare_nodes=1",
-                            "checkpointless.spares=0", f"distributed.master_port={port}",
-                            f"distributed.node_rank={node}", *FSDP_12)
-        log = open(tmp_path / f"node{node}.log", "w")
-        return subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-
-    procs = [launch(k) for k in range(3)]
+    procs = [_launch(tmp_path, k, port, *FSDP_12) for k in range(3)]
     try:
         deadline = time.time() + 240
         while not _node_workers_up(out, (2, 3)):  # node 1's workers: ranks 2 and 3

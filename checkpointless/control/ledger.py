@@ -25,7 +25,7 @@ import json
 import time
 
 from .. import protocol
-from .report import Failure, recovery_entry
+from .report import Failure, new_step_records, recovery_entry
 
 # steps per key: about 2.5 KB of JSON, the most rewritten at once (the open chunk, up to once
 # every `every_s`), so that etcd's history grows slowly between its compactions
@@ -106,24 +106,12 @@ class Ledger:
             self._stragglers = raw
 
     def _read_steps(self, store) -> None:
-        """The step records written since the last read (a cursor, as prometheus.py keeps)."""
-        if self.next_step is None:
-            if not store.check([protocol.FIRST_STEP]):
-                return
-            self.next_step = int(store.get(protocol.FIRST_STEP))
-        s, misses = max(0, self.next_step - RESCAN), 0
-        while misses < 8:
-            key = protocol.step_key(s)
-            if store.check([key]):
-                t0, t1 = (float(x) for x in store.get(key).decode().split(","))
-                if self.steps.get(s) != (t0, t1):
-                    self.steps[s] = (t0, t1)
-                    self._dirty.add(s // CHUNK)
-                misses = 0
-                self.next_step = max(self.next_step, s + 1)
-            elif s >= self.next_step:
-                misses += 1
-            s += 1
+        """The step records written since the last read (report.new_step_records' cursor)."""
+        got, self.next_step = new_step_records(store, self.next_step, RESCAN)
+        for s, t in got.items():
+            if self.steps.get(s) != t:
+                self.steps[s] = t
+                self._dirty.add(s // CHUNK)
 
     def earlier(self) -> dict:
         """What the report adds to its own store's records (report.RunFacts.earlier)."""

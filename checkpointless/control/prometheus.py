@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from ..protocol import membership
 from .. import protocol
-from .report import goodput_from_steps, recovery_entry, slow_time
+from .report import goodput_from_steps, new_step_records, recovery_entry, slow_time
 
 RESCAN = 64  # newest step records read again at each scrape: a redone step rewrites its own
 RATE_STEPS = 20  # steps per second and tokens per second: over this many newest steps
@@ -52,21 +52,8 @@ class Figures:
         self._lock = threading.Lock()
 
     def _read_steps(self) -> None:
-        store = self.store
-        if self.next_step is None:
-            if not store.check([protocol.FIRST_STEP]):
-                return
-            self.next_step = int(store.get(protocol.FIRST_STEP))
-        s, misses = max(0, self.next_step - RESCAN), 0
-        while misses < 8:
-            key = protocol.step_key(s)
-            if store.check([key]):
-                t0, t1 = (float(x) for x in store.get(key).decode().split(","))
-                self.steps[s], misses = (t0, t1), 0
-                self.next_step = max(self.next_step, s + 1)
-            elif s >= self.next_step:
-                misses += 1
-            s += 1
+        got, self.next_step = new_step_records(self.store, self.next_step, RESCAN)
+        self.steps.update(got)
 
     def _read_recoveries(self, now) -> None:
         for i, f in enumerate(now.failures):

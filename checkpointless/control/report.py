@@ -138,22 +138,31 @@ def recovery_line(e: dict) -> str:
             f"transfer {p['state_transfer']:.2f}, resume {p['resume']:.2f})")
 
 
-def step_records(store) -> dict[int, tuple[float, float]]:
-    """step -> (start, end) of every step committed in this launch, as rank 0 recorded them.
-
-    A step may lack its record when rank 0 died between the others' commit and its own; the scan
-    goes past such gaps."""
-    first = int(store.get(protocol.FIRST_STEP)) if store.check([protocol.FIRST_STEP]) else 0
-    steps, misses, s = {}, 0, first
-    while misses < 64:
+def new_step_records(store, cursor: int | None, rescan: int = 0, gap: int = 8):
+    """The step records (step -> (start, end), as rank 0 wrote them) from `cursor` on, with the
+    newest `rescan` before it read again (a step redone after a roll-back rewrites its own), and
+    the next cursor; None reads from the launch's first step, once that is known. A step may lack
+    its record (rank 0 died between the others' commit and its own): the scan goes on past `gap`
+    missing records."""
+    if cursor is None:
+        if not store.check([protocol.FIRST_STEP]):
+            return {}, None
+        cursor = int(store.get(protocol.FIRST_STEP))
+    got, s, misses = {}, max(0, cursor - rescan), 0
+    while misses < gap:
         key = protocol.step_key(s)
         if store.check([key]):
-            t0, t1 = (float(x) for x in store.get(key).decode().split(","))
-            steps[s], misses = (t0, t1), 0
-        else:
+            got[s] = tuple(float(x) for x in store.get(key).decode().split(","))
+            misses, cursor = 0, max(cursor, s + 1)
+        elif s >= cursor:
             misses += 1
         s += 1
-    return steps
+    return got, cursor
+
+
+def step_records(store) -> dict[int, tuple[float, float]]:
+    """step -> (start, end) of every step committed in this launch."""
+    return new_step_records(store, None if store.check([protocol.FIRST_STEP]) else 0, gap=64)[0]
 
 
 def new_recoveries(store, failures: list[Failure], said: set[int], nproc: int,
