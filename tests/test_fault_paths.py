@@ -82,6 +82,52 @@ def test_the_sender_killed_midway_through_sending_the_state(tmp_path, clean_dige
         assert rep["pids_at_start"][str(r)] == rep["pids_at_end"][str(r)]
 
 
+def _kill_when_it_appears(marker: str, worker_id: int, stop, killed: list) -> None:
+    """SIGKILL worker `worker_id` of the run whose environment holds `marker`, as soon as its
+    process exists (a spare still warming up: imports, model, no rank)."""
+    import os
+    import signal
+    import time
+    from pathlib import Path
+    want = {f"CL_WORKER_ID={worker_id}".encode(), marker.encode()}
+    while not stop.is_set():
+        for p in Path("/proc").iterdir():
+            if not p.name.isdigit():
+                continue
+            try:
+                env = set((p / "environ").read_bytes().split(b"\0"))
+            except OSError:
+                continue
+            if want <= env:
+                os.kill(int(p.name), signal.SIGKILL)
+                killed.append(int(p.name))
+                return
+        time.sleep(0.005)
+
+
+def test_a_spare_lost_while_it_warms_up_is_refilled_without_touching_the_job(tmp_path,
+                                                                             clean_digest):
+    """The only spare SIGKILLed from outside as soon as its process exists; a refill takes its
+    place, and takes rank 2 when it dies at step 8. The job's ranks never noticed the spare."""
+    import threading
+    stop, killed = threading.Event(), []
+    t = threading.Thread(target=_kill_when_it_appears,
+                         args=(f"MARKER_DIR={tmp_path}", 4, stop, killed), daemon=True)
+    t.start()
+    try:
+        rep = run(tmp_path, "--spares", "1", "--fault", "kill:2:8")
+    finally:
+        stop.set()
+    assert killed, "the spare was never seen"
+    assert_same_bits(rep, clean_digest)
+    assert "spare worker 4 exited" in rep["stdout"]
+    assert [f["rank"] for f in rep["failures"]] == [2]  # the spare's loss is not the job's
+    (rec,) = rep["recoveries"]
+    assert rec["replacement_worker"] == 5  # the refill
+    for r in (0, 1, 3):
+        assert rep["pids_at_start"][str(r)] == rep["pids_at_end"][str(r)]
+
+
 def test_a_survivor_killed_while_the_new_group_forms(tmp_path, clean_digest):
     rep = run(tmp_path, "--spares", "2", "--fault", "kill:2:5", "--fault", "kill:1:5@regroup")
     assert_same_bits(rep, clean_digest)
