@@ -136,10 +136,10 @@ class Job:
     # ---- state ---------------------------------------------------------------------------------
     def protect(self, send_frozen: bool = True, **objects) -> None:
         """Register what a replacement needs: anything with state_dict() / load_state_dict(),
-        and a DataLoader (its position, see data.py). send_frozen=False: parameters with requires_grad=False (a frozen base under LoRA) are
-        not sent to a replacement, which builds them itself the way every worker did (from the
-        same pretrained files, or the same seeded init): a recovery moves the adapters and
-        their optimizer state only. The replicas are still compared whole."""
+        and a DataLoader (its position, see data.py). send_frozen=False: parameters with
+        requires_grad=False (a frozen base under LoRA) are not sent to a replacement, which
+        builds them itself as every worker did (the same pretrained files or seeded init): a
+        recovery moves the adapters and their optimizer state only; replicas are compared whole."""
         self._state.send_frozen = send_frozen
         self._state.protect(**objects)
         for obj in objects.values():

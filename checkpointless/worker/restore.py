@@ -41,8 +41,8 @@ class Position:
     # it has been through a restore since the launch: its state is the job's, not only its own
     # build (an unseeded script's ranks each build a different model)
     agreed: bool = True
-    # a spare that took its rank before any step was committed: its own build of its slice is
-    # the step-0 state the lost rank had (nothing was trained), where no peer holds a copy yet
+    # its own build counts as the step-0 state: a worker of the launch, or a spare that took its
+    # rank before any step was committed (nothing trained; no peer may hold a copy of its slice)
     built: bool = False
 
 
@@ -134,8 +134,8 @@ def _restore_shards(state: ProtectedState, me: Position, hook, send_hook, loaded
     replicas = state.replicas
     reshard_all(state.modules())
     has_state = me.holds_state or me.built
-    mine = {"completed": me.completed if has_state else -1, "built": has_state and not
-            me.holds_state, **replicas.summary()}
+    mine = {"completed": me.completed if has_state else -1,
+            "built": me.built and not me.holds_state, **replicas.summary()}
     infos = [None] * me.world_size
     with communicating("exchanging which shard copies each member holds"):
         dist.all_gather_object(infos, mine)
