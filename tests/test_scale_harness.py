@@ -48,3 +48,16 @@ def test_a_node_loss_completes_every_phase_and_steady_calls_follow_nodes_not_ran
     assert ops4 < 1.5 * ops1, (ops1, ops4)
     assert four["steady"]["node_store_ops_per_s_each"] > \
         2 * one["steady"]["node_store_ops_per_s_each"]
+
+
+# in `make test`: a coordinator and one shard started, then given no time; about 5 s
+@pytest.mark.slow
+def test_a_size_that_cannot_start_says_why_and_exits_non_zero(tmp_path):
+    out = tmp_path / "none.json"
+    run = subprocess.run([sys.executable, "-m", "launcher.bench.scale", "--nodes", "2",
+                          "--ranks-per-node", "1", "--start-timeout-s", "0", "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0, run.stdout[-2000:]
+    assert "did not all start within 0 s" in run.stdout and "connections" in run.stdout
+    row = json.loads(out.read_text())[0]
+    assert row["nodes"] == 2 and "did not all start" in row["error"]

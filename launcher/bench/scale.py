@@ -157,6 +157,19 @@ class Harness:
             time.sleep(0.05)
         return False
 
+    def why_not_started(self, timeout_s: float) -> str:
+        """What stood at the start's deadline: ranks up, the coordinator alive, its sockets."""
+        try:
+            status = self._all("status", 0)
+            alive, done = sum(a for a, _ in status), sum(d for _, d in status)
+        except (OSError, EOFError):
+            alive = done = -1
+        coord = "alive" if self.proc.is_alive() else f"exited ({self.proc.exitcode})"
+        return (f"{self.nodes_n * self.per_node} simulated ranks did not all start within "
+                f"{timeout_s:g} s: {alive} held a rank, {done} passed generation 0's barrier; "
+                f"the coordinator's process {coord}, holding {_sockets(self.proc.pid)} "
+                f"connections (this process may open {_fd_limit()} files)")
+
     def cpu_s(self) -> float:
         return _cpu_s(self.proc.pid)
 
@@ -225,6 +238,20 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _sockets(pid: int) -> int:
+    """How many sockets process `pid` holds open (-1 if it is gone)."""
+    try:
+        return sum(1 for fd in os.listdir(f"/proc/{pid}/fd")
+                   if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:"))
+    except OSError:
+        return -1
+
+
+def _fd_limit() -> int:
+    import resource
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -254,8 +281,7 @@ def measure(nodes: int, per_node: int, spare_nodes: int = 2, step_s: float = 1.0
     h = Harness(nodes, per_node, spare_nodes, step_s, node_timeout_s, shards)
     try:
         if not h.wait_gen(0, start_timeout_s):
-            raise RuntimeError(f"{ranks} simulated ranks did not all start within "
-                               f"{start_timeout_s:g} s")
+            raise RuntimeError(h.why_not_started(start_timeout_s))
         started_s = time.time() - t0
         time.sleep(2 * max(step_s, protocol.DEFAULTS.node_beat_s))  # every node reporting
         out = {"nodes": nodes, "ranks_per_node": per_node, "ranks": ranks,
@@ -320,6 +346,8 @@ def main(argv=None) -> int:
                    help="a node's silence before it is declared lost (the product's default)")
     p.add_argument("--shards", type=int, default=0,
                    help="processes holding the simulated nodes (0: one per 128 ranks, up to 32)")
+    p.add_argument("--start-timeout-s", type=float, default=300.0,
+                   help="how long every simulated rank may take to pass generation 0")
     p.add_argument("--curve", action="store_true",
                    help="256, 1,024, 4,096 and 16,384 ranks at 8 per node, and 512 nodes x 1")
     p.add_argument("--out", help="write the figures as JSON here")
@@ -327,20 +355,29 @@ def main(argv=None) -> int:
     sizes = [(a.nodes, a.ranks_per_node)]
     if a.curve:
         sizes = [(32, 8), (128, 8), (512, 1), (512, 8), (2048, 8)]
-    rows = []
+    rows, code = [], 0
     for nodes, per_node in sizes:
         try:
             row = measure(nodes, per_node, a.spare_nodes, a.step_s, a.steady_s, a.node_timeout_s,
-                          shards=a.shards)
-        except (RuntimeError, OSError) as exc:  # past what this machine can hold
-            print(f"{nodes} nodes x {per_node}: {exc}", flush=True)
-            break
-        _print(row)
-        rows.append(row)
+                          start_timeout_s=a.start_timeout_s, shards=a.shards)
+        except (RuntimeError, OSError, EOFError) as exc:  # past what this machine can hold
+            why = f"{type(exc).__name__}: {exc}" if not isinstance(exc, RuntimeError) else str(exc)
+            print(f"{nodes} nodes x {per_node}: could not be measured: {why}", flush=True)
+            # said in the JSON too, and in the exit status: a size that did not run is a failure
+            rows.append({"nodes": nodes, "ranks_per_node": per_node, "ranks": nodes * per_node,
+                         "error": why})
+            code = 1
+        else:
+            _print(row)
+            rows.append(row)
+            if any("error" in row[k] for k in ("rank_failure", "node_failure")):
+                code = 1  # a recovery that did not complete is no figure
         if a.out:
             with open(a.out, "w") as f:
                 json.dump(rows, f, indent=1)
-    return 0
+        if code:
+            break
+    return code
 
 
 if __name__ == "__main__":
