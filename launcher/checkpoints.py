@@ -57,10 +57,19 @@ class DurableCheckpoints:
             self.scaler.load_state_dict(state["grad_scaler"])
         return int(state["step"])
 
-    def newest_step(self):
+    def newest_step(self, at_most: int | None = None):
         self.writer.wait()  # a write in flight finishes first: it may be the newest
-        found = durable.latest(self.cfg.checkpoint.dir)
-        return found[0] if found else None
+        found = [s for s, _ in durable.list_checkpoints(self.cfg.checkpoint.dir)
+                 if at_most is None or s <= at_most]
+        return found[-1] if found else None
+
+    def drop_after(self, step: int) -> None:
+        """A rewind to `step` (audit.py): the checkpoints after it hold a state found wrong."""
+        if self.job.rank == 0:
+            gone = durable.remove_after(self.cfg.checkpoint.dir, step)
+            if gone:
+                print(f"[launcher] removed the checkpoints of steps {gone}, written after the "
+                      "state went wrong", flush=True)
 
     def load_step(self, step: int) -> int:
         return self.load(Path(self.cfg.checkpoint.dir) / f"step-{step:08d}")
@@ -113,7 +122,7 @@ def durable_checkpoints(cfg, job, model, optimizer, scaler=None):
     if c.interval <= 0 and c.resume == "never":
         return None
     ckpt = DurableCheckpoints(cfg, job, model, optimizer, scaler)
-    job.set_fallback(ckpt.newest_step, ckpt.load_step)
+    job.set_fallback(ckpt.newest_step, ckpt.load_step, ckpt.drop_after)
     if not job.is_replacement and job.rank == 0:
         # a launch: no write of this job is in flight yet (the first save comes after a step,
         # which rank 0 joins after this), so every temporary directory is a dead write's

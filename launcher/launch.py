@@ -78,6 +78,7 @@ def supervisor_config(cfg) -> SupervisorConfig:
         shard_size=d.shard_size if d.strategy == "hsdp" else 0,
         tp_size=d.tp_size,
         straggler_factor=c.straggler.factor, straggler_window=c.straggler.window,
+        audit_every=c.audit.every if c.enabled else 0,
         health=health_settings(cfg),
         tokens_per_step=cfg.trainer.micro_batch_size * cfg.trainer.grad_accum_steps *
         cfg.data.seq_len * (d.num_processes // d.tp_size),

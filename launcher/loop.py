@@ -31,6 +31,7 @@ from omegaconf import OmegaConf
 import checkpointless
 from checkpointless.worker import full_tensor, local_tensor
 
+from .audit_replay import LoopReplay
 from .checkpoints import durable_checkpoints
 from .data import to_device
 from .evaluate import evaluate
@@ -138,7 +139,9 @@ def join(cfg, out_dir: Path) -> Run:
     from .accelerator import Autocast, build_accelerator, start_line
     d, t = cfg.distributed, cfg.trainer
     tokenizer, model, sampler, evalset, device, catch_up_threads = warm(cfg)
-    job = checkpointless.join(seed=cfg.run.seed)
+    # a spare replays sampled ranks' steps while it waits, when audits are on (audit_replay.py)
+    replay = LoopReplay(cfg, model, sampler, device) if cfg.checkpointless.audit.every else None
+    job = checkpointless.join(seed=cfg.run.seed, replay=replay)
     if dist.get_world_size() != d.num_processes:
         raise RuntimeError(f"torch.distributed reports world size {dist.get_world_size()} but "
                            f"distributed.num_processes={d.num_processes}: refusing to train a "

@@ -151,6 +151,11 @@ class StragglerConfig:
 
 
 @dataclass
+class AuditConfig:
+    every: int = ranged(CL.audit_every, ">= 0", " steps (0: no audits)")  # every N steps an idle ready spare replays one sampled rank's step (ranks in turn) and compares its gradient digest: a worker computing wrong is evicted and the job rewinds to a durable checkpoint known clean (needs checkpoint.interval); 0: off
+
+
+@dataclass
 class HealthConfig:
     command: Optional[str] = None  # a script run on each node as a launcher starts and in each spare before it takes a rank; a non-zero exit is an unhealthy node (its last output line says why)
     timeout_s: float = ranged(30.0, "> 0", " seconds")  # longest the command may run
@@ -192,6 +197,7 @@ class CheckpointlessConfig:
     replication: ReplicationConfig = field(default_factory=ReplicationConfig)
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
+    audit: AuditConfig = field(default_factory=AuditConfig)
 
 
 @dataclass

@@ -3,6 +3,7 @@ own, silence, a stopped process, a straggler, a silent node). A half of `Supervi
 (supervisor.py), kept apart for its size; what to make of what it sees is policy.py's."""
 from __future__ import annotations
 
+import json
 import time
 
 from ..protocol import membership
@@ -50,6 +51,48 @@ class FindingLosses:
                 self.pool.kill(w)
                 out.append((w, False))
         return out
+
+    def _accused(self, lost) -> list[tuple[Worker, bool]]:
+        """Workers an audit found computing wrong (cause sdc, worker/audit.py): killed at once,
+        and the generation that replaces them goes back to the state known clean before the
+        worker's first wrong step (`_rewind`, written with the next plan)."""
+        if self.cfg.audit_every <= 0:
+            return []
+        found = membership.counter(self.store, protocol.SDC)
+        if found == self._sdc_seen:
+            return []
+        self._sdc_seen, out = found, []
+        for wid in list(self.ranks):
+            finding = protocol.read_json(self.store, protocol.sdc_key(wid))
+            if finding is None or any(w.wid == wid for w, _ in lost):
+                continue
+            w = self.workers[wid]
+            self.pool.kill(w)
+            # what report.json and the log say of it, as an error would be said
+            self.store.set(protocol.error_key(wid), json.dumps({"error": (
+                f"silent data corruption: rank {finding['rank']} (worker {wid}) computed a "
+                f"wrong gradient at step {finding['step']}, found by spare worker "
+                f"{finding['auditor']}'s replay; the job goes back to step "
+                f"{finding['rewind_to']} or before\n")}))
+            bound = finding["rewind_to"]
+            if self._rewind is None or bound < self._rewind["at_most"]:
+                self._rewind = {"at_most": bound, "gen": None, "worker": wid,
+                                "first_wrong_step": finding["step"]}
+            out.append((w, False))
+        return out
+
+    def _issue_rewind(self) -> None:
+        """With the plan of generation `self.gen`: the rewind an audit asked for, until a
+        generation that carried it out has committed a step (a failure during the rewind
+        itself leaves it to the next generation)."""
+        r = self._rewind
+        if r is None:
+            return
+        if r["gen"] is not None and self.store.check([protocol.first_commit_key(r["gen"], 0)]):
+            self._rewind = None
+            return
+        r["gen"] = self.gen
+        self.store.set(protocol.rewind_key(self.gen), json.dumps(r))
 
     def _hung(self) -> list[tuple[Worker, bool]]:
         """Judged from the heartbeats of every active worker (a node's agent reports its own,

@@ -118,9 +118,10 @@ def killed_after_done(codes: dict[int, int | None]) -> list[int]:
     return sorted(wid for wid, c in codes.items() if c is not None and c < 0)
 
 
-def cause(node_lost: bool, hung: bool, diverged: bool, error, slow: bool = False) -> str:
+def cause(node_lost: bool, hung: bool, diverged: bool, error, slow: bool = False,
+          sdc: bool = False) -> str:
     return "node_lost" if node_lost else "hang" if hung else "slow" if slow \
-        else "diverged" if diverged else "error" if error else "exit"
+        else "sdc" if sdc else "diverged" if diverged else "error" if error else "exit"
 
 
 def job_step(beats) -> int:

@@ -108,7 +108,7 @@ class Figures:
                                        labels=["cause"])
         recovered = CounterMetricFamily("checkpointless_recoveries",
                                         "Recoveries completed, by cause", labels=["cause"])
-        for cause in ("exit", "error", "hang", "node_lost", "diverged", "slow"):
+        for cause in ("exit", "error", "hang", "node_lost", "diverged", "slow", "sdc"):
             failures.add_metric([cause], sum(f.cause == cause for f in now.failures))
             recovered.add_metric([cause], sum(e["cause"] == cause
                                               for e in self.recoveries.values()))

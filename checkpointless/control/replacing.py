@@ -69,11 +69,12 @@ class Replacing:
         # reporter thread had not yet written it), so the others' progress counts too
         beat = self.pool.beats([w.wid]).get(w.wid)
         diverged = self.store.check([protocol.diverged_key(w.wid)])
+        sdc = self.cfg.audit_every > 0 and self.store.check([protocol.sdc_key(w.wid)])
         slow = self.stragglers.evicted(w.wid)
         if slow and not fault:  # slowed from outside: it began with its first slow step
             fault = self.stragglers.began(self.store, w.wid)
         f = Failure(wid=w.wid, rank=w.rank,
-                    cause=policy.cause(w.node_lost, hung, diverged, err, slow),
+                    cause=policy.cause(w.node_lost, hung, diverged, err, slow, sdc),
                     t_fail=fault["t"] if fault else w.lost_at or now, t_detect=now,
                     step=max(beat["step"] if beat else 0, self._job_step()),
                     error=err["error"] if err else None, node=w.node)
@@ -158,6 +159,7 @@ class Replacing:
     def _publish(self) -> None:
         """The next generation's plan: what changed since the last one, node by node."""
         self.gen += 1
+        self._issue_rewind()  # before the plan: its members read it as they restore
         plan = membership.Plan(gen=self.gen, world_size=self.cfg.nproc, ranks=dict(self.ranks),
                                lost=membership.counter(self.store, protocol.LOST),
                                nodes={wid: self.workers[wid].node for wid in self.ranks})

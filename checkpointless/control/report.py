@@ -27,7 +27,7 @@ class Failure:
     """One lost worker, as the supervisor saw it."""
     wid: int
     rank: int
-    cause: str  # exit, error, hang, slow, diverged, node_lost (policy.cause)
+    cause: str  # exit, error, hang, slow, sdc, diverged, node_lost (policy.cause)
     t_fail: float
     t_detect: float
     step: int

@@ -78,6 +78,8 @@ class Supervisor(FindingLosses, Replacing):
         self._exit_seen: dict[int, float] = {}  # when a worker that left a result was seen dead
         self._crashes: dict[int, int] = {}  # rank -> its replacements lost before a first step
         self._errors_seen = 0  # the ERRORS counter when last looked at
+        self._sdc_seen = 0  # the SDC counter when last looked at (audits' findings)
+        self._rewind: dict | None = None  # a rewind an audit asked for, until carried out
         self._reported: set[int] = set()  # failures whose recovery was said
         self.store = None
         self.port = 0
@@ -192,6 +194,7 @@ class Supervisor(FindingLosses, Replacing):
             checks = store_checks.due(now)
             if checks:
                 lost += self._reported_errors(lost)
+                lost += self._accused(lost)
                 if not lost and beat_reads.due(now):
                     lost += self._hung()
                     if not lost:

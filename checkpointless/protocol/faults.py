@@ -9,6 +9,12 @@ A fault is data, `{kind, rank, step, phase}`, or `kind:rank:step[@phase]` on a c
   slow     from that step on, the worker holding that rank then takes FACTOR times as long over
            each step's own work (`slow:RANK:STEP[:FACTOR]`, 3 by default): a straggler, alive and
            correct, that the straggler check (policy.find_stragglers) must find
+  sdc      silent data corruption (`sdc:RANK:STEP[:EVERY]`): from that step on, every EVERY steps
+           (1 by default), the worker holding that rank flips one bit of its local gradient
+           contribution before the reduction, as a chip that computes wrong would. Every replica
+           then receives the same wrong sum: only an audit (audit.py, audit.every) can catch it.
+           The fault belongs to the process that claims it (the first to hold the rank at or
+           after STEP): a replacement of it computes right
 and the phase says when it strikes:
   init     while a worker of the first generation starts up, before it says it is ready (its
            imports are done, its model not yet built): STEP must be 0 and RANK is the rank that
@@ -42,7 +48,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-KINDS = ("kill", "hang", "raise", "corrupt", "slow")
+KINDS = ("kill", "hang", "raise", "corrupt", "slow", "sdc")
 SLOW_FACTOR = 3.0  # a slow fault's factor when none is given
 PHASES = ("step", "init", "join", "regroup", "receive", "send", "exchange", "backward",
           "optimizer", "random")
@@ -80,6 +86,7 @@ class Fault:
     phase: str = "step"  # when in it (PHASES; the module's docstring says what each means)
     seed: int = 0  # phase=random: the seed of the moment (kill:2:5@random:7)
     factor: Optional[float] = None  # kind=slow: how many times as long its steps take (None: SLOW_FACTOR)
+    every: Optional[int] = None  # kind=sdc: its wrong steps are STEP, STEP+EVERY, ... (None: 1)
 
     def __post_init__(self):
         problem = _problem(self)
@@ -106,6 +113,15 @@ def _problem(f: Fault) -> FaultError | None:
     if f.factor is not None and f.kind != "slow":
         return FaultError(f"faults: factor={f.factor:g} is for kind=slow only (slow:2:5:3)",
                           "factor", f.factor, "only kind=slow takes a factor; delete it")
+    if f.every is not None and f.kind != "sdc":
+        return FaultError(f"faults: every={f.every} is for kind=sdc only (sdc:2:12:3)", "every",
+                          f.every, "only kind=sdc takes an every; delete it")
+    if f.every is not None and f.every < 1:
+        return FaultError(f"faults: every={f.every} must be >= 1 (an sdc fault strikes every "
+                          "that many steps)", "every", f.every, "must be >= 1, e.g. 1")
+    if f.kind == "sdc" and f.phase != "step":
+        return FaultError(f"faults: kind='sdc' strikes inside its steps' backward, not "
+                          f"@{f.phase}", "phase", f.phase, "delete the @phase (sdc:2:12)")
     if f.kind == "slow" and f.factor is not None and not f.factor > 1:
         return FaultError(f"faults: factor={f.factor:g} must be > 1 (a slow rank's steps take "
                           "that many times as long)", "factor", f.factor, "must be > 1, e.g. 3")
@@ -121,14 +137,17 @@ def _problem(f: Fault) -> FaultError | None:
 
 def split_fault(text: str) -> dict:
     """The fields of a 'kind:rank:step[@phase]' string (the random phase takes its seed as
-    '@random:SEED', a slow fault its factor as 'slow:RANK:STEP:FACTOR'), checked for form only:
+    '@random:SEED', a slow fault its factor as 'slow:RANK:STEP:FACTOR', an sdc fault its period
+    as 'sdc:RANK:STEP:EVERY'), checked for form only:
     Fault checks the values."""
     spec, _, phase = text.partition("@")
     phase, _, seed = phase.partition(":")
     parts = spec.split(":")
-    factor = None
+    factor = every = None
     if len(parts) == 4 and parts[0] == "slow":
         factor = parts.pop()
+    elif len(parts) == 4 and parts[0] == "sdc":
+        every = parts.pop()
     if len(parts) != 3:
         raise ValueError(f"fault {text!r}: expected kind:rank:step[@phase], e.g. kill:2:5 or "
                          "kill:2:5@backward")
@@ -137,10 +156,12 @@ def split_fault(text: str) -> dict:
     try:
         return {"kind": parts[0], "rank": int(parts[1]), "step": int(parts[2]),
                 "phase": phase or "step", "seed": int(seed or 0),
-                "factor": None if factor is None else float(factor)}
+                "factor": None if factor is None else float(factor),
+                "every": None if every is None else int(every)}
     except ValueError:
-        raise ValueError(f"fault {text!r}: rank, step and seed must be integers and a slow "
-                         "fault's factor a number, e.g. kill:2:5@random:7 or slow:1:20:3") \
+        raise ValueError(f"fault {text!r}: rank, step, seed and an sdc fault's every must be "
+                         "integers and a slow fault's factor a number, e.g. kill:2:5@random:7, "
+                         "slow:1:20:3 or sdc:2:12:1") \
             from None
 
 
@@ -150,7 +171,8 @@ def parse_fault(item) -> Fault:
         item = split_fault(item)
     return Fault(kind=str(item["kind"]), rank=int(item["rank"]), step=int(item["step"]),
                  phase=str(item.get("phase", "step")), seed=int(item.get("seed", 0) or 0),
-                 factor=None if item.get("factor") is None else float(item["factor"]))
+                 factor=None if item.get("factor") is None else float(item["factor"]),
+                 every=None if item.get("every") is None else int(item["every"]))
 
 
 def parse_faults(items) -> list[Fault]:

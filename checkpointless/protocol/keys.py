@@ -190,6 +190,37 @@ def diverged_key(wid: int) -> str:
     return f"diverged/{wid}"
 
 
+AUDITORS = "auditors"  # counter: spares that offered to audit (auditor/<i> says where each is)
+AUDIT_DONE = "audit_done"  # the newest step an auditor finished judging
+SDC = "sdc"  # counter: workers an audit found computing wrong (sdc/<wid> holds each finding)
+
+
+def auditor_key(i: int) -> str:
+    """Where audit server i listens ({wid, host, port}); "" once its spare took a rank."""
+    return f"auditor/{i}"
+
+
+def audit_digest_key(step: int, rank: int) -> str:
+    """The digest of rank's local gradient contribution at an audited step, by the rank."""
+    return f"audit/{step}/{rank}"
+
+
+def audit_pass_key(rank: int) -> str:
+    """The newest step at which an audit found rank's contribution right."""
+    return f"audit_pass/{rank}"
+
+
+def sdc_key(wid: int) -> str:
+    """Set by an auditor that found worker wid computing wrong: {rank, step, rewind_to, ...}."""
+    return f"sdc/{wid}"
+
+
+def rewind_key(gen: int) -> str:
+    """Set by the supervisor for a generation that must go back to a state known clean:
+    {"at_most": STEP, "why": ...}; every rank loads the newest durable checkpoint <= STEP."""
+    return f"rewind/{gen}"
+
+
 def replicas_prefix(gen: int) -> str:
     """The store prefix of generation `gen`'s peer-replica group (redundancy under fsdp)."""
     return f"replicas/{gen}"

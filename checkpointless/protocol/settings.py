@@ -62,6 +62,9 @@ class Defaults:
     straggler_factor: float = 1.5
     straggler_window: int = 10
     straggler_action: str = "evict"
+    # steps between audits by replay (audit.py): an idle spare recomputes one sampled rank's
+    # step and compares its gradient digest; 0: no audits
+    audit_every: int = 0
 
 
 DEFAULTS = Defaults()
@@ -95,6 +98,7 @@ class Spec:
     # HSDP: ranks per replica group (dp_shard x tp), the groups the copies (mesh.py); 0: no groups
     shard_size: int = 0
     tp_size: int = 1  # ranks per tensor-parallel group, tp innermost (mesh.py)
+    audit_every: int = DEFAULTS.audit_every  # steps between audits by a spare's replay (audit.py)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -147,6 +151,7 @@ class SupervisorConfig:
     tokens_per_step: int = 0  # what one step trains on, all ranks (tokens per second; 0: not said)
     shard_size: int = 0  # HSDP: ranks per replica group (mesh.py); 0: no replica groups
     tp_size: int = 1  # ranks per tensor-parallel group (mesh.py); 1: none
+    audit_every: int = DEFAULTS.audit_every  # steps between audits by replay (0: none)
 
     @classmethod
     def of(cls, settings, **given) -> "SupervisorConfig":

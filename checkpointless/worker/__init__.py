@@ -11,8 +11,9 @@ from .digest import StateDigest, model_sha256, state_sha256
 from .durable import ShardedCheckpoints
 from .redundancy import KEEP, ROLLBACK_KEEP
 from .mesh import Layout
+from .seeding import seed_all
 from .tensors import full_tensor, is_dtensor, local_part, local_tensor
 
 __all__ = ["durable", "health", "params_checksum", "StateDigest", "model_sha256", "state_sha256",
            "ShardedCheckpoints", "KEEP", "ROLLBACK_KEEP", "Layout", "full_tensor", "is_dtensor",
-           "local_part", "local_tensor"]
+           "local_part", "local_tensor", "seed_all"]

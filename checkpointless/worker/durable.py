@@ -54,6 +54,17 @@ def latest(directory) -> tuple[int, Path] | None:
     return found[-1] if found else None
 
 
+def remove_after(directory, step: int) -> list[int]:
+    """Delete the complete checkpoints of steps after `step` (written from a state that was
+    found wrong: a later redo of such a step must write it again, not keep it); their steps."""
+    gone = []
+    for s, p in list_checkpoints(directory):
+        if s > step:
+            shutil.rmtree(p, ignore_errors=True)
+            gone.append(s)
+    return gone
+
+
 def old_format_files(directory) -> list[Path]:
     d = Path(directory)
     return sorted(p for p in d.iterdir() if _OLD_FORMAT.match(p.name)) if d.is_dir() else []

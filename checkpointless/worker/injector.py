@@ -39,6 +39,7 @@ class FaultInjector:
         self._last_start = None  # when the previous step began, and how long it took:
         self._step_s = None  # a random moment is a fraction of that
         self._slow: float | None = None  # this worker's slowness factor, once it claimed one
+        self._sdc = None  # the sdc fault this process claimed (False: claimed by another)
 
     def _claim(self, index: int, store=None) -> bool:
         return (store or self.store).add(protocol.fault_claim_key(index), 1) == 1
@@ -134,6 +135,22 @@ class FaultInjector:
         s = sorted(own_s)[len(own_s) // 2] * (self._slow - 1.0)
         time.sleep(s)
         return s
+
+    def sdc_due(self, rank: int, step: int) -> bool:
+        """True when this process computes `step` wrong: it claimed an sdc fault (the first to
+        hold its rank at or after its step; the fault is the chip's, so a spare taking the rank
+        over computes right) and the step is one of the fault's (STEP, STEP+EVERY, ...)."""
+        if self._sdc is None:
+            for i, f in enumerate(self.faults):
+                if f.kind == "sdc" and f.rank == rank and step >= f.step:
+                    self._sdc = f if self._claim(i) else False
+                    if self._sdc:
+                        self._record(f)
+                        print(f"[fault] injecting sdc at rank {rank} from step {step} (every "
+                              f"{f.every or 1}): a bit of its gradient flips", flush=True)
+                    break
+        f = self._sdc
+        return bool(f) and step >= f.step and (step - f.step) % (f.every or 1) == 0
 
     def raise_due(self, rank: int, step: int) -> None:
         self.at("step", rank, step, kinds=("raise",))

@@ -25,6 +25,7 @@ from .. import protocol
 from .data import END, Cursor, LoaderPosition
 from .ddp import DistributedDataParallel
 from .failures import report_error
+from .audit_rank import RankAudits
 from .injector import FaultInjector
 from .grads import KeptGrads, summed_extra
 from .outside import OutsideSteps
@@ -56,8 +57,11 @@ class Job:
         self._rec = Recovery(store, worker_id, spec, host, port, self._state, self._kept,
                              self._injector, self.reporter, node_port, protocol.node_id())
         self._injector.where = lambda: (self._rec.rank, self._rec.completed)
+        self._audits = RankAudits(  # audits by a spare's replay (audit.py): this rank's partstore, worker_id, int(spec.audit_every),
+                                  lambda: protocol.membership.connect(host, port))
         # the step boundary, the public API the drop-in Accelerator drives too (steploop.py)
-        self.steploop = StepLoop(store, worker_id, spec, self._rec, self._state, self._injector)
+        self.steploop = StepLoop(store, worker_id, spec, self._rec, self._state, self._injector,
+                                 self._audits)
         self._scope_used = False
         self._ddp: DistributedDataParallel | None = None
         self._preempted = False
@@ -92,8 +96,7 @@ class Job:
         return self._rec.completed
 
     @property
-    def is_replacement(self) -> bool:
-        """True for a spare that took over a rank: its state comes from peers, not from disk."""
+    def is_replacement(self) -> bool:  # a spare that took over a rank: its state from peers
         return not self._rec.holds_state
 
     @property
@@ -107,8 +110,7 @@ class Job:
         return self._rec.last
 
     @property
-    def step_started_at(self) -> float:
-        """Wall time at which the current (or last) step started."""
+    def step_started_at(self) -> float:  # wall time at which the current (or last) step began
         return self.steploop.step_started_at
 
     def device_mesh(self):
@@ -125,8 +127,7 @@ class Job:
 
     def replica_host_bytes(self, part: str = "held") -> int | None:
         """Host bytes of peers' shard copies ("held"), own rollback snapshots ("own"), or "all"."""
-        r = self._state.replicas
-        return r.host_bytes(part) if r is not None else None
+        return self._state.replicas.host_bytes(part) if self._state.replicas else None
 
     def replica_timing(self) -> dict | None:
         """The replica exchanges' count and training-thread seconds (snapshot copy, waits)."""
@@ -142,6 +143,7 @@ class Job:
         recovery moves the adapters and their optimizer state only; replicas are compared whole."""
         self._state.send_frozen = send_frozen
         self._state.protect(**objects)
+        self._audits.install(objects.values(), self._injector.faults)  # taps the model's grads
         for obj in objects.values():
             self._injector.install(obj)  # faults scheduled @backward or @optimizer
             if isinstance(obj, DistributedDataParallel):  # it keeps our gradients for a redo
@@ -159,10 +161,11 @@ class Job:
             pass
         self._rec.join(plan)
 
-    def set_fallback(self, newest_step, load_step) -> None:
-        """Durable checkpoints for a lost slice no peer holds: `newest_step()` (None if none; a
-        write in flight first finishes) and `load_step(step)` into the live objects."""
-        self._state.fallback = (newest_step, load_step)
+    def set_fallback(self, newest_step, load_step, drop_after=None) -> None:
+        """Durable checkpoints for a lost slice no peer holds, and for a rewind (audit.py):
+        `newest_step(at_most=None)` (a write in flight finishes first), `load_step(step)` into
+        the live objects, `drop_after(step)` to remove the ones written after `step`."""
+        self._state.fallback = tuple(f for f in (newest_step, load_step, drop_after) if f)
 
     def resume_at(self, step: int) -> None:
         """Start counting from `step` (after loading a checkpoint), before the first steps()."""
@@ -193,7 +196,8 @@ class Job:
         while True:
             step = self.steploop.next()
             if step >= max_steps or self._stop_here(step):
-                if self.steploop.secure():
+                if self.steploop.secure() and (self._preempted or
+                                               self.steploop.audits_settled()):
                     return
                 continue  # a peer failed at the end: recover, and redo what the restore says
             if not self.steploop.ready(step):
@@ -296,11 +300,8 @@ class Job:
     @property
     def catching_up(self) -> int:
         """How many ranks compute this step while every other rank waits on them, if this rank
-        is one of them; else 0.
-
-        That is a replacement's first step when the survivors redo it from kept gradients: the
-        job waits on the replacement alone, so on CPU it may use the idle cores (if that gives the
-        same bits, see launcher/loop.py)."""
+        is one of them, else 0: a replacement's first step when the survivors redo it from kept
+        gradients (on CPU it may use the idle cores, launcher/loop.py)."""
         return self._rec.catching_up
 
     def all_reduce_grads(self, params, extra: torch.Tensor | None = None):

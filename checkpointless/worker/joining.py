@@ -25,11 +25,15 @@ def started_as_spare() -> bool:
     return protocol.started_as_spare()
 
 
-def join(seed: int | None = None, backend: str | None = None):
+def join(seed: int | None = None, backend: str | None = None, replay=None):
     """Join the job; blocks until this worker holds a rank (a spare waits here, warm).
 
     Under the supervisor (`python -m checkpointless` or `python -m launcher train`) this returns a
     fault-tolerant Job; under torchrun, a PlainJob with the same API and no recovery.
+
+    `replay`: how this process recomputes a rank's step, for audits while it waits as a spare
+    (checkpointless.audit.every; auditor.AuditServer says what it must offer). Without it a
+    spare does not audit.
     """
     if not protocol.supervised():
         if "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ:
@@ -60,7 +64,17 @@ def join(seed: int | None = None, backend: str | None = None):
     store.set(protocol.ready_key(worker_id), f"{time.time():.6f}")
     if job._rec.node_store is not store:  # its node's agent says so to a coordinator taking over
         job._rec.node_store.set(protocol.ready_key(worker_id), f"{time.time():.6f}")
-    job.take_rank()
+    server = None
+    if protocol.started_as_spare() and replay is not None and int(spec.audit_every) > 0:
+        from .auditor import AuditServer
+        server = AuditServer(lambda: membership.connect(host, port), host, port, worker_id,
+                             replay)
+        server.start()
+    try:
+        job.take_rank()
+    finally:
+        if server is not None:
+            server.stop()  # an audit replaying finishes first: the model is the loop's again
     if watch is not None:
         watch.stop()
     return job

@@ -135,7 +135,7 @@ class PlainJob:
     def replica_timing(self) -> dict | None:
         return None
 
-    def set_fallback(self, newest_step, load_step) -> None:
+    def set_fallback(self, newest_step, load_step, drop_after=None) -> None:
         pass  # torchrun restarts the job, which loads the newest checkpoint itself
 
     def seed_step(self, step: int, micro: int = 0) -> int:

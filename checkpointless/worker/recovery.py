@@ -224,10 +224,11 @@ class Recovery:
         me = restore.Position(self.rank, self.world_size, self.completed, self.holds_state,
                               self.kept.usable(self.completed, self.rank, self.world_size),
                               agreed=self.agreed, built=self.own_build)
+        rewind = protocol.read_json(self.store, protocol.rewind_key(plan.gen))
         out = restore.restore(self.state, me,
                               lambda rank, step: self.injector.at("receive", rank, step),
                               lambda rank, step: self.injector.at("send", rank, step),
-                              self._loaded)
+                              self._loaded, rewind_to=rewind["at_most"] if rewind else None)
         if out.drop_kept_grads:
             self.kept.drop()
         self.completed, self.holds_state = out.resumed_step, True

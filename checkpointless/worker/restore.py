@@ -56,15 +56,19 @@ class Outcome:
 
 
 def restore(state: ProtectedState, me: Position, before_receive=None,
-            mid_send=None, loaded=None) -> Outcome:
+            mid_send=None, loaded=None, rewind_to: int | None = None) -> Outcome:
     """`before_receive(rank, step)` is called on a receiver just before it receives, and
     `mid_send(rank, step)` on a sender midway through a send (faults). `loaded(step)` is called
     as soon as this member's live state was replaced by that of `step` (a roll-back to its
     snapshot, a slice received), so that a failure later in the same restore leaves the member
-    knowing which step its state is at: its own count of committed steps would be wrong."""
+    knowing which step its state is at: its own count of committed steps would be wrong.
+    `rewind_to`: the job goes back to a state known clean (a worker was found computing
+    wrong, audit.py): every member loads the newest durable checkpoint at or before it."""
     hook = before_receive or (lambda rank, step: None)
     send_hook = mid_send or (lambda rank, step: None)
-    if state.replicas is not None:
+    if rewind_to is not None:
+        out = _rewind(state, me, rewind_to, loaded or (lambda step: None))
+    elif state.replicas is not None:
         out = _restore_shards(state, me, hook, send_hook, loaded or (lambda step: None))
     else:
         out = _restore_replicated(state, me, hook, send_hook)
@@ -195,7 +199,7 @@ def _restore_from_disk(state: ProtectedState, me: Position, info: dict, newest: 
     if state.fallback is None:
         raise RuntimeError("a lost slice has no copy in any peer's memory and no durable "
                            "checkpoint is configured (set checkpoint.interval)")
-    newest_step, load_step = state.fallback
+    newest_step, load_step = state.fallback[:2]
     found = [None] * me.world_size
     with communicating("agreeing on the durable checkpoint to load"):
         # newest_step() first finishes this rank's checkpoint write in flight, whose commit may
@@ -214,6 +218,43 @@ def _restore_from_disk(state: ProtectedState, me: Position, info: dict, newest: 
     state.replicas.own.clear()
     state.replicas.held.clear()
     info.update(restored_from="durable_checkpoint", steps_redone=max(0, newest - step),
+                transfer_s=time.time() - t0)
+    return Outcome(resumed_step=step, drop_kept_grads=True, info=info)
+
+
+def _rewind(state: ProtectedState, me: Position, at_most: int, loaded) -> Outcome:
+    """Every member (a spare too) loads the newest durable checkpoint at or before `at_most`;
+    the checkpoints after it were written from a state that may be wrong, and go."""
+    t0 = time.time()
+    if state.fallback is None:
+        raise RuntimeError("a worker computed wrong gradients and the job must go back to a "
+                           "state known clean, but no durable checkpoint is configured (set "
+                           "checkpoint.interval)")
+    newest_step, load_step = state.fallback[:2]
+    found = [None] * me.world_size
+    with communicating("agreeing on the durable checkpoint known clean"):
+        newest_step()  # a write in flight lands first: it must not land after the cleanup
+        dist.all_gather_object(found, (newest_step(at_most), me.completed if me.holds_state
+                                       else -1))
+    newest = max(c for _, c in found)
+    found = [f for f, _ in found]
+    if None in found:
+        raise RuntimeError(f"a worker computed wrong gradients: the job must go back to step "
+                           f"{at_most} or before, and no durable checkpoint that old is left "
+                           "(raise checkpoint.keep, or lower checkpoint.interval)")
+    step = min(found)
+    load_step(step)
+    loaded(step)
+    if len(state.fallback) > 2:
+        state.fallback[2](step)  # drops the checkpoints after it
+    if me.rank == 0:
+        print(f"[checkpointless] every rank goes back to the durable checkpoint at step {step}, "
+              f"known clean (a worker computed wrong after step {at_most - 1}); "
+              f"{max(0, newest - step)} steps to redo", flush=True)
+    if state.replicas is not None:
+        state.replicas.own.clear()
+        state.replicas.held.clear()
+    info = dict(restored_from="durable_checkpoint", steps_redone=max(0, newest - step),
                 transfer_s=time.time() - t0)
     return Outcome(resumed_step=step, drop_kept_grads=True, info=info)
 

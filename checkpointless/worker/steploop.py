@@ -48,9 +48,10 @@ class StepLoop:
     fault_tolerant = True
 
     def __init__(self, store, worker_id: int, spec: protocol.Spec, rec: Recovery,
-                 state: ProtectedState, injector: FaultInjector):
+                 state: ProtectedState, injector: FaultInjector, audits=None):
         self.store, self.worker_id, self.spec = store, worker_id, spec
         self.rec, self.state, self.injector = rec, state, injector
+        self.audits = audits  # audit_rank.RankAudits: taps the gradients of audited steps
         self.started = False  # start() ran: the state is agreed
         self.step_started_at = 0.0
         self._secured: tuple[int, int] | None = None  # (gen, step) whose state peers hold whole
@@ -130,6 +131,9 @@ class StepLoop:
         self.rec.reporter.kick()  # this step's heartbeat, the last one's record
         self.pace.begin()
         self.pace.injected_s = self.injector.slow_down(self.rec.rank, step, self.pace.own_s)
+        if self.audits is not None:
+            rank = self.rec.rank
+            self.audits.open(step, rank, self.rec.world_size, self.injector.sdc_due(rank, step))
         try:
             self.injector.raise_due(self.rec.rank, step)
         except InjectedFault as exc:
@@ -162,7 +166,11 @@ class StepLoop:
         landed (an update that landed stands, and the recovery follows at the next turn). True:
         committed."""
         self.rec.leave_step()
-        if self.rec.failed and not self.state.update_applied:
+        rec, step = self.rec, self.rec.completed
+        committed = not (rec.failed and not self.state.update_applied)
+        if self.audits is not None:
+            self.audits.close(step, rec.rank, rec.world_size, rec.gen, committed)
+        if not committed:
             self.pace.drop()  # not a step's figure: it is redone
             return False
         self.pace.end(self.rec.completed, self.rec.gen)
@@ -232,6 +240,23 @@ class StepLoop:
             rec.leave_step()
         self._secured = (rec.gen, rec.completed)
         return True
+
+    def audits_settled(self) -> bool:
+        """At the loop's end with audits on: the spares judged the last audited step
+        (audit_rank.settle; a wrong gradient found then is still recovered). False when a peer
+        failed meanwhile (the next turn recovers, and the loop may go on)."""
+        rec = self.rec
+        if self.audits is None or self.audits.every <= 0:
+            return True
+
+        def failed() -> bool:
+            rec.reporter.beat(rec.completed, rec.gen, "recover")  # waiting, not hung
+            return rec.watch.moved(rec.gen)
+
+        if self.audits.settle(rec.completed, rec.world_size, failed):
+            return True
+        rec.fail()
+        return False
 
     def _replicate(self, step: int, force: bool = False) -> bool:
         """Snapshot this rank's shard when due (or `force`d, with copies at all) and start

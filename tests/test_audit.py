@@ -1,0 +1,168 @@
+"""Audits by replay (checkpointless/worker/audit.py, auditor.py), in-process on plain torch: the
+digest, the sampling, the judgment, and a spare's server judging shipped steps over a real store
+and a real socket (a wrong gradient found, a right one passed)."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import timedelta
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from checkpointless import protocol
+from checkpointless.worker.audit import (GradTap, audited, checksum, flip_bit, judge,
+                                         rewind_bound)
+from checkpointless.worker.auditor import AuditServer
+from checkpointless.worker.audit_rank import RankAudits
+
+
+def test_checksum_sees_every_flipped_bit_and_ignores_order():
+    g = torch.randn(64, 32)
+    base = int(checksum(g))
+    for bit in range(32):
+        assert int(checksum(flip_bit(g, bit))) != base, bit
+    parts = [g[:10], g[10:40], g[40:]]
+    forward = sum(int(checksum(p)) for p in parts)
+    assert forward == sum(int(checksum(p)) for p in reversed(parts)) == base
+    assert int(checksum(g.to(torch.bfloat16))) != int(checksum(flip_bit(g.to(torch.bfloat16))))
+
+
+def test_sampling_covers_every_rank_in_turn():
+    world, every = 4, 3
+    seen = [audited(s, every, world) for s in range(0, every * world * 2)]
+    picked = [x for x in seen if x is not None]
+    assert len(picked) == 8 and all(s % every == 0 for s, x in enumerate(seen) if x)
+    assert sorted({r for r, _ in picked}) == [0, 1, 2, 3]
+    assert all(w == (r + 1) % world for r, w in picked)
+    assert audited(5, 0, 4) is None and audited(3, 1, 1) is None
+
+
+def test_judgment_needs_a_third_computation():
+    assert judge(7, 7, None, None) == "ok"
+    assert judge(7, 8, None, None) == "undecided"
+    assert judge(7, 8, 5, 5) == "audited"  # the witness agrees with the spare: audited is wrong
+    assert judge(7, 8, 5, 6) == "auditor"  # neither agrees: the spare doubts itself
+    assert rewind_bound(None) == 0 and rewind_bound(-1) == 0 and rewind_bound(10) == 11
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Embedding(50, 16), torch.nn.Linear(16, 16),
+                               torch.nn.GELU(), torch.nn.Linear(16, 50))
+
+
+def _step(model, step, rank, micro_batches=2):
+    for micro in range(micro_batches):
+        torch.manual_seed(1000 * step + 10 * rank + micro)
+        x = torch.randint(0, 50, (4, 8))
+        loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, 50), x.reshape(-1))
+        (loss / micro_batches).backward()
+
+
+def _tapped(model, step, rank, flip=False, capture=False):
+    tap = GradTap(model)
+    tap.arm(step, capture=capture, flip=flip)
+    _step(model, step, rank)
+    out = tap.digests(), dict(tap.params), tap.flipped
+    tap.disarm()
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def test_tap_digest_is_a_function_of_state_and_batch_and_sees_a_flip():
+    (g1, p1), params, _ = _tapped(_model(), 3, 1, capture=True)
+    (g2, p2), _, _ = _tapped(_model(), 3, 1)
+    assert (g1, p1) == (g2, p2)
+    assert sorted(params) == ["0.weight", "1.bias", "1.weight", "3.bias", "3.weight"]
+    (g3, _), _, flipped = _tapped(_model(), 3, 1, flip=True)
+    assert flipped is not None and g3 != g1
+    (g4, _), _, _ = _tapped(_model(), 3, 2)  # another rank's batch
+    assert g4 != g1
+    m = _model()
+    tap = GradTap(m)
+    tap.arm(0)
+    tap.disarm()
+    _step(m, 0, 0)  # disarmed: no hook left behind on the parameters
+    assert tap.digests() is None
+
+
+class _Replay:
+    """What the loop gives a spare: a whole model, and a rank's step on it."""
+
+    def __init__(self, bad_auditor=False):
+        self.bad = bad_auditor
+
+    def model(self):
+        return _model(seed=99)  # other values: the shipped parameters must replace them all
+
+    def replay(self, model, step, rank, world):
+        hook = next(model.parameters()).register_hook(flip_bit) if self.bad else None
+        _step(model, step, rank)  # bad: this spare's own hardware computes wrong
+        if hook is not None:
+            hook.remove()
+
+
+@pytest.fixture()
+def store():
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=30))
+    yield server
+    del server
+
+
+def _connect(store):
+    return lambda: dist.TCPStore("127.0.0.1", store.port, is_master=False,
+                                 timeout=timedelta(seconds=30))
+
+
+def _run_audit(store, step, sdc_rank=None, bad_auditor=False, last_pass=None):
+    """Ranks 0..3 of a job at `step` (their audited rank and witness tap, publish, ship), and a
+    spare's server judging; returns once it judged."""
+    server = AuditServer(_connect(store), "127.0.0.1", store.port, 9, _Replay(bad_auditor))
+    server.start()
+    if last_pass is not None:
+        store.set(protocol.audit_pass_key(audited(step, 1, 4)[0]), str(last_pass))
+    try:
+        state = _model().state_dict()
+        for rank in range(4):
+            model = _model()
+            model.load_state_dict(state)
+            ranks = RankAudits(store, 100 + rank, 1, _connect(store), log=lambda *a, **k: None)
+            ranks.install([model], protocol.parse_faults(["sdc:2:0"] if sdc_rank else []))
+            ranks.open(step, rank, 4, sdc=rank == sdc_rank)
+            _step(model, step, rank)
+            ranks.close(step, rank, 4, gen=0, committed=True)
+        deadline = time.time() + 30
+        while not store.check([protocol.AUDIT_DONE]) or \
+                int(store.get(protocol.AUDIT_DONE)) < step:
+            assert time.time() < deadline, "the spare did not judge the step"
+            time.sleep(0.05)
+    finally:
+        server.stop()
+
+
+def test_a_right_step_passes(store):
+    _run_audit(store, 6)  # rank 2 audited, rank 3 its witness
+    assert int(store.get(protocol.audit_pass_key(2))) == 6
+    assert store.add(protocol.SDC, 0) == 0
+
+
+def test_a_wrong_gradient_is_found_and_judged_by_the_witness(store):
+    _run_audit(store, 6, sdc_rank=2, last_pass=2)
+    assert store.add(protocol.SDC, 1) == 2
+    finding = json.loads(store.get(protocol.sdc_key(102)))
+    assert finding["rank"] == 2 and finding["step"] == 6
+    assert finding["last_passed"] == 2 and finding["rewind_to"] == 3
+
+
+def test_an_auditor_agreeing_with_nobody_accuses_nobody(store):
+    _run_audit(store, 6, bad_auditor=True)
+    assert store.add(protocol.SDC, 0) == 0
+    record = json.loads(store.get(protocol.health_key(9)))
+    assert not record["ok"] and "suspect" in record["problems"][0]
+    assert store.get(protocol.auditor_key(0)) == b""
