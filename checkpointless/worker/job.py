@@ -57,7 +57,7 @@ class Job:
         self._rec = Recovery(store, worker_id, spec, host, port, self._state, self._kept,
                              self._injector, self.reporter, node_port, protocol.node_id())
         self._injector.where = lambda: (self._rec.rank, self._rec.completed)
-        self._audits = RankAudits(  # audits by a spare's replay (audit.py): this rank's partstore, worker_id, int(spec.audit_every),
+        self._audits = RankAudits(store, worker_id, int(spec.audit_every),  # audit.py
                                   lambda: protocol.membership.connect(host, port))
         # the step boundary, the public API the drop-in Accelerator drives too (steploop.py)
         self.steploop = StepLoop(store, worker_id, spec, self._rec, self._state, self._injector,
