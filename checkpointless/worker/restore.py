@@ -226,6 +226,7 @@ def _rewind(state: ProtectedState, me: Position, at_most: int, loaded) -> Outcom
     """Every member (a spare too) loads the newest durable checkpoint at or before `at_most`;
     the checkpoints after it were written from a state that may be wrong, and go."""
     t0 = time.time()
+    reshard_all(state.modules())  # FSDP as a step cut short left it (group.reshard_all)
     if state.fallback is None:
         raise RuntimeError("a worker computed wrong gradients and the job must go back to a "
                            "state known clean, but no durable checkpoint is configured (set "
