@@ -185,6 +185,32 @@ def check_faults(cfg: DictConfig) -> None:
             raise RecipeError(f"faults[{i}].{exc.field}={exc.value!r}: {exc.fix}") from None
 
 
+def check_audits(cfg: DictConfig) -> None:
+    """Audits (checkpointless/worker/audit.py) are replayed by idle spares, judged against a
+    witness rank, and a worker found wrong is undone by a rewind to a durable checkpoint; the
+    replay must reproduce the rank's bits, which a GradScaler's scale or tensor-parallel
+    shards would not give it."""
+    every, key = cfg.checkpointless.audit.every, "checkpointless.audit.every"
+    if every <= 0:
+        return
+    c, d = cfg.checkpointless, cfg.distributed
+    need(c.enabled, key, every, "audits need recovery: set checkpointless.enabled=true, or "
+         "checkpointless.audit.every=0")
+    need(c.spares > 0 or c.spare_nodes > 0, key, every, "audits are replayed by idle spares: "
+         "set checkpointless.spares=1 (or more), or checkpointless.audit.every=0")
+    need(cfg.checkpoint.interval > 0, key, every, "a worker found computing wrong is undone by "
+         "going back to a durable checkpoint known clean: set checkpoint.interval (e.g. 5)")
+    need(d.num_processes >= 2, key, every, "an audit needs a witness rank: use "
+         "distributed.num_processes=2 or more, or checkpointless.audit.every=0")
+    need(d.tp_size == 1, key, every, "audits replay a whole rank's step; under "
+         "distributed.tp_size>1 they are not supported yet: set checkpointless.audit.every=0")
+    precision = cfg.trainer.precision
+    need(precision != "fp16" and not (precision == "bf16" and d.strategy != "ddp"), key, every,
+         f"with trainer.precision={precision} under {d.strategy} a spare's replay would not "
+         "reproduce the rank's gradients bit for bit (a GradScaler's scale, FSDP's bf16 "
+         "gather): use trainer.precision=fp32, bf16 under ddp, or checkpointless.audit.every=0")
+
+
 def check_replication(cfg: DictConfig) -> None:
     """Each copy of a rank's state is held by another worker."""
     rep, n = cfg.checkpointless.replication, cfg.distributed.num_processes
@@ -278,5 +304,6 @@ def check_dir(key: str, value: str, example: str) -> None:
 
 # in this order: the folders last, as they look at the disk
 CROSS_FIELD = (check_precision, check_sources, check_nodes, check_etcd, check_trackers,
-               check_eval, check_peft, check_faults, check_replication, check_sharding,
+               check_eval, check_peft, check_faults, check_audits, check_replication,
+               check_sharding,
                check_tensor_parallel, check_folders)

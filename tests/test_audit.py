@@ -166,3 +166,29 @@ def test_an_auditor_agreeing_with_nobody_accuses_nobody(store):
     record = json.loads(store.get(protocol.health_key(9)))
     assert not record["ok"] and "suspect" in record["problems"][0]
     assert store.get(protocol.auditor_key(0)) == b""
+
+
+def test_the_sdc_fault_parses_and_refuses_what_it_cannot_be():
+    from checkpointless.protocol import Fault, parse_fault
+    assert parse_fault("sdc:2:12") == Fault("sdc", 2, 12)
+    assert parse_fault("sdc:2:12:3").every == 3
+    with pytest.raises(ValueError, match="every=0 must be >= 1"):
+        parse_fault("sdc:2:12:0")
+    with pytest.raises(ValueError, match="cannot strike @backward"):
+        parse_fault("sdc:2:12@backward")
+    with pytest.raises(ValueError, match="for kind=sdc only"):
+        Fault("kill", 1, 2, every=2)
+
+
+@pytest.mark.parametrize("override,says", [
+    ("checkpointless.spares=0", "replayed by idle spares"),
+    ("checkpoint.interval=0", "durable checkpoint known clean"),
+    ("distributed.strategy=fsdp trainer.precision=bf16", "bit for bit"),
+])
+def test_audits_are_refused_before_launch_where_they_cannot_work(override, says):
+    from launcher.recipes import RecipeError, load
+    base = ["checkpointless.audit.every=1", "checkpoint.interval=5"]
+    with pytest.raises(RecipeError, match=says) as err:
+        load("tiny-llama", base + override.split())
+    assert "checkpointless.audit.every=1" in str(err.value)
+    assert load("tiny-llama", base).checkpointless.audit.every == 1

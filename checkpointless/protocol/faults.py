@@ -119,9 +119,6 @@ def _problem(f: Fault) -> FaultError | None:
     if f.every is not None and f.every < 1:
         return FaultError(f"faults: every={f.every} must be >= 1 (an sdc fault strikes every "
                           "that many steps)", "every", f.every, "must be >= 1, e.g. 1")
-    if f.kind == "sdc" and f.phase != "step":
-        return FaultError(f"faults: kind='sdc' strikes inside its steps' backward, not "
-                          f"@{f.phase}", "phase", f.phase, "delete the @phase (sdc:2:12)")
     if f.kind == "slow" and f.factor is not None and not f.factor > 1:
         return FaultError(f"faults: factor={f.factor:g} must be > 1 (a slow rank's steps take "
                           "that many times as long)", "factor", f.factor, "must be > 1, e.g. 3")
