@@ -1,175 +1,91 @@
-"""A node's door to the coordinator's store: a local port whose far end can move.
+"""A node's door to the coordinator's store: every process of the node reaches the coordinator
+through it, over two connections per node whatever the ranks per node.
 
-When the coordinator's role moves to another node (leadership.py), its store (a TCPStore server)
-moves with it: a new, empty server on another host. Workers must not notice more than a pause:
-their store clients live inside torch (process groups, threads, the loop's reporter) and cannot be
-pointed elsewhere. So in that mode each node's agent hosts this door on 127.0.0.1 and gives its
-workers the door's port as the coordinator's. The door forwards every call to the current
-coordinator and, when the coordinator changes (`retarget`, with a newer token), sends the calls
-that were waiting for an answer to the new one. A worker blocked in a call (a wait for a key, a
-counter's add) is answered by the new coordinator, as if the call had been made there.
+The coordinator's connections, and its store server's per-connection work, must grow with nodes,
+not ranks. The node agent hosts the door on 127.0.0.1 and gives its workers (and its own threads)
+the door's port as the coordinator's. Calls from every local client go down one connection in
+the order they arrive (torch's server answers a connection's calls in order: the n-th answer is
+the n-th call's), what arrives in one turn of the loop leaving in one write. Waits go down a
+second connection; clients waiting for the same keys share one upstream wait (see `_wait`).
 
-It speaks the store's wire format (the same as launcher/bench/scale_wire.py, checked against
-torch's server by tests/test_store_door.py): each call is one byte of type and its arguments (a
-string or a value: a little-endian uint64 length and its bytes; a count: a uint64; a number: an
-int64). It reads each call whole to know where it ends and what answer to expect.
-
-What it does not do:
-- replay to the *same* coordinator: when a connection to it breaks while it still holds the
-  role, a call it may have carried out (an add) is not sent twice; the client's calls wait for a
-  new coordinator, or fail with the client's own timeout;
-- carry the old store's keys over: the new coordinator starts from what etcd and the agents tell
-  it, and the calls answered by the old one stay answered.
+When the coordinator moves (`retarget`, coordinator=etcd), the calls not yet answered and the
+waits go to the new one: a worker blocked in a call is answered there, as if it had been made
+there. It does not replay to the *same* coordinator (a call it may have carried out, an add, is
+not sent twice), nor carry the old store's keys over. With `hold=False` (one coordinator for the
+job's life) a broken connection closes every client's, so their calls fail at once, as a direct
+connection's would.
 """
 from __future__ import annotations
 
 import os
 import selectors
 import socket
-import struct
 import threading
 import time
 from collections import deque
 
-# torch/csrc/distributed/c10d/TCPStoreBackend.hpp: QueryType's order
-(VALIDATE, SET, COMPARE_SET, GET, ADD, CHECK, WAIT, GETNUMKEYS, DELETE_KEY, APPEND, MULTI_GET,
- MULTI_SET, CANCEL_WAIT, PING) = range(14)
-MAGIC = 0x3C85F7CE
-WAIT_CANCELED = 1
-
-
-class _Short(Exception):
-    """Not all of a call (or an answer) has arrived yet."""
-
-
-def _u64(buf, at):
-    if len(buf) < at + 8:
-        raise _Short
-    return struct.unpack_from("<Q", buf, at)[0], at + 8
-
-
-def _blob(buf, at):
-    n, at = _u64(buf, at)
-    if len(buf) < at + n:
-        raise _Short
-    return at + n
-
-
-def _blobs(buf, at, count):
-    for _ in range(count):
-        at = _blob(buf, at)
-    return at
-
-
-def _call_end(buf) -> tuple[int, str]:
-    """Where the call at the start of `buf` ends, and its answer's shape: "" none, "b" a byte,
-    "q" an int64, "v" a value, "v*N" N values, "u" a uint32 (ping). _Short if incomplete."""
-    if not buf:
-        raise _Short
-    t = buf[0]
-    if t in (SET, APPEND):
-        return _blobs(buf, 1, 2), ""
-    if t == COMPARE_SET:
-        return _blobs(buf, 1, 3), "v"
-    if t == GET:
-        return _blob(buf, 1), "v"
-    if t == ADD:
-        at = _blob(buf, 1)
-        if len(buf) < at + 8:
-            raise _Short
-        return at + 8, "q"
-    if t in (CHECK, WAIT, MULTI_GET):
-        n, at = _u64(buf, 1)
-        return _blobs(buf, at, n), {CHECK: "b", WAIT: "w", MULTI_GET: f"v*{n}"}[t]
-    if t == MULTI_SET:
-        n, at = _u64(buf, 1)
-        return _blobs(buf, at, 2 * n), ""
-    if t == GETNUMKEYS:
-        return 1, "q"
-    if t == DELETE_KEY:
-        return _blob(buf, 1), "q"
-    if t == CANCEL_WAIT:
-        return 1, "c"
-    if t == PING:
-        if len(buf) < 5:
-            raise _Short
-        return 5, "u"
-    raise ValueError(f"a store call of type {t} the door does not know")
-
-
-def _answer_end(buf, shape: str) -> int:
-    if shape in ("b", "w", "c"):
-        if not buf:
-            raise _Short
-        return 1
-    if shape == "q":
-        if len(buf) < 8:
-            raise _Short
-        return 8
-    if shape == "u":
-        if len(buf) < 4:
-            raise _Short
-        return 4
-    if shape == "v":
-        return _blob(buf, 0)
-    if shape.startswith("v*"):
-        return _blobs(buf, 0, int(shape[2:]))
-    raise ValueError(shape)
-
-
-def _recv(sock: socket.socket) -> bytes | None:
-    """What a readable socket holds: None if nothing after all, b"" once it is closed."""
-    try:
-        return sock.recv(1 << 16)
-    except BlockingIOError:
-        return None
-    except OSError:
-        return b""
+from . import store_wire as w
 
 
 class _Client:
-    """One worker's connection through the door."""
+    """One local process's connection through the door."""
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
-        self.inbuf = bytearray()  # from the worker, not yet a whole call
+        self.inbuf = bytearray()  # from the client, not yet a whole call
+        self.out = bytearray()  # answers for it, sent at the end of the loop's turn
         self.greeted = False  # its VALIDATE and PING were answered by the door itself
-        self.up: socket.socket | None = None
-        self.up_epoch = -1  # the target it was connected to
-        self.up_ready = False  # its own handshake with the coordinator answered
-        self.upbuf = bytearray()
-        self.unsent: deque = deque()  # (call bytes, answer shape), for the next coordinator
-        self.pending: deque = deque()  # sent, waiting for their answers, in order
-        self.broken_at = 0.0  # its coordinator connection broke then (0: it did not)
+        self.waiting: _Wait | None = None
+        self.held: deque = deque()  # its calls after a wait, until the wait is over
+
+
+class _Wait:
+    """What every local client waiting for the same keys waits for."""
+
+    def __init__(self, call: bytes):
+        self.call = call  # WAIT and its keys
+        self.keys = w.keys_of(call)
+        self.clients: list[_Client] = []
 
 
 class StoreDoor:
     """Listens on 127.0.0.1 (`port` 0: any free one); forwards to `retarget`'s address."""
 
-    def __init__(self, port: int = 0, log=lambda m: None):
-        self.log = log
-        self._lsock = socket.socket()
-        self._lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._lsock.bind(("127.0.0.1", port))
-        self._lsock.listen(256)
-        self._lsock.setblocking(False)
+    def __init__(self, port: int = 0, log=lambda m: None, hold: bool = True):
+        self.log, self.hold = log, hold
+        self._lsock = w.listen(port)
         self.port = self._lsock.getsockname()[1]
         self._target: tuple[str, int] | None = None
         self.epoch = 0  # moves with every retarget
         self.broke_at: float | None = None  # a connection to the current target first broke
+        self.stats = {"calls": 0, "waits": 0, "waits_shared": 0, "upstream_connects": 0}
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._lsock, selectors.EVENT_READ, "listen")
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._clients: set[_Client] = set()
+        # upstream: the calls' connection and the waits', made and lost together
+        self._up: socket.socket | None = None
+        self._wup: socket.socket | None = None
+        self._up_epoch = -1
+        self._broken_epoch = -1  # the epoch whose target broke (not dialled again when holding)
+        self._upbuf = bytearray()
+        self._unsent: deque = deque()  # (owner, call, shape): a _Client, or a _Wait's check
+        self._pending: deque = deque()  # (owner, call, shape) sent, in order
+        self._out = bytearray()  # to the calls' connection, at the end of the turn
+        self._wout = bytearray()  # to the waits'
+        self._waits: dict[bytes, _Wait] = {}  # by keys; those not over
+        self._checking = 0  # checks out for the waits
+        self._present: dict[bytes, bool] = {}  # their answers
+        self._woke = False  # a byte came on the waits' connection while checks were out
         self._stop = False
         self.thread = threading.Thread(target=self._run, daemon=True, name="store-door")
         self.thread.start()
 
     def retarget(self, host: str, port: int) -> None:
-        """The coordinator is now at host:port: calls waiting for an answer go there, and every
-        connection to the one before is closed."""
+        """The coordinator is now at host:port: what waits for an answer goes there, and the
+        connections to the one before are closed."""
         self._target = (host, port)
         self.epoch += 1
         self.broke_at = None
@@ -180,159 +96,252 @@ class StoreDoor:
         os.write(self._wake_w, b"x")
         self.thread.join(5)
 
-    # ---- the loop -------------------------------------------------------------------------------
+    # ---- the loop ----------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop:
             for key, _ in self._sel.select(0.2):
                 if key.data == "listen":
                     self._accept()
                 elif key.data == "wake":
-                    try:
-                        os.read(self._wake_r, 4096)
-                    except BlockingIOError:
-                        pass
-                else:
-                    c, side = key.data
-                    if c in self._clients:
-                        self._from_client(c) if side == "client" else self._from_up(c)
-            for c in list(self._clients):
-                if c.up is not None and c.up_epoch != self.epoch:
-                    # retargeted: the old coordinator was deposed, even if its connection is
-                    # still open (a partition drops packets, it resets nothing)
-                    self._up_broke(c)
-                self._connect_up(c)
+                    w.recv_pipe(self._wake_r)
+                elif key.data == "up" and key.fileobj is self._up:  # not lost this turn
+                    self._from_up()
+                elif key.data == "wup" and key.fileobj is self._wup:
+                    self._from_waits()
+                elif key.data in self._clients:
+                    self._from_client(key.data)
+            if self._up is not None and self._up_epoch != self.epoch:
+                # retargeted: the old coordinator was deposed, even if its connection is still
+                # open (a partition drops packets, it resets nothing)
+                self._up_lost(broke=False)
+            self._connect_up()
+            self._flush()
         for c in list(self._clients):
             self._drop(c)
+        self._up_lost(broke=False)
         self._lsock.close()
 
     def _accept(self) -> None:
-        try:
-            sock, _ = self._lsock.accept()
-        except BlockingIOError:
-            return
-        sock.setblocking(False)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        c = _Client(sock)
-        self._clients.add(c)
-        self._sel.register(sock, selectors.EVENT_READ, (c, "client"))
+        while True:
+            try:
+                sock, _ = self._lsock.accept()
+            except (BlockingIOError, OSError):
+                return
+            sock.settimeout(2.0)  # answers are small; a client that reads nothing is dropped
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            c = _Client(sock)
+            self._clients.add(c)
+            self._sel.register(sock, selectors.EVENT_READ, c)
 
     def _drop(self, c: _Client) -> None:
         self._clients.discard(c)
-        for s in (c.sock, c.up):
-            if s is not None:
-                try:
-                    self._sel.unregister(s)
-                except (KeyError, ValueError):
-                    pass
-                s.close()
+        self._unwait(c)
+        self._forget(c.sock)
+
+    def _forget(self, sock: socket.socket) -> None:
+        try:
+            self._sel.unregister(sock)
+        except (KeyError, ValueError):
+            pass
+        sock.close()
 
     def _from_client(self, c: _Client) -> None:
-        data = _recv(c.sock)
-        if data is None:
-            return
-        if not data:  # the worker closed it (or died)
-            return self._drop(c)
+        data = w.recv(c.sock)
+        if not data:  # nothing after all (None), or the client closed it (or died)
+            return None if data is None else self._drop(c)
         c.inbuf += data
         if not c.greeted:  # VALIDATE + magic, then PING + nonce: answered here
             if len(c.inbuf) < 10:
                 return
-            if c.inbuf[0] != VALIDATE or c.inbuf[5] != PING:
+            if c.inbuf[0] != w.VALIDATE or c.inbuf[5] != w.PING:
                 return self._drop(c)
-            c.sock.sendall(bytes(c.inbuf[6:10]))
+            c.out += c.inbuf[6:10]
             del c.inbuf[:10]
             c.greeted = True
         while True:
             try:
-                end, shape = _call_end(c.inbuf)
-            except _Short:
+                end, shape = w.call_end(c.inbuf)
+            except w.Short:
                 return
             except ValueError as exc:
                 self.log(f"[store door] {exc}: closing that connection")
                 return self._drop(c)
             call = bytes(c.inbuf[:end])
             del c.inbuf[:end]
-            c.unsent.append((call, shape))
-            self._send(c)
+            if c.waiting is not None and call[0] != w.CANCEL_WAIT:
+                c.held.append((call, shape))  # its order kept: after the wait
+            else:
+                self._take(c, call, shape)
 
-    def _send(self, c: _Client) -> None:
-        """Send what waits to the coordinator, when connected to the current one."""
-        if c.up is None or not c.up_ready:
-            return
-        out = bytearray()
-        while c.unsent:
-            call, shape = c.unsent.popleft()
-            out += call
-            if shape:
-                c.pending.append((call, shape))
-        try:
-            c.up.sendall(out)  # small calls: the socket's buffer takes them
-        except OSError:
-            self._up_broke(c)
+    def _take(self, c: _Client, call: bytes, shape: str) -> None:
+        self.stats["calls"] += 1
+        if call[0] == w.WAIT:
+            return self._wait(c, call)
+        if call[0] == w.CANCEL_WAIT:  # its wait ends here; the upstream one may go on
+            self._unwait(c)
+            c.out.append(w.WAIT_CANCELED)
+            return self._release(c)
+        self._unsent.append((c, call, shape))
 
-    def _connect_up(self, c: _Client) -> None:
-        """Connect a client to the current target: at first, and after a break once the target
-        changed (never again to the one that broke, see the module's docstring)."""
-        if c.up is not None or self._target is None:
+    def _release(self, c: _Client) -> None:
+        while c.held and c.waiting is None:
+            self._take(c, *c.held.popleft())
+
+    # ---- waits -------------------------------------------------------------------------------
+    # torch's server keeps one count of awaited keys per connection, set by its newest wait, and
+    # answers a wait when the count reaches 0. So the waits' connection waits for each missing
+    # key alone: the newest leaves the count at 1, and a byte comes as soon as any of the keys
+    # appears. Which one, `check`s on the calls' connection say (one per key); then each key
+    # still missing is waited for again, a key that appeared meanwhile answering at once.
+    def _wait(self, c: _Client, call: bytes) -> None:
+        key = call[1:]
+        wt = self._waits.get(key)
+        self.stats["waits"] += 1
+        if wt is None:
+            wt = self._waits[key] = _Wait(call)
+            self._check(wt.keys)  # keys already there: answered in one round trip
+            self._arm(wt.keys)
+        else:
+            self.stats["waits_shared"] += 1
+        wt.clients.append(c)
+        c.waiting = wt
+
+    def _unwait(self, c: _Client) -> None:
+        wt, c.waiting = c.waiting, None
+        if wt is not None and c in wt.clients:
+            wt.clients.remove(c)
+            if not wt.clients:  # nobody waits for it any more
+                self._waits.pop(wt.call[1:], None)
+
+    def _arm(self, keys) -> None:
+        if self._wup is not None:
+            for k in keys:
+                self._wout += w.one_key(w.WAIT, k)
+
+    def _check(self, keys) -> None:
+        for k in keys:
+            self._checking += 1
+            self._unsent.append((k, w.one_key(w.CHECK, k), "b"))
+
+    def _checked(self, key: bytes, there: bool) -> None:
+        self._present[key] = there
+        self._checking -= 1
+        if self._checking:
             return
-        if c.broken_at and c.up_epoch == self.epoch:
+        missing = set()
+        for wt in list(self._waits.values()):
+            if all(self._present.get(k) for k in wt.keys):
+                self._waits.pop(wt.call[1:], None)
+                for c in wt.clients:
+                    c.out.append(w.STOP_WAITING)
+                    c.waiting = None
+                    self._release(c)
+            else:
+                missing.update(k for k in wt.keys if self._present.get(k) is False)
+        self._present.clear()
+        self._arm(missing)
+        if self._woke:  # a byte came while these checks were out: look again
+            self._from_waits(again=True)
+
+    def _from_waits(self, again: bool = False) -> None:
+        if not again:
+            data = w.recv(self._wup)
+            if not data:
+                return None if data is None else self._up_lost(broke=True)
+        self._woke = self._checking > 0
+        if not self._woke:
+            self._check({k for wt in self._waits.values() for k in wt.keys})
+
+    def _waits_connected(self) -> None:
+        self._sel.register(self._wup, selectors.EVENT_READ, "wup")
+        self._arm({k for wt in self._waits.values() for k in wt.keys})
+
+    # ---- the coordinator's side --------------------------------------------------------------
+    def _connect_up(self) -> None:
+        if self._up is not None or self._target is None or not self._clients:
             return
+        if self.hold and self._broken_epoch == self.epoch:
+            return  # never again to the one that broke (see the module's docstring)
         try:
-            up = socket.create_connection(self._target, timeout=0.5)
-            up.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            up.sendall(bytes([VALIDATE]) + struct.pack("<I", MAGIC) + bytes([PING])
-                       + struct.pack("<I", 7))
-            got = b""
-            while len(got) < 4:
-                part = up.recv(4 - len(got))
-                if not part:
-                    raise ConnectionError("closed during the handshake")
-                got += part
+            up = w.dial(self._target)
+            try:
+                self._wup = w.dial(self._target)
+            except OSError:
+                up.close()
+                raise
         except OSError:
             return  # tried again on the next turn (every 0.2 s at most)
-        up.setblocking(False)
-        c.up, c.up_epoch, c.up_ready, c.broken_at = up, self.epoch, True, 0.0
-        c.upbuf.clear()
-        # the calls the broken connection never answered go first, in their order
-        c.unsent.extendleft(reversed(c.pending))
-        c.pending.clear()
-        self._sel.register(up, selectors.EVENT_READ, (c, "up"))
-        self._send(c)
+        self.stats["upstream_connects"] += 1
+        self._up, self._up_epoch = up, self.epoch
+        self._upbuf.clear()
+        self._sel.register(up, selectors.EVENT_READ, "up")
+        self._waits_connected()
+        self._woke = False
+        self._check({k for wt in self._waits.values() for k in wt.keys})
 
-    def _up_broke(self, c: _Client) -> None:
-        if c.up is not None:
-            try:
-                self._sel.unregister(c.up)
-            except (KeyError, ValueError):
-                pass
-            c.up.close()
-        c.up, c.up_ready, c.broken_at = None, False, time.time()
-        if c.up_epoch == self.epoch and self.broke_at is None:
-            self.broke_at = c.broken_at
-
-    def _from_up(self, c: _Client) -> None:
-        data = _recv(c.up)
-        if data is None:
+    def _up_lost(self, broke: bool) -> None:
+        for s in (self._up, self._wup):
+            if s is not None:
+                self._forget(s)
+        was_up = self._up is not None
+        self._up = self._wup = None
+        self._out.clear()
+        self._wout.clear()
+        # the calls not answered go first next time, in their order; checks are asked again
+        back = [(o, call, shape) for o, call, shape in self._pending if isinstance(o, _Client)]
+        self._unsent = deque(back + [e for e in self._unsent if isinstance(e[0], _Client)])
+        self._pending.clear()
+        self._checking, self._woke = 0, False
+        self._present.clear()
+        if not broke or not was_up:
             return
-        if not data:  # the coordinator is gone: its answers come from the next one
-            return self._up_broke(c)
-        c.upbuf += data
-        out = bytearray()
-        while c.pending:
-            call, shape = c.pending[0]
+        self._broken_epoch = self._up_epoch
+        if self._up_epoch == self.epoch and self.broke_at is None:
+            self.broke_at = time.time()
+        if not self.hold:  # no other coordinator will come: the clients' calls fail now
+            for c in list(self._clients):
+                self._drop(c)
+            self._unsent.clear()
+            self._waits.clear()
+
+    def _from_up(self) -> None:
+        data = w.recv(self._up)
+        if not data:  # nothing after all, or the coordinator is gone
+            return None if data is None else self._up_lost(broke=True)
+        self._upbuf += data
+        while self._pending:
+            owner, _, shape = self._pending[0]
             try:
-                end = _answer_end(c.upbuf, shape)
-            except _Short:
+                end = w.answer_end(self._upbuf, shape)
+            except w.Short:
                 break
-            answer = bytes(c.upbuf[:end])
-            del c.upbuf[:end]
-            c.pending.popleft()
-            out += answer
-            # a wait whose cancel came first is answered once, by the cancel's byte
-            if shape == "w" and answer[0] == WAIT_CANCELED and c.pending \
-                    and c.pending[0][1] == "c":
-                c.pending.popleft()
-        if out:
+            answer = bytes(self._upbuf[:end])
+            del self._upbuf[:end]
+            self._pending.popleft()
+            if isinstance(owner, bytes):  # a key's check, for the waits
+                self._checked(owner, answer[0] == w.READY)
+            elif owner in self._clients:
+                owner.out += answer
+
+    def _flush(self) -> None:
+        """What this turn gathered leaves in one write per connection."""
+        if self._up is not None:
+            while self._unsent:
+                owner, call, shape = self._unsent.popleft()
+                self._out += call
+                if shape:
+                    self._pending.append((owner, call, shape))
+            for sock, buf in ((self._up, self._out), (self._wup, self._wout)):
+                if buf:
+                    try:
+                        sock.sendall(buf)
+                    except OSError:
+                        self._up_lost(broke=True)
+                        break
+                    buf.clear()
+        for c in [c for c in self._clients if c.out]:
             try:
-                c.sock.sendall(out)
+                c.sock.sendall(c.out)
+                c.out.clear()
             except OSError:
                 self._drop(c)
