@@ -100,15 +100,16 @@ class _PeerInProcess:
         self.step = None
 
     def send(self, tensors, dst, tag):
-        if tensors[0].numel() == 3:  # my header: both sides exchange the same step
+        if tensors[0].numel() == 4:  # my header: both sides exchange the same step
             self.step = int(tensors[0][0])
         return _Done()
 
     def recv(self, tensors, src, tag):
         (t,) = tensors
-        if t.numel() == 3:  # the header: rank 0's step and sizes
+        if t.numel() == 4:  # the header: rank 0's step, sizes and checksum
             skel, flat = self.peer.own[self.step]
-            t.copy_(torch.tensor([self.step, flat.numel(), len(skel)]))
+            total = self.peer.sums.sums[("own", self.step)]
+            t.copy_(torch.tensor([self.step, flat.numel(), len(skel), total]))
             return _Done()
         skel, flat = self.peer.own[self.step]
         message = torch.cat([flat, torch.frombuffer(bytearray(skel), dtype=torch.uint8)])
@@ -275,3 +276,21 @@ def test_a_roll_back_cut_by_a_lost_receiver_leaves_the_member_counting_the_step_
     with pytest.raises(PeerLost):
         restore_mod.restore(state, me, loaded=at.append)
     assert at == [6] and torch.equal(state.w, torch.full((2,), 6.0))
+
+
+def test_a_copy_damaged_at_rest_is_dropped_before_any_restore_can_use_it():
+    """A bit flipped in host memory, in a held copy or in an own snapshot (scrub.py): the
+    summary the members agree from no longer offers that version; the others stay."""
+    import threading
+    peer, me = ShardReplicas(factor=2), ShardReplicas(factor=2)
+    group = _PeerInProcess(peer, gated=-1, gate=threading.Event(), cut=False)
+    for step in (5, 6):
+        peer.snapshot(step, {"w": torch.arange(4.0) + 100 * step})
+        me.replicate(step, {"w": torch.full((3,), float(step))}, rank=1, world=2,
+                     connect=lambda: group)
+        assert me.wait()
+    assert me.summary() == {"own": [5, 6], "held": {"0": [5, 6]}}
+    me.held[0][6][1][3] ^= 4  # one bit of the copy of rank 0's slice at step 6
+    me.own[5][1][0] ^= 1  # one bit of this rank's own snapshot of step 5
+    assert me.summary() == {"own": [6], "held": {"0": [5]}}
+    assert me.sums.dropped == 2

@@ -22,7 +22,6 @@ plus the one arriving. A failure at any moment leaves a version that every slice
 from __future__ import annotations
 
 import pickle
-import queue
 import threading
 import time
 
@@ -30,12 +29,14 @@ import numpy as np
 import torch
 
 from .failures import MembershipMoved, PeerLost
+from .exchange import Job, Exchanger
+from . import scrub
+from .scrub import CopySums
 from .transfer import strip_tensors
 
 KEEP = 3  # versions of each slice kept on each side (see above)
 ROLLBACK_KEEP = 2  # own versions kept when twins are the copies (HSDP, see ShardReplicas)
 _SLACK = 1 << 16  # buffers are rounded up so a skeleton a few bytes longer fits the same buffer
-_TAG_HEADER, _TAG_PAYLOAD = 11, 12
 
 
 class Abandoned(RuntimeError):
@@ -69,11 +70,12 @@ class ShardReplicas:
         self._pool: list[torch.Tensor] = []  # buffers of dropped versions, to be reused
         self._retired: set[int] = set()  # buffers an abandoned exchange may still read
         self._token = 0  # bumped when a generation is left: its exchange may commit nothing
-        self._exchanger: _Exchanger | None = None
-        self._inflight: _Job | None = None
+        self._exchanger: Exchanger | None = None
+        self._inflight: Job | None = None
         self._pin = torch.cuda.is_available()  # pinned buffers make device-to-host copies fast
         # what the exchanges cost the training thread itself (the rest runs beside the step)
         self.timing = {"exchanges": 0, "snapshot_s": 0.0, "wait_s": 0.0}
+        self.sums = CopySums()  # each copy's checksum, checked before use and by a scrub
 
     def holders_of(self, rank: int, world: int) -> list[int]:
         return [(rank + i * self.offset) % world for i in range(1, self.factor)
@@ -134,8 +136,11 @@ class ShardReplicas:
         if srcs:
             torch._foreach_copy_(list(buf[:nflat].split([n for n in sizes if n])), srcs)
         buf[nflat:nflat + len(skel)].numpy()[:] = np.frombuffer(skel, dtype=np.uint8)
+        total = scrub.of(buf[:nflat])  # a pass over the copy, while it is hot in the cache
         with self._lock:
             self.own[step] = (skel, buf[:nflat])
+            self.sums.note(("own", step), total)
+        self.sums.start_scrub(self.verify)
         self.bytes_per_copy = nflat + len(skel)
         return buf[:nflat + len(skel)], nflat
 
@@ -167,8 +172,9 @@ class ShardReplicas:
                 self.abandon()
             if connect is None:
                 raise ValueError("replicate(): connect (the side group's constructor) is needed")
-            ex = self._exchanger = _Exchanger(self, gen, connect)
-        job = _Job(step, rank, payload, nflat, holders, sources, self._token)
+            ex = self._exchanger = Exchanger(self, gen, connect)
+        job = Job(step, rank, payload, nflat, holders, sources, self._token)
+        job.checksum = self.sums.sums.get(("own", step), 0)
         self._inflight = job
         ex.submit(job)
         return payload.numel() * len(holders)
@@ -225,7 +231,7 @@ class ShardReplicas:
             pass
         self.abandon(join_s=timeout_s)
 
-    def _commit_receive(self, job: "_Job", headers: dict[int, torch.Tensor]):
+    def _commit_receive(self, job: Job, headers: dict[int, torch.Tensor]):
         """In the thread, after the headers: drop what the arriving versions replace and hand
         out receive buffers. {source: (buffer view, flat bytes, skeleton bytes)}."""
         out = {}
@@ -233,7 +239,7 @@ class ShardReplicas:
             if job.token != self._token:
                 raise Abandoned("generation left")
             for s, h in headers.items():
-                step, nflat, nskel = (int(x) for x in h)
+                step, nflat, nskel, total = (int(x) for x in h)
                 if step != job.step:
                     raise RuntimeError(f"replica exchange: rank {s} sent step {step}, "
                                        f"expected {job.step}")
@@ -241,20 +247,32 @@ class ShardReplicas:
                 for old in [v for v in versions if v >= step]:
                     self._release(versions.pop(old)[1])
                 self._keep_newest(versions, KEEP - 1, self._release)
-                out[s] = (self._take(nflat + nskel)[:nflat + nskel], nflat, nskel)
+                out[s] = (self._take(nflat + nskel)[:nflat + nskel], nflat, nskel, total)
         return out
 
-    def _commit_copies(self, job: "_Job", bufs) -> None:
+    def _commit_copies(self, job: Job, bufs) -> None:
         """In the thread, once every byte has arrived: the copies become restorable."""
         with self._lock:
             if job.token != self._token:
                 raise Abandoned("generation left")
-            for s, (buf, nflat, nskel) in bufs.items():
+            for s, (buf, nflat, nskel, total) in bufs.items():
                 skel = buf[nflat:nflat + nskel].numpy().tobytes()
                 self.held.setdefault(s, {})[job.step] = (skel, buf[:nflat])
+                self.sums.note((s, job.step), total)  # checked as the members agree (verify)
 
     # ---- what the agreement reads ----------------------------------------------------------
+    def verify(self) -> None:
+        """Drop every copy whose bytes no longer match their checksum (scrub.py)."""
+        with self._lock:
+            versions = {("own", s): f for s, (_, f) in self.own.items()}
+            versions.update({(r, s): f for r, v in self.held.items() for s, (_, f) in v.items()})
+            for key in self.sums.damaged(versions):
+                where = self.own if key[0] == "own" else self.held[key[0]]
+                self._release(where.pop(key[1])[1])
+            self.sums.forget(set(versions))
+
     def summary(self) -> dict:
+        self.verify()  # a damaged copy is never offered to a restore
         with self._lock:
             return {"own": sorted(self.own),
                     "held": {str(r): sorted(v) for r, v in self.held.items()}}
@@ -271,70 +289,3 @@ class ShardReplicas:
             for b in [f if f._base is None else f._base for f in views] + pool:
                 bases[b.data_ptr()] = b.numel()
             return sum(bases.values())
-
-
-class _Job:
-    """One exchange: my message for `step`, to `holders`, while receiving from `sources`."""
-
-    def __init__(self, step, rank, payload, nflat, holders, sources, token):
-        self.step, self.rank, self.payload, self.nflat = step, rank, payload, nflat
-        self.holders, self.sources, self.token = holders, sources, token
-        self.done = threading.Event()
-        self.error: BaseException | None = None
-
-
-class _Exchanger:
-    """The background thread of one generation and its side group (built on the first job)."""
-
-    def __init__(self, owner: ShardReplicas, gen: int, connect):
-        self.owner, self.gen, self.connect = owner, gen, connect
-        self.broken = False  # after a failure the side group's state is unknown: not reused
-        self._jobs: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"checkpointless-replicas-{gen}")
-        self._thread.start()
-
-    def submit(self, job: _Job) -> None:
-        self._jobs.put(job)
-
-    def stop(self, join_s: float = 0.0) -> None:
-        self._jobs.put(None)
-        if join_s > 0:
-            self._thread.join(join_s)
-
-    def _run(self) -> None:
-        group = None
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            try:
-                if group is None:
-                    group = self.connect()
-                self._exchange(group, job)
-            except BaseException as exc:  # noqa: BLE001  handed to the main thread's wait()
-                job.error = exc
-                self.broken = True
-            finally:
-                job.done.set()
-            if self.broken:
-                return
-
-    def _exchange(self, group, job: _Job) -> None:
-        header = torch.tensor([job.step, job.nflat, job.payload.numel() - job.nflat],
-                              dtype=torch.int64)
-        got = {s: torch.empty(3, dtype=torch.int64) for s in job.sources}
-        _wait_all([group.send([header], h, _TAG_HEADER) for h in job.holders] +
-                  [group.recv([got[s]], s, _TAG_HEADER) for s in job.sources])
-        if self.owner.on_exchange is not None:
-            self.owner.on_exchange(job.rank, job.step)
-        bufs = self.owner._commit_receive(job, got)
-        _wait_all([group.send([job.payload], h, _TAG_PAYLOAD) for h in job.holders] +
-                  [group.recv([bufs[s][0]], s, _TAG_PAYLOAD) for s in job.sources])
-        self.owner._commit_copies(job, bufs)
-
-
-def _wait_all(works) -> None:
-    for w in works:
-        w.wait()
-
