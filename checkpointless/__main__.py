@@ -36,6 +36,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--consistency-every", type=int, default=DEFAULTS.consistency_every,
                    help="steps between checks that all replicas hold the same parameters "
                         "(0: only at the end)")
+    p.add_argument("--audit-every", type=int, default=DEFAULTS.audit_every,
+                   help="steps between audits: an idle spare replays one sampled rank's step "
+                        "and compares its gradients (the script passes join(replay=...)); a "
+                        "rank found wrong is evicted and the job rewinds to a durable checkpoint "
+                        "(0: off)")
     p.add_argument("--straggler-action", default=DEFAULTS.straggler_action,
                    choices=["evict", "report", "off"],
                    help="a rank slower than its peers: a ready spare takes it (evict), it is "

@@ -32,14 +32,19 @@ def test_checksum_sees_every_flipped_bit_and_ignores_order():
     assert int(checksum(g.to(torch.bfloat16))) != int(checksum(flip_bit(g.to(torch.bfloat16))))
 
 
-def test_sampling_covers_every_rank_in_turn():
+def test_sampling_covers_every_rank_once_a_round_in_an_order_drawn_per_round():
     world, every = 4, 3
-    seen = [audited(s, every, world) for s in range(0, every * world * 2)]
+    seen = [audited(s, every, world) for s in range(0, every * world * 6)]
     picked = [x for x in seen if x is not None]
-    assert len(picked) == 8 and all(s % every == 0 for s, x in enumerate(seen) if x)
-    assert sorted({r for r, _ in picked}) == [0, 1, 2, 3]
+    assert len(picked) == 24 and all(s % every == 0 for s, x in enumerate(seen) if x)
+    rounds = [sorted(r for r, _ in picked[i:i + world]) for i in range(0, 24, world)]
+    assert all(r == [0, 1, 2, 3] for r in rounds)
+    assert len({tuple(r for r, _ in picked[i:i + world]) for i in range(0, 24, world)}) > 1
     assert all(w == (r + 1) % world for r, w in picked)
     assert audited(5, 0, 4) is None and audited(3, 1, 1) is None
+    # a fault every 4 steps is met by an audit of its rank, whatever its phase
+    for phase in range(4):
+        assert any(audited(s, 1, 4)[0] == 2 for s in range(phase, 200, 4))
 
 
 def test_judgment_needs_a_third_computation():
@@ -94,11 +99,11 @@ def test_tap_digest_is_a_function_of_state_and_batch_and_sees_a_flip():
 class _Replay:
     """What the loop gives a spare: a whole model, and a rank's step on it."""
 
-    def __init__(self, bad_auditor=False):
-        self.bad = bad_auditor
+    def __init__(self, bad_auditor=False, seed=99):
+        self.bad, self.seed = bad_auditor, seed
 
-    def model(self):
-        return _model(seed=99)  # other values: the shipped parameters must replace them all
+    def model(self):  # seed 99: other values than the job's, which shipped ones must replace
+        return _model(seed=self.seed)
 
     def replay(self, model, step, rank, world):
         hook = next(model.parameters()).register_hook(flip_bit) if self.bad else None
@@ -123,6 +128,7 @@ def _connect(store):
 def _run_audit(store, step, sdc_rank=None, bad_auditor=False, last_pass=None):
     """Ranks 0..3 of a job at `step` (their audited rank and witness tap, publish, ship), and a
     spare's server judging; returns once it judged."""
+    store.set(protocol.FIRST_STEP, "5")  # a launch resumed at step 5: no burn-in
     server = AuditServer(_connect(store), "127.0.0.1", store.port, 9, _Replay(bad_auditor))
     server.start()
     if last_pass is not None:
@@ -133,7 +139,7 @@ def _run_audit(store, step, sdc_rank=None, bad_auditor=False, last_pass=None):
             model = _model()
             model.load_state_dict(state)
             ranks = RankAudits(store, 100 + rank, 1, _connect(store), log=lambda *a, **k: None)
-            ranks.install([model], protocol.parse_faults(["sdc:2:0"] if sdc_rank else []))
+            ranks.install([model], protocol.parse_faults([] if sdc_rank is None else ["sdc:0:0"]))
             ranks.open(step, rank, 4, sdc=rank == sdc_rank)
             _step(model, step, rank)
             ranks.close(step, rank, 4, gen=0, committed=True)
@@ -146,25 +152,29 @@ def _run_audit(store, step, sdc_rank=None, bad_auditor=False, last_pass=None):
         server.stop()
 
 
+STEP = 6
+RANK = audited(STEP, 1, 4)[0]  # the rank audited at STEP (its witness: the next one)
+
+
 def test_a_right_step_passes(store):
-    _run_audit(store, 6)  # rank 2 audited, rank 3 its witness
-    assert int(store.get(protocol.audit_pass_key(2))) == 6
+    _run_audit(store, STEP)
+    assert int(store.get(protocol.audit_pass_key(RANK))) == STEP
     assert store.add(protocol.SDC, 0) == 0
 
 
 def test_a_wrong_gradient_is_found_and_judged_by_the_witness(store):
-    _run_audit(store, 6, sdc_rank=2, last_pass=2)
+    _run_audit(store, STEP, sdc_rank=RANK, last_pass=2)
     assert store.add(protocol.SDC, 1) == 2
-    finding = json.loads(store.get(protocol.sdc_key(102)))
-    assert finding["rank"] == 2 and finding["step"] == 6
+    finding = json.loads(store.get(protocol.sdc_key(100 + RANK)))
+    assert finding["rank"] == RANK and finding["step"] == STEP
     assert finding["last_passed"] == 2 and finding["rewind_to"] == 3
 
 
 def test_an_auditor_agreeing_with_nobody_accuses_nobody(store):
-    _run_audit(store, 6, bad_auditor=True)
+    _run_audit(store, STEP, bad_auditor=True)
     assert store.add(protocol.SDC, 0) == 0
     record = json.loads(store.get(protocol.health_key(9)))
-    assert not record["ok"] and "suspect" in record["problems"][0]
+    assert not record["ok"] and "agrees with neither" in record["problems"][0]
     assert store.get(protocol.auditor_key(0)) == b""
 
 
@@ -192,3 +202,31 @@ def test_audits_are_refused_before_launch_where_they_cannot_work(override, says)
         load("tiny-llama", base + override.split())
     assert "checkpointless.audit.every=1" in str(err.value)
     assert load("tiny-llama", base).checkpointless.audit.every == 1
+
+
+@pytest.mark.parametrize("bad", [False, True])
+def test_a_spare_burns_in_on_step_0_before_it_audits(store, bad):
+    """Rank 0's step 0 of the launch, replayed on the spare's own build: a spare that computes
+    it wrong is marked unhealthy (never promoted) and never offers to audit."""
+    store.set(protocol.FIRST_STEP, "0")
+    ranks = RankAudits(store, 100, 1, _connect(store), log=lambda *a, **k: None)
+    model = _model()
+    ranks.install([model], [])
+    ranks.open(0, 0, 4, sdc=False)
+    _step(model, 0, 0)
+    ranks.close(0, 0, 4, gen=0, committed=True)
+    server = AuditServer(_connect(store), "127.0.0.1", store.port, 9, _Replay(bad, seed=0))
+    server.start()
+    try:
+        deadline = time.time() + 30
+        while store.get(protocol.auditor_key(0)) == b"" and \
+                not store.check([protocol.health_key(9)]):
+            assert time.time() < deadline
+            time.sleep(0.05)
+        if bad:
+            assert "burn-in" in json.loads(store.get(protocol.health_key(9)))["problems"][0]
+            assert store.get(protocol.auditor_key(0)) == b""
+        else:
+            assert json.loads(store.get(protocol.auditor_key(0)))["wid"] == 9
+    finally:
+        server.stop()

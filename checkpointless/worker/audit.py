@@ -21,6 +21,8 @@ hook flips the bit of an injected `sdc` fault, as a bad chip's output would be w
 """
 from __future__ import annotations
 
+import random
+
 import torch
 
 _AS_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -45,11 +47,17 @@ def flip_bit(t: torch.Tensor, bit: int | None = None) -> torch.Tensor:
 
 
 def audited(step: int, every: int, world: int) -> tuple[int, int] | None:
-    """(audited rank, witness rank) of `step`, or None when no audit falls there. Ranks are
-    sampled in turn, so every rank is audited once every `every * world` steps."""
+    """(audited rank, witness rank) of `step`, or None when no audit falls there. Every round
+    of `world` audits covers every rank once, in an order drawn afresh for each round (seeded by
+    the round: every process computes the same): a fault that strikes every k steps cannot hide
+    from a fixed turn whose period shares a factor with k. A rank waits at most 2 * world - 1
+    audits between two of its own."""
     if every <= 0 or step % every or world < 2:
         return None
-    rank = (step // every) % world
+    turn = step // every
+    order = list(range(world))
+    random.Random(f"audit-round:{turn // world}").shuffle(order)
+    rank = order[turn % world]
     return rank, (rank + 1) % world
 
 

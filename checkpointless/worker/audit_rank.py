@@ -60,7 +60,8 @@ class RankAudits:
         if not committed or found is None or roles is None or rank not in roles:
             return
         self.store.set(protocol.audit_digest_key(step, rank), json.dumps(
-            {"grads": found[0], "params": found[1], "wid": self.worker_id, "gen": gen}))
+            {"grads": found[0], "params": found[1], "wid": self.worker_id, "gen": gen,
+             "world": world}))
         if rank == roles[1]:
             if self._shipper is None:
                 from .auditor import Shipper

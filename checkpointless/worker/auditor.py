@@ -138,9 +138,7 @@ class AuditServer:
         self._listener.settimeout(0.5)
         store = self._store = self._connect()
         self._index = store.add(protocol.AUDITORS, 1) - 1
-        store.set(protocol.auditor_key(self._index), json.dumps(
-            {"wid": self.worker_id, "host": _reach_address(*self._reach),
-             "port": self._listener.getsockname()[1]}))
+        store.set(protocol.auditor_key(self._index), "")  # offered once its burn-in passed
         for target, name in ((self._accept, "accept"), (self._audit_loop, "replay")):
             threading.Thread(target=target, daemon=True,
                              name=f"checkpointless-audit-{name}").start()
@@ -182,6 +180,12 @@ class AuditServer:
         # normal priority: at a lower one, on a node whose cores the ranks keep busy, the
         # audits would fall behind by more than the checkpoints a rewind needs are kept
         store = self._connect()
+        with self._busy:
+            if not self._burn_in(store):
+                return
+            store.set(protocol.auditor_key(self._index), json.dumps(
+                {"wid": self.worker_id, "host": _reach_address(*self._reach),
+                 "port": self._listener.getsockname()[1]}))
         while not self._stop.is_set():
             try:
                 header, params = self._work.get(timeout=0.5)
@@ -203,7 +207,42 @@ class AuditServer:
         store.wait([key], timedelta(seconds=WAIT_S))
         return json.loads(store.get(key))
 
-    def _run_replay(self, step: int, rank: int, world: int) -> int:
+    def _burn_in(self, store) -> bool:
+        """Before its first audit, a known step: rank 0's step 0 of the launch, replayed on this
+        spare's own build of the model (the state every rank started from) and compared with
+        the digest rank 0 published. A mismatch marks this spare unhealthy: it audits nothing
+        and is never promoted. No known step (the job resumed from a checkpoint, or started
+        from other values than the build): it is said, and the spare audits unproven."""
+        try:
+            store.wait([protocol.FIRST_STEP], timedelta(seconds=WAIT_S))
+            theirs = self._published(store, 0, 0) if store.get(protocol.FIRST_STEP) == b"0" \
+                else None
+        except Exception:  # noqa: BLE001  no step 0 in this launch within the wait
+            theirs = None
+        if theirs is not None:
+            self._model = self._replay.model()
+            self._tap = GradTap(self._model)
+            mine = self._run_replay(0, 0, theirs["world"], both=True)
+            if mine[1] == theirs["params"] and mine[0] == theirs["grads"]:
+                return True
+            if mine[1] == theirs["params"]:
+                return self._unfit(store, "its burn-in (rank 0's step 0 replayed on its own "
+                                   "build) gave another gradient than rank 0's")
+        self._log(f"[checkpointless] spare worker {self.worker_id}: no known step to burn in "
+                  "on (the job did not start from the model's build at step 0); it audits "
+                  "without one")
+        return True
+
+    def _unfit(self, store, why: str) -> bool:
+        """This spare's own hardware is suspect: unhealthy (never promoted), no more audits."""
+        self._log(f"[checkpointless] spare worker {self.worker_id}: {why}; its hardware is "
+                  "suspect: it is marked unhealthy and audits nothing")
+        health.record(store, self.worker_id, [f"audit: {why}"])
+        self._stop.set()
+        store.set(protocol.auditor_key(self._index), "")
+        return False
+
+    def _run_replay(self, step: int, rank: int, world: int, both: bool = False):
         self._tap.arm(step)
         try:
             self._replay.replay(self._model, step, rank, world)
@@ -213,7 +252,7 @@ class AuditServer:
             self._model.zero_grad(set_to_none=True)
         if found is None:
             raise RuntimeError("the replay computed no gradient")
-        return found[0]
+        return found if both else found[0]
 
     def _load(self, params: dict) -> int:
         if self._model is None:
@@ -247,13 +286,8 @@ class AuditServer:
             store.set(protocol.audit_pass_key(rank), str(step))
             return
         if verdict == "auditor":
-            why = (f"audit of step {step}: this spare's replay agrees with neither rank {rank} "
-                   f"nor rank {witness}: its own hardware is suspect")
-            self._log(f"[checkpointless] spare worker {self.worker_id}: {why}; it stops "
-                      "auditing and is marked unhealthy")
-            health.record(store, self.worker_id, [why])
-            self._stop.set()
-            store.set(protocol.auditor_key(self._index), "")
+            self._unfit(store, f"its replay of step {step} agrees with neither rank {rank} nor "
+                        f"its witness, rank {witness}")
             return
         self._accuse(store, theirs, rank, step, time.time() - t0)
 
