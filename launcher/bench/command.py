@@ -82,6 +82,12 @@ def bench(args: list[str]) -> int:
         fsdp_pair = run_paired_launchers(cfg, overrides, tuple(sharded))
         print(f"[bench] paired fsdp: {json.dumps(fsdp_pair)}", flush=True)
         paired = dict(paired, **fsdp_pair)
+    if {"audit-off", "audit"} <= set(modes) and cfg.paired_steps:
+        print(f"[bench] audit-off and audit side by side, taking turns every {cfg.turn_s:g} s "
+              f"({cfg.paired_steps} steps each)", flush=True)
+        audit_pair = run_paired_launchers(cfg, overrides, ("audit-off", "audit"))
+        print(f"[bench] paired audits: {json.dumps(audit_pair)}", flush=True)
+        paired = dict(paired, **audit_pair)
     return report(cfg, results, save_cost, out_root, paired, grad_copy, consistency)
 
 

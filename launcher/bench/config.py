@@ -12,10 +12,12 @@ from ..recipes import RecipeError
 # flat: off with distributed.grad_sync=flat (one all-reduce after backward, no overlap)
 # slow-evict and slow-report: on with a straggler (rank slow_rank slow_factor times as slow from
 # step slow_step on), evicted to a spare or only reported; beside on, the failure-free run
+# audit-off, audit: the recipe with a spare and durable checkpoints, audits off and every step
+# (checkpointless.audit.every=1); their failure-free step times are taken side by side
 # tp: fsdp x tensor parallel 2 (distributed.tp_size=2) with spares, killed on the failure
 # schedule like checkpointless; its failure-free step time is taken beside fsdp-replicated's
 MODES = ("off", "on", "plain", "flat", "checkpointless", "restart", "fsdp", "fsdp-replicated",
-         "hsdp", "tp", "slow-evict", "slow-report")
+         "hsdp", "tp", "slow-evict", "slow-report", "audit-off", "audit")
 
 
 @dataclass

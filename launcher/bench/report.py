@@ -175,6 +175,8 @@ def report(cfg, results: dict, save_cost: float, out_root: Path,
         print(hsdp_line(s, paired))
     if "tp" in s and "fsdp-replicated" in s:
         print(tp_line(s, paired))
+    if "audit" in s and "audit-off" in s:
+        print(audit_line(s, paired))
     if "checkpointless" in s and "off" in s:
         same = s["checkpointless"]["params_sha256"] == s["off"]["params_sha256"] is not None
         print(f"final bits: checkpointless {'EQUAL to' if same else 'DIFFER from'} the "
@@ -305,3 +307,17 @@ def replication_line(s: dict, paired: dict) -> str:
     return (f"fsdp peer replication (factor and interval from the recipe) per-step overhead: "
             f"{seq:+.1%} (runs one after the other); {mem}")
 
+
+
+def audit_line(s: dict, paired: dict | None) -> str:
+    """Audits every step against none (the same job, a spare, durable checkpoints): the
+    failure-free step time, side by side when the paired run had enough steps."""
+    p = paired or {}
+    a, b = p.get("step_s_median_audit"), p.get("step_s_median_audit-off")
+    how = "side by side, taking turns"
+    if not (a and b):
+        a, b = s["audit"]["step_s_median"], s["audit-off"]["step_s_median"]
+        how = "one after the other"
+    same = s["audit"]["params_sha256"] == s["audit-off"]["params_sha256"] is not None
+    return (f"audits every step: median step {a * 1000:.1f} ms vs none {b * 1000:.1f} ms "
+            f"({a / b - 1:+.1%}, {how}); final bits {'EQUAL' if same else 'DIFFER'}")
