@@ -230,3 +230,85 @@ def test_a_spare_burns_in_on_step_0_before_it_audits(store, bad):
             assert json.loads(store.get(protocol.auditor_key(0)))["wid"] == 9
     finally:
         server.stop()
+
+
+def _rewind(rank, port, q):
+    """Three members, one a spare holding nothing, agree on the newest checkpoint at or before
+    the bound (rank 2's disk lacks step 8), load it, and drop the ones written after it."""
+    from checkpointless.protocol import Spec
+    from checkpointless.worker import restore
+    from checkpointless.worker.state import ProtectedState
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=3)
+    try:
+        disk = {0: [4, 8, 12], 1: [4, 8, 12], 2: [4, 12]}[rank]
+        model = torch.nn.Linear(2, 2)
+        state, loaded, dropped = ProtectedState(Spec()), [], []
+        state.protect(model=model)
+
+        def newest(at_most=None):
+            ok = [s for s in disk if at_most is None or s <= at_most]
+            return ok[-1] if ok else None
+
+        def load(step):
+            with torch.no_grad():
+                model.weight.fill_(step)
+            loaded.append(step)
+        state.fallback = (newest, load, dropped.append)
+        me = restore.Position(rank, 3, 14 if rank else -1, holds_state=rank != 0,
+                              grads_kept=False)
+        out = restore.restore(state, me, rewind_to=9)
+        try:
+            restore.restore(state, me, rewind_to=3)
+            refused = None
+        except RuntimeError as exc:
+            refused = str(exc)
+        q.put((rank, out.resumed_step, out.info["restored_from"], out.info["steps_redone"],
+               loaded, dropped, float(model.weight[0, 0]), refused))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_rewind_loads_the_newest_checkpoint_every_member_has_at_or_before_the_bound():
+    from tests.conftest import spawn_gloo
+    got = spawn_gloo(_rewind, 3)
+    for rank, step, how, redone, loaded, dropped, value, refused in got:
+        assert (step, how, redone, loaded, dropped, value) == \
+            (4, "durable_checkpoint", 10, [4], [4], 4.0), rank
+        assert "no durable checkpoint that old" in refused
+
+
+class _Pool:
+    def __init__(self):
+        self.killed = []
+
+    def kill(self, w):
+        self.killed.append(w.wid)
+
+
+def test_the_supervisor_evicts_the_accused_and_carries_the_rewind_until_a_step_commits(store):
+    """losses._accused and _issue_rewind on a stand-in supervisor over a real store."""
+    from types import SimpleNamespace
+    from checkpointless.control.losses import FindingLosses
+    sup = SimpleNamespace(store=store, cfg=SimpleNamespace(audit_every=1), pool=_Pool(),
+                          ranks={7: 2, 8: 3}, _sdc_seen=0, _rewind=None, gen=3)
+    sup.workers = {7: SimpleNamespace(wid=7), 8: SimpleNamespace(wid=8)}
+    accused = lambda lost: FindingLosses._accused(sup, lost)  # noqa: E731
+    issue = lambda: FindingLosses._issue_rewind(sup)  # noqa: E731
+    assert accused([]) == []  # nothing found: one counter read, nothing done
+    store.set(protocol.sdc_key(7), json.dumps({"wid": 7, "rank": 2, "step": 14,
+                                               "last_passed": 8, "rewind_to": 9, "auditor": 4}))
+    store.add(protocol.SDC, 1)
+    (lost,) = accused([])
+    assert lost[0].wid == 7 and sup.pool.killed == [7]
+    assert "wrong gradient at step 14" in json.loads(store.get(protocol.error_key(7)))["error"]
+    sup.gen = 4
+    issue()
+    assert json.loads(store.get(protocol.rewind_key(4)))["at_most"] == 9
+    sup.gen = 5  # generation 4 failed before committing a step: the rewind goes on to 5
+    issue()
+    assert json.loads(store.get(protocol.rewind_key(5)))["at_most"] == 9
+    store.set(protocol.first_commit_key(5, 0), "1")
+    sup.gen = 6  # generation 5 carried it out and committed: nothing for 6
+    issue()
+    assert sup._rewind is None and not store.check([protocol.rewind_key(6)])
