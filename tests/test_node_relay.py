@@ -15,7 +15,7 @@ from datetime import timedelta  # noqa: E402
 import pytest  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from checkpointless.ha.store_door import StoreDoor  # noqa: E402
+from checkpointless.control.node_door import StoreDoor  # noqa: E402
 from checkpointless.protocol import membership  # noqa: E402
 
 

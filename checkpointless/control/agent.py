@@ -307,14 +307,20 @@ class NodeAgent:
 
 def run_agent(node: int, cmd: list[str], host: str, port: int, node_timeout_s: float,
               procs_here: int, connect_timeout_s: float = 300.0) -> int:
-    """A node's launcher when it is not the coordinator: connect, serve, return an exit code."""
-    try:
-        store = membership.connect(host, port, timeout_s=connect_timeout_s)
+    """A node's launcher when it is not the coordinator: connect, serve, return an exit code.
+    The node's processes (its workers, the agent's threads) reach the coordinator through the
+    node's door (node_door.py): two connections per node, whatever the ranks per node."""
+    from .node_door import StoreDoor
+    try:  # the coordinator is up (said plainly if not) before the door stands in front of it
+        membership.connect(host, port, timeout_s=connect_timeout_s)
     except Exception as exc:  # noqa: BLE001
         print(f"[node {node}] cannot reach the coordinator at {host}:{port}: {exc}",
               file=sys.stderr, flush=True)
         return AgentExit.COORDINATOR_LOST
+    door = StoreDoor(hold=False)  # one coordinator for the job's life: its loss fails calls
+    door.retarget(host, port)
+    store = membership.connect("127.0.0.1", door.port, timeout_s=connect_timeout_s)
     store.set_timeout(timedelta(seconds=max(2.0, node_timeout_s)))
-    agent = NodeAgent(store, node, cmd, dict(os.environ), host, port, node_timeout_s,
-                      log=lambda m: print(m, file=sys.stderr, flush=True))
+    agent = NodeAgent(store, node, cmd, dict(os.environ), "127.0.0.1", door.port,
+                      node_timeout_s, log=lambda m: print(m, file=sys.stderr, flush=True))
     return agent.run(procs_here)

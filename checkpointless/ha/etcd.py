@@ -14,9 +14,11 @@ endpoint fails or times out, and the call raises `EtcdUnavailable`, naming each 
 from __future__ import annotations
 
 import base64
+import http.client
 import json
 import socket
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 
@@ -114,6 +116,36 @@ class Etcd:
         kvs = self.call("/v3/kv/range", {"key": _b64(key)}).get("kvs", [])
         return _entry(kvs[0]) if kvs else None
 
+    def get_at(self, key: str) -> tuple[Entry | None, int]:
+        """`key` and the cluster's revision it was read at (a watch starts after it)."""
+        out = self.call("/v3/kv/range", {"key": _b64(key)})
+        kvs = out.get("kvs", [])
+        return (_entry(kvs[0]) if kvs else None), int(out["header"]["revision"])
+
+    def watch(self, key: str, after: int) -> "Watch":
+        """Follow `key` from revision `after` + 1 with etcd's watch, which the gateway streams
+        as JSON lines on one HTTP request: no poll. EtcdUnavailable if no endpoint takes it."""
+        errors = []
+        body = json.dumps({"create_request": {"key": _b64(key),
+                                              "start_revision": str(after + 1)}})
+        for i in range(len(self.endpoints)):
+            at = (self._first + i) % len(self.endpoints)
+            url = urllib.parse.urlsplit(self.endpoints[at])
+            conn = http.client.HTTPConnection(url.hostname, url.port, timeout=self.timeout_s)
+            try:
+                conn.request("POST", "/v3/watch", body, {"Content-Type": "application/json"})
+                resp = conn.getresponse()
+                first = json.loads(resp.readline() or b"{}").get("result", {})
+                if resp.status != 200 or not first.get("created"):
+                    raise OSError(f"answered {resp.status}: {first}")
+            except (OSError, ValueError) as exc:
+                conn.close()
+                errors.append(f"{url.geturl()}: {exc}")
+                continue
+            conn.sock.settimeout(None)  # quiet for hours is normal; close() ends it
+            return Watch(conn, resp)
+        raise EtcdUnavailable("no etcd endpoint took the watch: " + "; ".join(errors))
+
     def get_prefix(self, prefix: str) -> list[Entry]:
         out = self.call("/v3/kv/range", {"key": _b64(prefix), "range_end": _prefix_end(prefix)})
         return [_entry(kv) for kv in out.get("kvs", [])]
@@ -197,3 +229,32 @@ class Etcd:
             return True
         except (EtcdUnavailable, EtcdError):
             return False
+
+
+class Watch:
+    """One watch stream: `next_change()` blocks until the key changes (its revision), and raises
+    EtcdUnavailable once the stream ends (the member gone, or `close()` from another thread)."""
+
+    def __init__(self, conn: http.client.HTTPConnection, resp):
+        self._conn, self._resp = conn, resp
+
+    def next_change(self) -> int:
+        while True:
+            try:
+                line = self._resp.readline()
+            except (OSError, ValueError, AttributeError) as exc:
+                raise EtcdUnavailable(f"the watch stream broke: {exc}") from None
+            if not line:
+                raise EtcdUnavailable("the watch stream ended")
+            got = json.loads(line).get("result", {})
+            if got.get("canceled") or got.get("compact_revision", "0") != "0":
+                raise EtcdUnavailable(f"etcd cancelled the watch: {got}")
+            if got.get("events"):
+                return int(got["header"]["revision"])
+
+    def close(self) -> None:
+        try:
+            self._conn.sock.shutdown(socket.SHUT_RDWR)
+        except (OSError, AttributeError):
+            pass
+        self._conn.close()

@@ -1,6 +1,6 @@
 """A node's view of who coordinates, under coordinator=etcd: the agent's side of leadership.py.
 
-A thread reads the role's key and this node's fence in etcd every `poll_s`. When a new holder
+A thread follows the role's key and this node's fence with etcd's watch. When a new holder
 appears (a larger token), the node's door (store_door.py) is pointed at its store, and `moved` is
 set so that the agent says hello to it. A fence in etcd (this node was declared lost) is read
 here too, so that a node coming back from a partition stops its processes before anything else.
@@ -15,12 +15,17 @@ import time
 
 from .etcd import Etcd, EtcdError, EtcdUnavailable
 
+# A read while the watches say nothing: a stream a partition left open delivers nothing, and a
+# node must still see its fence when the partition heals. 2 reads per node each 10 s, where
+# polling read twice every 0.25 s (80 times fewer).
+IDLE_S = 10.0
+
 
 class RoleWatch:
     def __init__(self, etcd: Etcd, prefix: str, node: int, door, give_up_s: float,
-                 poll_s: float = 0.25, log=print, on_end=None):
+                 poll_s: float = 0.25, log=print, on_end=None, idle_s: float = IDLE_S):
         self.etcd, self.prefix, self.node, self.door = etcd, prefix.rstrip("/"), node, door
-        self.give_up_s, self.poll_s, self.log = give_up_s, poll_s, log
+        self.give_up_s, self.poll_s, self.idle_s, self.log = give_up_s, poll_s, idle_s, log
         self.token = 0  # the holder the door points at
         self.holder: dict | None = None
         self.moved = threading.Event()  # a holder after the first: say hello to it
@@ -35,42 +40,86 @@ class RoleWatch:
         # gone and will never answer
         self.on_end = on_end
         self._stop = threading.Event()
+        self._changed = threading.Event()  # a watched key changed, or a stream broke
+        self._streams: dict = {}  # key -> its etcd watch (etcd.Watch)
+        self._broken = False
         threading.Thread(target=self._run, daemon=True, name="role-watch").start()
 
     def stop(self) -> None:
         self._stop.set()
+        self._changed.set()
 
     def _run(self) -> None:
+        """Read the role and the fence, then sleep on etcd's watch of both keys until one of
+        them changes, and read them again. While etcd is quiet a node costs it two open streams
+        and no request; reads come every `poll_s` only while something is amiss (a watch broke,
+        the role is vacant, or the door lost its coordinator), and every `idle_s` regardless,
+        should a stream hang where a partition leaves it open."""
         last_ok = time.time()
-        while not self._stop.wait(self.poll_s):
+        while not self._stop.is_set():
             try:
-                role = self.etcd.get(f"{self.prefix}/coordinator")
-                fence = self.etcd.get(f"{self.prefix}/fence/{self.node}")
+                role, rev_role = self.etcd.get_at(f"{self.prefix}/coordinator")
+                fence, rev_fence = self.etcd.get_at(f"{self.prefix}/fence/{self.node}")
             except (EtcdUnavailable, EtcdError) as exc:
                 if time.time() - last_ok > self.give_up_s and not self.gave_up:
                     self.gave_up = (f"etcd has answered nothing for {self.give_up_s:g} s "
                                     f"(its members lost, or this node cut off: {exc})")
                     return self._end(4, self.gave_up)
+                self._stop.wait(self.poll_s)
                 continue
             last_ok = time.time()
             if fence is not None:  # before any new holder: a fenced node says hello to none
                 self.fenced = fence.value.decode()
                 return self._end(3, f"fenced ({self.fenced})")
-            if role is None:
-                self.role_gone_at = self.role_gone_at or time.time()
-                continue
-            if role.create_revision > self.token:
-                if self.token:  # the one before was lost: when this node first saw it
-                    self.coordinator_lost_at = self.door.broke_at or self.role_gone_at
-                self.holder = json.loads(role.value)
-                self.door.retarget(self.holder["host"], self.holder["port"])
-                if self.token:
-                    self.log(f"[node {self.node}] the coordinator is now node "
-                             f"{self.holder.get('node')} at {self.holder['host']}:"
-                             f"{self.holder['port']} (token {role.create_revision})")
-                    self.moved.set()
-                self.token = role.create_revision
-                self.role_gone_at = None
+            self._follow_role(role)
+            self._watch({f"{self.prefix}/coordinator": rev_role,
+                         f"{self.prefix}/fence/{self.node}": rev_fence})
+            amiss = (self._broken or role is None or self.door.broke_at is not None)
+            self._changed.wait(self.poll_s if amiss else self.idle_s)
+            self._changed.clear()
+        for w in list(self._streams.values()):
+            w.close()
+
+    def _follow_role(self, role) -> None:
+        if role is None:
+            self.role_gone_at = self.role_gone_at or time.time()
+            return
+        if role.create_revision > self.token:
+            if self.token:  # the one before was lost: when this node first saw it
+                self.coordinator_lost_at = self.door.broke_at or self.role_gone_at
+            self.holder = json.loads(role.value)
+            self.door.retarget(self.holder["host"], self.holder["port"])
+            if self.token:
+                self.log(f"[node {self.node}] the coordinator is now node "
+                         f"{self.holder.get('node')} at {self.holder['host']}:"
+                         f"{self.holder['port']} (token {role.create_revision})")
+                self.moved.set()
+            self.token = role.create_revision
+            self.role_gone_at = None
+
+    def _watch(self, keys: dict[str, int]) -> None:
+        """A stream for each key, from the revision it was read at, unless one runs."""
+        self._broken = False
+        for key, rev in keys.items():
+            if key not in self._streams:
+                try:
+                    self._streams[key] = self.etcd.watch(key, rev)
+                except EtcdUnavailable:
+                    self._broken = True
+                    continue
+                threading.Thread(target=self._stream, args=(key,), daemon=True,
+                                 name="role-watch-stream").start()
+
+    def _stream(self, key: str) -> None:
+        stream = self._streams[key]
+        try:
+            while True:
+                stream.next_change()
+                self._changed.set()
+        except EtcdUnavailable:
+            self._streams.pop(key, None)
+            self._broken = True
+            self._changed.set()
 
     def _end(self, code: int, why: str) -> None:
         if self.on_end is not None and not self._stop.is_set():

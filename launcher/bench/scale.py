@@ -37,6 +37,7 @@ import time
 from checkpointless import protocol
 from checkpointless.protocol import SupervisorConfig
 
+from .scale_proc import coordinator_connections, cpu_s, fd_limit, free_port, sockets, wait_port
 from .scale_sim import Counter, Wrapped, connect, shard_main
 
 # NCCL communicator creation at scale cannot be run here. NVIDIA's NCCL 2.23 release notes
@@ -89,7 +90,7 @@ class Harness:
         self.nodes_n, self.per_node, self.spare_nodes = nodes, per_node, spare_nodes
         self.main_ops = Counter()
         self._lock = threading.Lock()
-        self.port = _free_port()
+        self.port = free_port()
         ctx = mp.get_context("spawn")
         self.pipe, child = ctx.Pipe()
         cfg = dict(nproc=nodes * per_node, spares=0, refill=True, nodes=nodes,
@@ -98,7 +99,7 @@ class Harness:
                    spare_wait_s=1800.0)  # also how long it waits for every node to join
         self.proc = ctx.Process(target=_coordinator, args=(cfg, child), daemon=True)
         self.proc.start()
-        _wait_port(self.port)
+        wait_port(self.port)
         total = nodes + spare_nodes
         shards = max(1, min(shards, total))
         self.shard_of = {k: k % shards for k in range(total)}
@@ -167,18 +168,18 @@ class Harness:
         coord = "alive" if self.proc.is_alive() else f"exited ({self.proc.exitcode})"
         return (f"{self.nodes_n * self.per_node} simulated ranks did not all start within "
                 f"{timeout_s:g} s: {alive} held a rank, {done} passed generation 0's barrier; "
-                f"the coordinator's process {coord}, holding {_sockets(self.proc.pid)} "
-                f"connections (this process may open {_fd_limit()} files)")
+                f"the coordinator's process {coord}, holding {sockets(self.proc.pid)} "
+                f"connections (this process may open {fd_limit()} files)")
 
     def cpu_s(self) -> float:
-        return _cpu_s(self.proc.pid)
+        return cpu_s(self.proc.pid)
 
     def ranks_cpu_s(self) -> float:
         """The simulated ranks' share of the shards' CPU (their event loops)."""
         return sum(self._all("ranks_cpu"))
 
     def shards_cpu_s(self) -> float:
-        return sum(_cpu_s(proc.pid) for proc, _ in self.shards)
+        return sum(cpu_s(proc.pid) for proc, _ in self.shards)
 
     def steady(self, window_s: float) -> dict:
         (ops0, node0), cpu0, t0 = self.ops(), self.cpu_s(), time.time()
@@ -231,44 +232,6 @@ class Harness:
         self.proc.join(5)
 
 
-def _cpu_s(pid: int) -> float:
-    """A process's CPU time so far (user and system; its threads' included)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _sockets(pid: int) -> int:
-    """How many sockets process `pid` holds open (-1 if it is gone)."""
-    try:
-        return sum(1 for fd in os.listdir(f"/proc/{pid}/fd")
-                   if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:"))
-    except OSError:
-        return -1
-
-
-def _fd_limit() -> int:
-    import resource
-    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_port(port: int, timeout_s: float = 60.0) -> None:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"the coordinator never listened on port {port}")
-
-
 def measure(nodes: int, per_node: int, spare_nodes: int = 2, step_s: float = 1.0,
             steady_s: float = 5.0, node_timeout_s: float = protocol.DEFAULTS.node_timeout_s,
             start_timeout_s: float = 300.0, shards: int = 0) -> dict:
@@ -288,6 +251,9 @@ def measure(nodes: int, per_node: int, spare_nodes: int = 2, step_s: float = 1.0
                "spare_nodes": spare_nodes, "step_s": step_s, "start_s": round(started_s, 2),
                "shards": len(h.shards),
                "steady": h.steady(steady_s)}
+        # the coordinator's connections, as its process holds them (its own and the harness's
+        # included): about two per node, through each node's door, whatever the ranks per node
+        out["coordinator_connections"] = coordinator_connections(h.proc.pid, h.port)
         out["rank_failure"] = h.failure("rank", 1, 60.0)
         time.sleep(1.0)
         out["node_failure"] = h.failure("node", 2, 60.0 + node_timeout_s)
@@ -306,7 +272,9 @@ def _print(row: dict) -> None:
     print(f"{row['nodes']:>6} nodes x {row['ranks_per_node']} = {row['ranks']:>6} ranks: "
           f"steady {st['store_ops_per_s']:>8.1f} store ops/s, coordinator CPU "
           f"{100 * st['coordinator_cpu_share']:.1f}% of a core, simulated side "
-          f"{100 * st['simulated_cpu_share']:.0f}% (started in {row['start_s']} s)")
+          f"{100 * st['simulated_cpu_share']:.0f}% (started in {row['start_s']} s); the "
+          f"coordinator holds {row['coordinator_connections']['store']} store connections "
+          f"({row['nodes'] + row['spare_nodes']} nodes)")
     for key in ("rank_failure", "node_failure"):
         f = row[key]
         if "error" in f:
@@ -330,7 +298,8 @@ def main(argv=None) -> int:
     # about one query in 20, which glibc waits 5 s for: thousands of connections then take
     # minutes. One second and no retry (set before the first lookup; the children inherit it).
     os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # that lookup's warning, thousands of times
+    # that lookup's warning, thousands of times
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     if os.environ.get("SCALE_DEBUG"):  # kill -USR1 <pid>: every thread's stack on stderr
         import faulthandler
         import signal
@@ -361,7 +330,7 @@ def main(argv=None) -> int:
             row = measure(nodes, per_node, a.spare_nodes, a.step_s, a.steady_s, a.node_timeout_s,
                           start_timeout_s=a.start_timeout_s, shards=a.shards)
         except (RuntimeError, OSError, EOFError) as exc:  # past what this machine can hold
-            why = f"{type(exc).__name__}: {exc}" if not isinstance(exc, RuntimeError) else str(exc)
+            why = str(exc) if isinstance(exc, RuntimeError) else f"{type(exc).__name__}: {exc}"
             print(f"{nodes} nodes x {per_node}: could not be measured: {why}", flush=True)
             # said in the JSON too, and in the exit status: a size that did not run is a failure
             rows.append({"nodes": nodes, "ranks_per_node": per_node, "ranks": nodes * per_node,

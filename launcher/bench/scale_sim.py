@@ -20,6 +20,7 @@ import time
 from checkpointless.protocol import membership
 from checkpointless import protocol
 from checkpointless.control.agent import NodeAgent
+from checkpointless.control.node_door import StoreDoor
 
 from . import scale_wire as wire
 
@@ -71,6 +72,7 @@ class SimRank:
 
     def __init__(self, env: dict, node: "SimNode"):
         self.wid = int(env[protocol.ENV_WORKER_ID])
+        self.store_port = int(env[protocol.ENV_STORE_PORT])
         self.node = node
         self.pid = 0  # no process: /proc has no pid 0, so it is never seen as stopped
         self.returncode: int | None = None
@@ -115,7 +117,8 @@ class SimRank:
     # the worker's side: a generator of store calls (scale_wire.Loop runs it)
     def _run(self):
         h = self.node.harness
-        job = yield ("open", self.node.port, h.main_ops.add)
+        # the coordinator's address a worker is given: its node's door (node_door.py)
+        job = yield ("open", self.store_port, h.main_ops.add)
         self._conns.append(job)
         node = yield ("open", self.node.agent.node_server.port, h.node_ops.add)
         self._conns.append(node)
@@ -150,16 +153,20 @@ class SimNode:
         self.harness, self.k, self.port = harness, k, harness.port
         self.ranks: list[SimRank] = []
         self.dead = False
-        self.agent_store = connect(self.port, harness.main_ops)
+        # the node's door, as run_agent stands it: every process of the node reaches the
+        # coordinator through it, over two connections whatever the ranks per node
+        self.door = StoreDoor(hold=False)
+        self.door.retarget("127.0.0.1", self.port)
+        self.agent_store = connect(self.door.port, harness.main_ops)
         self.agent = NodeAgent(Wrapped(self.agent_store, self._alive), k, ["sim"], {}, "127.0.0.1",
-                               self.port, harness.node_timeout_s, log=lambda m: None,
+                               self.door.port, harness.node_timeout_s, log=lambda m: None,
                                starter=self._start, connect=self._connect)
         harness.loop.start(self._beat())
         threading.Thread(target=self.agent.run, args=(procs,), daemon=True).start()
 
     def _connect(self, host: str, port: int):
         """The agent's own threads' connections (commands, plans), counted with the rest."""
-        return connect(port, self.harness.main_ops if port == self.port else
+        return connect(port, self.harness.main_ops if port == self.door.port else
                        self.harness.node_ops)
 
     def _start(self, cmd, env):
@@ -180,7 +187,7 @@ class SimNode:
                     yield (beats, "set", protocol.heartbeat_key(r.wid), json.dumps(
                         {"t": time.time(), "step": step, "gen": r.gen, "phase": "step"}))
                     if r.rank == 0:  # rank 0's step record, as its reporter writes it
-                        job = job or (yield ("open", self.port, h.main_ops.add))
+                        job = job or (yield ("open", self.door.port, h.main_ops.add))
                         yield (job, "multi_set", [protocol.step_key(step), protocol.LAST_STEP],
                                [f"{time.time() - h.step_s:.6f},{time.time():.6f}", str(step)])
 
@@ -196,6 +203,7 @@ class SimNode:
         self.dead = True
         for r in self.ranks:
             r.die(-9)
+        self.door.close()  # the node's connections to the coordinator go with it
 
 
 # ---- a shard: some of the simulated nodes, in a process of their own ------------------------

@@ -1,0 +1,347 @@
+"""A node's door to the coordinator's store: every process of the node reaches the coordinator
+through it, over two connections per node whatever the ranks per node.
+
+The coordinator's connections, and its store server's per-connection work, must grow with nodes,
+not ranks. The node agent hosts the door on 127.0.0.1 and gives its workers (and its own threads)
+the door's port as the coordinator's. Calls from every local client go down one connection in
+the order they arrive (torch's server answers a connection's calls in order: the n-th answer is
+the n-th call's), what arrives in one turn of the loop leaving in one write. Waits go down a
+second connection; clients waiting for the same keys share one upstream wait (see `_wait`).
+
+When the coordinator moves (`retarget`, coordinator=etcd), the calls not yet answered and the
+waits go to the new one: a worker blocked in a call is answered there, as if it had been made
+there. It does not replay to the *same* coordinator (a call it may have carried out, an add, is
+not sent twice), nor carry the old store's keys over. With `hold=False` (one coordinator for the
+job's life) a broken connection closes every client's, so their calls fail at once, as a direct
+connection's would.
+"""
+from __future__ import annotations
+
+import os
+import selectors
+import socket
+import threading
+import time
+from collections import deque
+
+from . import store_wire as w
+
+
+class _Client:
+    """One local process's connection through the door."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.inbuf = bytearray()  # from the client, not yet a whole call
+        self.out = bytearray()  # answers for it, sent at the end of the loop's turn
+        self.greeted = False  # its VALIDATE and PING were answered by the door itself
+        self.waiting: _Wait | None = None
+        self.held: deque = deque()  # its calls after a wait, until the wait is over
+
+
+class _Wait:
+    """What every local client waiting for the same keys waits for."""
+
+    def __init__(self, call: bytes):
+        self.call = call  # WAIT and its keys
+        self.keys = w.keys_of(call)
+        self.clients: list[_Client] = []
+
+
+class StoreDoor:
+    """Listens on 127.0.0.1 (`port` 0: any free one); forwards to `retarget`'s address."""
+
+    def __init__(self, port: int = 0, log=lambda m: None, hold: bool = True):
+        self.log, self.hold = log, hold
+        self._lsock = w.listen(port)
+        self.port = self._lsock.getsockname()[1]
+        self._target: tuple[str, int] | None = None
+        self.epoch = 0  # moves with every retarget
+        self.broke_at: float | None = None  # a connection to the current target first broke
+        self.stats = {"calls": 0, "waits": 0, "waits_shared": 0, "upstream_connects": 0}
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._lsock, selectors.EVENT_READ, "listen")
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._clients: set[_Client] = set()
+        # upstream: the calls' connection and the waits', made and lost together
+        self._up: socket.socket | None = None
+        self._wup: socket.socket | None = None
+        self._up_epoch = -1
+        self._broken_epoch = -1  # the epoch whose target broke (not dialled again when holding)
+        self._upbuf = bytearray()
+        self._unsent: deque = deque()  # (owner, call, shape): a _Client, or a _Wait's check
+        self._pending: deque = deque()  # (owner, call, shape) sent, in order
+        self._out = bytearray()  # to the calls' connection, at the end of the turn
+        self._wout = bytearray()  # to the waits'
+        self._waits: dict[bytes, _Wait] = {}  # by keys; those not over
+        self._checking = 0  # checks out for the waits
+        self._present: dict[bytes, bool] = {}  # their answers
+        self._woke = False  # a byte came on the waits' connection while checks were out
+        self._stop = False
+        self.thread = threading.Thread(target=self._run, daemon=True, name="store-door")
+        self.thread.start()
+
+    def retarget(self, host: str, port: int) -> None:
+        """The coordinator is now at host:port: what waits for an answer goes there, and the
+        connections to the one before are closed."""
+        self._target = (host, port)
+        self.epoch += 1
+        self.broke_at = None
+        os.write(self._wake_w, b"t")
+
+    def close(self) -> None:
+        self._stop = True
+        os.write(self._wake_w, b"x")
+        self.thread.join(5)
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop:
+            for key, _ in self._sel.select(0.2):
+                if key.data == "listen":
+                    self._accept()
+                elif key.data == "wake":
+                    w.recv_pipe(self._wake_r)
+                elif key.data == "up" and key.fileobj is self._up:  # not lost this turn
+                    self._from_up()
+                elif key.data == "wup" and key.fileobj is self._wup:
+                    self._from_waits()
+                elif key.data in self._clients:
+                    self._from_client(key.data)
+            if self._up is not None and self._up_epoch != self.epoch:
+                # retargeted: the old coordinator was deposed, even if its connection is still
+                # open (a partition drops packets, it resets nothing)
+                self._up_lost(broke=False)
+            self._connect_up()
+            self._flush()
+        for c in list(self._clients):
+            self._drop(c)
+        self._up_lost(broke=False)
+        self._lsock.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._lsock.accept()
+            except (BlockingIOError, OSError):
+                return
+            sock.settimeout(2.0)  # answers are small; a client that reads nothing is dropped
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            c = _Client(sock)
+            self._clients.add(c)
+            self._sel.register(sock, selectors.EVENT_READ, c)
+
+    def _drop(self, c: _Client) -> None:
+        self._clients.discard(c)
+        self._unwait(c)
+        self._forget(c.sock)
+
+    def _forget(self, sock: socket.socket) -> None:
+        try:
+            self._sel.unregister(sock)
+        except (KeyError, ValueError):
+            pass
+        sock.close()
+
+    def _from_client(self, c: _Client) -> None:
+        data = w.recv(c.sock)
+        if not data:  # nothing after all (None), or the client closed it (or died)
+            return None if data is None else self._drop(c)
+        c.inbuf += data
+        if not c.greeted:  # VALIDATE + magic, then PING + nonce: answered here
+            if len(c.inbuf) < 10:
+                return
+            if c.inbuf[0] != w.VALIDATE or c.inbuf[5] != w.PING:
+                return self._drop(c)
+            c.out += c.inbuf[6:10]
+            del c.inbuf[:10]
+            c.greeted = True
+        while True:
+            try:
+                end, shape = w.call_end(c.inbuf)
+            except w.Short:
+                return
+            except ValueError as exc:
+                self.log(f"[store door] {exc}: closing that connection")
+                return self._drop(c)
+            call = bytes(c.inbuf[:end])
+            del c.inbuf[:end]
+            if c.waiting is not None and call[0] != w.CANCEL_WAIT:
+                c.held.append((call, shape))  # its order kept: after the wait
+            else:
+                self._take(c, call, shape)
+
+    def _take(self, c: _Client, call: bytes, shape: str) -> None:
+        self.stats["calls"] += 1
+        if call[0] == w.WAIT:
+            return self._wait(c, call)
+        if call[0] == w.CANCEL_WAIT:  # its wait ends here; the upstream one may go on
+            self._unwait(c)
+            c.out.append(w.WAIT_CANCELED)
+            return self._release(c)
+        self._unsent.append((c, call, shape))
+
+    def _release(self, c: _Client) -> None:
+        while c.held and c.waiting is None:
+            self._take(c, *c.held.popleft())
+
+    # ---- waits -------------------------------------------------------------------------------
+    # torch's server keeps one count of awaited keys per connection, set by its newest wait, and
+    # answers a wait when the count reaches 0. So the waits' connection waits for each missing
+    # key alone: the newest leaves the count at 1, and a byte comes as soon as any of the keys
+    # appears. Which one, `check`s on the calls' connection say (one per key); then each key
+    # still missing is waited for again, a key that appeared meanwhile answering at once.
+    def _wait(self, c: _Client, call: bytes) -> None:
+        key = call[1:]
+        wt = self._waits.get(key)
+        self.stats["waits"] += 1
+        if wt is None:
+            wt = self._waits[key] = _Wait(call)
+            self._check(wt.keys)  # keys already there: answered in one round trip
+            self._arm(wt.keys)
+        else:
+            self.stats["waits_shared"] += 1
+        wt.clients.append(c)
+        c.waiting = wt
+
+    def _unwait(self, c: _Client) -> None:
+        wt, c.waiting = c.waiting, None
+        if wt is not None and c in wt.clients:
+            wt.clients.remove(c)
+            if not wt.clients:  # nobody waits for it any more
+                self._waits.pop(wt.call[1:], None)
+
+    def _arm(self, keys) -> None:
+        if self._wup is not None:
+            for k in keys:
+                self._wout += w.one_key(w.WAIT, k)
+
+    def _check(self, keys) -> None:
+        for k in keys:
+            self._checking += 1
+            self._unsent.append((k, w.one_key(w.CHECK, k), "b"))
+
+    def _checked(self, key: bytes, there: bool) -> None:
+        self._present[key] = there
+        self._checking -= 1
+        if self._checking:
+            return
+        missing = set()
+        for wt in list(self._waits.values()):
+            if all(self._present.get(k) for k in wt.keys):
+                self._waits.pop(wt.call[1:], None)
+                for c in wt.clients:
+                    c.out.append(w.STOP_WAITING)
+                    c.waiting = None
+                    self._release(c)
+            else:
+                missing.update(k for k in wt.keys if self._present.get(k) is False)
+        self._present.clear()
+        self._arm(missing)
+        if self._woke:  # a byte came while these checks were out: look again
+            self._from_waits(again=True)
+
+    def _from_waits(self, again: bool = False) -> None:
+        if not again:
+            data = w.recv(self._wup)
+            if not data:
+                return None if data is None else self._up_lost(broke=True)
+        self._woke = self._checking > 0
+        if not self._woke:
+            self._check({k for wt in self._waits.values() for k in wt.keys})
+
+    def _waits_connected(self) -> None:
+        self._sel.register(self._wup, selectors.EVENT_READ, "wup")
+        self._arm({k for wt in self._waits.values() for k in wt.keys})
+
+    # ---- the coordinator's side --------------------------------------------------------------
+    def _connect_up(self) -> None:
+        if self._up is not None or self._target is None or not self._clients:
+            return
+        if self.hold and self._broken_epoch == self.epoch:
+            return  # never again to the one that broke (see the module's docstring)
+        try:
+            up = w.dial(self._target)
+            try:
+                self._wup = w.dial(self._target)
+            except OSError:
+                up.close()
+                raise
+        except OSError:
+            return  # tried again on the next turn (every 0.2 s at most)
+        self.stats["upstream_connects"] += 1
+        self._up, self._up_epoch = up, self.epoch
+        self._upbuf.clear()
+        self._sel.register(up, selectors.EVENT_READ, "up")
+        self._waits_connected()
+        self._woke = False
+        self._check({k for wt in self._waits.values() for k in wt.keys})
+
+    def _up_lost(self, broke: bool) -> None:
+        for s in (self._up, self._wup):
+            if s is not None:
+                self._forget(s)
+        was_up = self._up is not None
+        self._up = self._wup = None
+        self._out.clear()
+        self._wout.clear()
+        # the calls not answered go first next time, in their order; checks are asked again
+        back = [(o, call, shape) for o, call, shape in self._pending if isinstance(o, _Client)]
+        self._unsent = deque(back + [e for e in self._unsent if isinstance(e[0], _Client)])
+        self._pending.clear()
+        self._checking, self._woke = 0, False
+        self._present.clear()
+        if not broke or not was_up:
+            return
+        self._broken_epoch = self._up_epoch
+        if self._up_epoch == self.epoch and self.broke_at is None:
+            self.broke_at = time.time()
+        if not self.hold:  # no other coordinator will come: the clients' calls fail now
+            for c in list(self._clients):
+                self._drop(c)
+            self._unsent.clear()
+            self._waits.clear()
+
+    def _from_up(self) -> None:
+        data = w.recv(self._up)
+        if not data:  # nothing after all, or the coordinator is gone
+            return None if data is None else self._up_lost(broke=True)
+        self._upbuf += data
+        while self._pending:
+            owner, _, shape = self._pending[0]
+            try:
+                end = w.answer_end(self._upbuf, shape)
+            except w.Short:
+                break
+            answer = bytes(self._upbuf[:end])
+            del self._upbuf[:end]
+            self._pending.popleft()
+            if isinstance(owner, bytes):  # a key's check, for the waits
+                self._checked(owner, answer[0] == w.READY)
+            elif owner in self._clients:
+                owner.out += answer
+
+    def _flush(self) -> None:
+        """What this turn gathered leaves in one write per connection."""
+        if self._up is not None:
+            while self._unsent:
+                owner, call, shape = self._unsent.popleft()
+                self._out += call
+                if shape:
+                    self._pending.append((owner, call, shape))
+            for sock, buf in ((self._up, self._out), (self._wup, self._wout)):
+                if buf:
+                    try:
+                        sock.sendall(buf)
+                    except OSError:
+                        self._up_lost(broke=True)
+                        break
+                    buf.clear()
+        for c in [c for c in self._clients if c.out]:
+            try:
+                c.sock.sendall(c.out)
+                c.out.clear()
+            except OSError:
+                self._drop(c)

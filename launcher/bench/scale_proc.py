@@ -1,0 +1,63 @@
+"""What the scale harness reads about its processes from /proc: CPU time, open sockets, the
+coordinator's store connections; and the ports it starts them on."""
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+
+def cpu_s(pid: int) -> float:
+    """A process's CPU time so far (user and system; its threads' included)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def coordinator_connections(pid: int, port: int) -> dict:
+    """The connections process `pid` holds, read from /proc: those its store server accepted on
+    `port` (ESTABLISHED, local port `port`, a socket among its open files), and every socket."""
+    try:
+        inodes = {os.readlink(f"/proc/{pid}/fd/{fd}")[8:-1]
+                  for fd in os.listdir(f"/proc/{pid}/fd")}
+    except OSError:
+        return {"store": -1, "sockets": -1}
+    store = 0
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                store += (cols[3] == "01" and int(cols[1].rsplit(":", 1)[1], 16) == port
+                          and cols[9] in inodes)
+    return {"store": store, "sockets": sockets(pid)}
+
+
+def sockets(pid: int) -> int:
+    """How many sockets process `pid` holds open (-1 if it is gone)."""
+    try:
+        return sum(1 for fd in os.listdir(f"/proc/{pid}/fd")
+                   if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:"))
+    except OSError:
+        return -1
+
+
+def fd_limit() -> int:
+    import resource
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, timeout_s: float = 60.0) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"the coordinator never listened on port {port}")
