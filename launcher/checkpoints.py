@@ -37,12 +37,29 @@ class DurableCheckpoints:
         return state
 
     def save(self, step: int) -> None:
-        """A collective (planning; every rank, the same step); the write goes on in a thread."""
-        self.writer.save(step, self.state(step), gen=self.job.gen)
+        """A collective (planning; every rank, the same step); the write goes on in a thread.
+        Before the first update (audits' step-0 checkpoint) the optimizer has no state yet and
+        none is written: DCP would make one with a step of its own, which the training that
+        follows would then count (Adam's bias correction), leaving the failure-free bits."""
+        if not self.optimizer.state:
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict
+            state = {"model": get_model_state_dict(self.model), "step": step}
+        else:
+            state = self.state(step)
+        self.writer.save(step, state, gen=self.job.gen)
 
     def load(self, path) -> int:
         """Load checkpoint `path` at this job's world size and strategy (a collective)."""
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+        from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                             set_model_state_dict, set_state_dict)
+        if not any(k.startswith("optimizer.") for k in durable.saved_shapes(path)):
+            # written before the first update: the optimizer starts empty, as it did then
+            state = {"model": get_model_state_dict(self.model), "step": -1}
+            refuse_another_model(path, state["model"])
+            durable.load(path, state)
+            set_model_state_dict(self.model, state["model"])
+            self.optimizer.state.clear()
+            return int(state["step"])
         state = self.state(-1)
         saved = refuse_another_model(path, state["model"])
         if "grad_scaler" in state and "grad_scaler.scale" not in saved:

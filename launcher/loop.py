@@ -222,6 +222,10 @@ def train_step(run: Run, step: int):
     lr = lr_at(step, cfg)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
+    if step == 0 and run.ckpt and cfg.checkpointless.audit.every:
+        # the launch's state on disk: a rank found computing wrong before any audit of it
+        # passed is undone by going back here (audit.rewind_bound)
+        run.ckpt.save(0)
     loss_sum = forward_backward(run, step)
     if cfg.distributed.strategy == "ddp":
         loss_total = job.all_reduce_grads(model.parameters(), extra=loss_sum)

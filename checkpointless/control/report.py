@@ -222,7 +222,9 @@ def run_report(store, run: RunFacts) -> dict:
         "spares": run.spares,
         "steps_completed": len(steps),
         "wall_s": round(run.wall_s, 3),
-        "goodput": goodput_from_steps(steps, slow_s=slow_s),
+        # from the first step's first attempt: a rewind to it rewrites its record (audits)
+        "goodput": goodput_from_steps(steps, slow_s=slow_s, first_start=protocol.read_json(
+            store, protocol.FIRST_T) if not earlier else None),
         # the time stragglers cost, against the healthy step time; goodput leaves it out
         "slow_s": slow_s,
         "healthy_step_s": healthy_s,

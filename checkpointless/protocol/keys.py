@@ -84,6 +84,7 @@ LOST = "lost"  # counter: workers the supervisor declared lost so far
 ERRORS = "errors"  # counter: exceptions workers reported (error/<wid> holds each)
 DONE = "done"  # counter: workers that finished
 FIRST_STEP = "first_step"  # the step this launch's step records start at (resume from disk)
+FIRST_T = "first_t"  # when this launch's first step began (a rewind to it rewrites its record)
 SHUTDOWN = "shutdown"  # set by the supervisor when the job is over
 PREEMPT_ASK = "preempt_ask"  # set by a node agent that got SIGTERM/SIGINT: please stop the job
 NODE_EVENTS = "node_events"  # counter: agents' health records that carry news (an exit)

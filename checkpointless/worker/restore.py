@@ -250,7 +250,7 @@ def _rewind(state: ProtectedState, me: Position, at_most: int, loaded) -> Outcom
         state.fallback[2](step)  # drops the checkpoints after it
     if me.rank == 0:
         print(f"[checkpointless] every rank goes back to the durable checkpoint at step {step}, "
-              f"known clean (a worker computed wrong after step {at_most - 1}); "
+              f"known clean (the newest at or before step {at_most}); "
               f"{max(0, newest - step)} steps to redo", flush=True)
     if state.replicas is not None:
         state.replicas.own.clear()

@@ -91,6 +91,7 @@ class StepLoop:
             self._reported(rec.sync_first)
             if rec.rank == 0 and rec.gen == 0:  # where this launch's step records begin
                 self.store.set(protocol.FIRST_STEP, str(rec.completed))
+                self.store.set(protocol.FIRST_T, f"{time.time():.6f}")
         self.started = True
 
     def next(self) -> int:
