@@ -67,28 +67,30 @@ def bench(args: list[str]) -> int:
         results[mode] = {"summary": summary, "records": records, "kills": kills}
         shown = {k: v for k, v in summary.items() if k not in ("t0", "recovery_s_all")}
         print(f"[bench] {mode}: {json.dumps(shown)}", flush=True)
+    paired = side_by_side(cfg, overrides, modes, base.distributed.strategy)
+    return report(cfg, results, save_cost, out_root, paired, grad_copy, consistency)
+
+
+def side_by_side(cfg, overrides: list[str], modes: list[str], strategy: str) -> dict:
+    """The failure-free modes' step times, measured taking turns on the machine (paired.py)."""
     paired = {}
     # flat is the ddp recipe loop without overlap: nothing to compare under fsdp
-    pair = [m for m in paired_modes(cfg) if m != "flat" or base.distributed.strategy == "ddp"]
+    pair = [m for m in paired_modes(cfg) if m != "flat" or strategy == "ddp"]
     if pair:
         print(f"[bench] {' and '.join(pair)} side by side, taking turns every {cfg.turn_s:g} s "
               f"({cfg.paired_steps} steps each)", flush=True)
         paired = run_paired(cfg, overrides, pair)
         print(f"[bench] paired: {json.dumps(paired)}", flush=True)
-    sharded = [m for m in ("fsdp", "fsdp-replicated", "hsdp", "tp") if m in modes]
-    if len(sharded) >= 2 and cfg.paired_steps:
-        print(f"[bench] {' and '.join(sharded)} side by side, taking turns every "
-              f"{cfg.turn_s:g} s ({cfg.paired_steps} steps each)", flush=True)
-        fsdp_pair = run_paired_launchers(cfg, overrides, tuple(sharded))
-        print(f"[bench] paired fsdp: {json.dumps(fsdp_pair)}", flush=True)
-        paired = dict(paired, **fsdp_pair)
-    if {"audit-off", "audit"} <= set(modes) and cfg.paired_steps:
-        print(f"[bench] audit-off and audit side by side, taking turns every {cfg.turn_s:g} s "
-              f"({cfg.paired_steps} steps each)", flush=True)
-        audit_pair = run_paired_launchers(cfg, overrides, ("audit-off", "audit"))
-        print(f"[bench] paired audits: {json.dumps(audit_pair)}", flush=True)
-        paired = dict(paired, **audit_pair)
-    return report(cfg, results, save_cost, out_root, paired, grad_copy, consistency)
+    groups = [("fsdp", [m for m in ("fsdp", "fsdp-replicated", "hsdp", "tp") if m in modes]),
+              ("audits", [m for m in ("audit-off", "audit") if m in modes])]
+    for what, group in groups:
+        if len(group) >= 2 and cfg.paired_steps:
+            print(f"[bench] {' and '.join(group)} side by side, taking turns every "
+                  f"{cfg.turn_s:g} s ({cfg.paired_steps} steps each)", flush=True)
+            got = run_paired_launchers(cfg, overrides, tuple(group))
+            print(f"[bench] paired {what}: {json.dumps(got)}", flush=True)
+            paired = dict(paired, **got)
+    return paired
 
 
 def slow_figures(run: dict | None, records: list[dict]) -> dict:

@@ -169,14 +169,12 @@ def report(cfg, results: dict, save_cost: float, out_root: Path,
         print()
         print(straggler_table(s))
     same = None
-    if "fsdp" in s and "fsdp-replicated" in s:
-        print(replication_line(s, paired))
-    if "hsdp" in s and "fsdp-replicated" in s:
-        print(hsdp_line(s, paired))
-    if "tp" in s and "fsdp-replicated" in s:
-        print(tp_line(s, paired))
-    if "audit" in s and "audit-off" in s:
-        print(audit_line(s, paired))
+    for mode, against, line in (("fsdp", "fsdp-replicated", replication_line),
+                                ("hsdp", "fsdp-replicated", hsdp_line),
+                                ("tp", "fsdp-replicated", tp_line),
+                                ("audit", "audit-off", audit_line)):
+        if mode in s and against in s:
+            print(line(s, paired))
     if "checkpointless" in s and "off" in s:
         same = s["checkpointless"]["params_sha256"] == s["off"]["params_sha256"] is not None
         print(f"final bits: checkpointless {'EQUAL to' if same else 'DIFFER from'} the "
