@@ -65,6 +65,7 @@ class StoreDoor:
         os.set_blocking(self._wake_r, False)
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._clients: set[_Client] = set()
+        self._outq: set[_Client] = set()  # clients with answers to send this turn
         # upstream: the calls' connection and the waits', made and lost together
         self._up: socket.socket | None = None
         self._wup: socket.socket | None = None
@@ -99,7 +100,9 @@ class StoreDoor:
     # ---- the loop ----------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop:
-            for key, _ in self._sel.select(0.2):
+            # a turn every 0.2 s only while a coordinator must be dialled; else on events alone
+            dial = self._up is None and self._target is not None and bool(self._clients)
+            for key, _ in self._sel.select(0.2 if dial else None):
                 if key.data == "listen":
                     self._accept()
                 elif key.data == "wake":
@@ -122,13 +125,7 @@ class StoreDoor:
         self._lsock.close()
 
     def _accept(self) -> None:
-        while True:
-            try:
-                sock, _ = self._lsock.accept()
-            except (BlockingIOError, OSError):
-                return
-            sock.settimeout(2.0)  # answers are small; a client that reads nothing is dropped
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for sock in w.accepted(self._lsock):
             c = _Client(sock)
             self._clients.add(c)
             self._sel.register(sock, selectors.EVENT_READ, c)
@@ -156,6 +153,7 @@ class StoreDoor:
             if c.inbuf[0] != w.VALIDATE or c.inbuf[5] != w.PING:
                 return self._drop(c)
             c.out += c.inbuf[6:10]
+            self._outq.add(c)
             del c.inbuf[:10]
             c.greeted = True
         while True:
@@ -180,6 +178,7 @@ class StoreDoor:
         if call[0] == w.CANCEL_WAIT:  # its wait ends here; the upstream one may go on
             self._unwait(c)
             c.out.append(w.WAIT_CANCELED)
+            self._outq.add(c)
             return self._release(c)
         self._unsent.append((c, call, shape))
 
@@ -199,8 +198,7 @@ class StoreDoor:
         self.stats["waits"] += 1
         if wt is None:
             wt = self._waits[key] = _Wait(call)
-            self._check(wt.keys)  # keys already there: answered in one round trip
-            self._arm(wt.keys)
+            self._check(wt.keys)  # there already: answered in one round trip; else armed then
         else:
             self.stats["waits_shared"] += 1
         wt.clients.append(c)
@@ -234,6 +232,7 @@ class StoreDoor:
                 self._waits.pop(wt.call[1:], None)
                 for c in wt.clients:
                     c.out.append(w.STOP_WAITING)
+                    self._outq.add(c)
                     c.waiting = None
                     self._release(c)
             else:
@@ -322,6 +321,7 @@ class StoreDoor:
                 self._checked(owner, answer[0] == w.READY)
             elif owner in self._clients:
                 owner.out += answer
+                self._outq.add(owner)
 
     def _flush(self) -> None:
         """What this turn gathered leaves in one write per connection."""
@@ -339,7 +339,10 @@ class StoreDoor:
                         self._up_lost(broke=True)
                         break
                     buf.clear()
-        for c in [c for c in self._clients if c.out]:
+        outq, self._outq = self._outq, set()
+        for c in outq:
+            if c not in self._clients:
+                continue
             try:
                 c.sock.sendall(c.out)
                 c.out.clear()

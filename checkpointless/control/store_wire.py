@@ -160,3 +160,16 @@ def recv_pipe(fd: int) -> None:
         os.read(fd, 4096)
     except BlockingIOError:
         pass
+
+
+def accepted(lsock: socket.socket) -> list[socket.socket]:
+    """The connections waiting on a non-blocking listening socket, ready for a relay's use."""
+    out = []
+    while True:
+        try:
+            sock, _ = lsock.accept()
+        except (BlockingIOError, OSError):
+            return out
+        sock.settimeout(2.0)  # answers are small; a client that reads nothing is dropped
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        out.append(sock)
