@@ -204,4 +204,5 @@ def run_paired_launchers(cfg, overrides: list[str], modes=("fsdp", "fsdp-replica
     for m in modes:
         out[f"steps_counted_{m}"] = len(counted[m])
         out[f"step_s_median_{m}"] = round(statistics.median(counted[m]), 5)
+        out[f"params_sha256_{m}"] = run_digest(dirs[m])
     return out

@@ -312,10 +312,11 @@ def audit_line(s: dict, paired: dict | None) -> str:
     failure-free step time, side by side when the paired run had enough steps."""
     p = paired or {}
     a, b = p.get("step_s_median_audit"), p.get("step_s_median_audit-off")
-    how = "side by side, taking turns"
+    how, bits = "side by side, taking turns", [p.get("params_sha256_audit"),
+                                               p.get("params_sha256_audit-off")]
     if not (a and b):
         a, b = s["audit"]["step_s_median"], s["audit-off"]["step_s_median"]
-        how = "one after the other"
-    same = s["audit"]["params_sha256"] == s["audit-off"]["params_sha256"] is not None
+        how, bits = "one after the other", [s[m]["params_sha256"] for m in ("audit", "audit-off")]
+    same = bits[0] == bits[1] is not None
     return (f"audits every step: median step {a * 1000:.1f} ms vs none {b * 1000:.1f} ms "
             f"({a / b - 1:+.1%}, {how}); final bits {'EQUAL' if same else 'DIFFER'}")
