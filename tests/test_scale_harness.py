@@ -61,3 +61,16 @@ def test_a_size_that_cannot_start_says_why_and_exits_non_zero(tmp_path):
     assert "did not all start within 0 s" in run.stdout and "connections" in run.stdout
     row = json.loads(out.read_text())[0]
     assert row["nodes"] == 2 and "did not all start" in row["error"]
+
+
+def test_coordinator_connections_counts_what_the_store_server_accepted():
+    from launcher.bench.scale_proc import coordinator_connections
+    from checkpointless.protocol import membership
+    server, own = membership.host("127.0.0.1")
+    before = coordinator_connections(os.getpid(), server.port)
+    clients = [membership.connect("127.0.0.1", server.port) for _ in range(3)]
+    got = coordinator_connections(os.getpid(), server.port)
+    # the server's end of each new connection; the clients' ends (other local ports) are not
+    assert got["store"] - before["store"] == 3, (before, got)
+    assert got["sockets"] - before["sockets"] == 6  # both ends of each, all in this process
+    del clients, own, server

@@ -17,11 +17,18 @@ def cpu_s(pid: int) -> float:
 def coordinator_connections(pid: int, port: int) -> dict:
     """The connections process `pid` holds, read from /proc: those its store server accepted on
     `port` (ESTABLISHED, local port `port`, a socket among its open files), and every socket."""
+    inodes = set()
     try:
-        inodes = {os.readlink(f"/proc/{pid}/fd/{fd}")[8:-1]
-                  for fd in os.listdir(f"/proc/{pid}/fd")}
-    except OSError:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:  # the process is gone
         return {"store": -1, "sockets": -1}
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
     store = 0
     for table in ("tcp", "tcp6"):
         with open(f"/proc/{pid}/net/{table}") as f:
@@ -29,16 +36,12 @@ def coordinator_connections(pid: int, port: int) -> dict:
                 cols = line.split()
                 store += (cols[3] == "01" and int(cols[1].rsplit(":", 1)[1], 16) == port
                           and cols[9] in inodes)
-    return {"store": store, "sockets": sockets(pid)}
+    return {"store": store, "sockets": len(inodes)}
 
 
 def sockets(pid: int) -> int:
     """How many sockets process `pid` holds open (-1 if it is gone)."""
-    try:
-        return sum(1 for fd in os.listdir(f"/proc/{pid}/fd")
-                   if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:"))
-    except OSError:
-        return -1
+    return coordinator_connections(pid, 0)["sockets"]
 
 
 def fd_limit() -> int:
