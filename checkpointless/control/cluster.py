@@ -254,8 +254,14 @@ class ClusterPool(WorkerPool):
         """Nodes whose health record has not changed for node_timeout_s: declared lost (once),
         fenced, and every worker on them counted as exited."""
         now, found = time.time(), []
+        silent = [k for k, n in self.nodes.items() if self.remote(k) and not n.lost
+                  and now - n.beat_seen_at > self.node_timeout_s]
+        if silent and now - self._health_at > D.health_every_s:
+            # this coordinator itself has not read the records for a while (a long start, a
+            # stall): a node is silent only if its record has not moved when read now
+            self.refresh(force=True)
         for k, n in self.nodes.items():
-            if not self.remote(k) or n.lost or now - n.beat_seen_at <= self.node_timeout_s:
+            if k not in silent or now - n.beat_seen_at <= self.node_timeout_s:
                 continue
             self.log(f"[checkpointless] node {k} lost: its launcher has been silent for "
                      f"{self.node_timeout_s:g} s; its workers fail together and the node is "
