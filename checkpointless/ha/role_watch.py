@@ -16,8 +16,8 @@ import time
 from .etcd import Etcd, EtcdError, EtcdUnavailable
 
 # A read while the watches say nothing: a stream a partition left open delivers nothing, and a
-# node must still see its fence when the partition heals. 2 reads per node each 10 s, where
-# polling read twice every 0.25 s (80 times fewer).
+# node must still see its fence when the partition heals. Two reads per node every 10 s (0.2 a
+# second), where polling read two every 0.25 s (8 a second): 40 times fewer.
 IDLE_S = 10.0
 
 
