@@ -1,7 +1,7 @@
 """The control plane at thousands of ranks: the real coordinator and node agents, simulated ranks.
 
     python -m launcher.bench.scale --nodes 512 --ranks-per-node 8 [--out scale.json]
-    python -m launcher.bench.scale --curve            (256 .. 16,384 ranks, as far as it goes)
+    python -m launcher.bench.scale --curve            (256 .. 32,768 ranks, as far as it goes)
 
 What runs is the product's own code: the coordinator is checkpointless's `Supervisor` (its
 `ClusterPool`, a stand-alone coordinator) in a process of its own, and every node is a real
@@ -9,10 +9,11 @@ What runs is the product's own code: the coordinator is checkpointless's `Superv
 simulated: a `SimRank` speaks the worker's side of the protocol with the library's own functions
 (ready, its plan part read with `membership.follow` in its node store, where its agent copies it,
 the per-node `membership.barrier`, heartbeats into its node store, rank 0's step records) but
-trains nothing and builds no process group, so thousands fit on one small machine. A thread each,
-with one connection to the coordinator and one to its node's store, as a worker has; the
-simulated nodes are split over a few processes (shards: one Python process cannot serve
-thousands of threads).
+trains nothing and builds no process group, so thousands fit on one small machine. Each has one
+connection to its node's door (the coordinator's address a worker is given: every node reaches
+the coordinator over two connections, checkpointless/control/node_door.py) and one to its node's
+store, as a worker has; the ranks of a shard are programs of one event loop (scale_wire.py), and
+the simulated nodes are split over processes (shards).
 
 It measures, for each size: the coordinator's store operations per second in steady state (every
 call any client makes to its store, its own included) and its process's CPU share; then for one
@@ -318,12 +319,13 @@ def main(argv=None) -> int:
     p.add_argument("--start-timeout-s", type=float, default=300.0,
                    help="how long every simulated rank may take to pass generation 0")
     p.add_argument("--curve", action="store_true",
-                   help="256, 1,024, 4,096 and 16,384 ranks at 8 per node, and 512 nodes x 1")
+                   help="256, 1,024, 4,096, 16,384 and 32,768 ranks at 8 per node, and 512 "
+                   "nodes x 1; stops at the first size that cannot be measured (exit 1)")
     p.add_argument("--out", help="write the figures as JSON here")
     a = p.parse_args(argv)
     sizes = [(a.nodes, a.ranks_per_node)]
     if a.curve:
-        sizes = [(32, 8), (128, 8), (512, 1), (512, 8), (2048, 8)]
+        sizes = [(32, 8), (128, 8), (512, 1), (512, 8), (2048, 8), (4096, 8)]
     rows, code = [], 0
     for nodes, per_node in sizes:
         try:
