@@ -25,27 +25,7 @@ import time
 from collections import deque
 
 from . import store_wire as w
-
-
-class _Client:
-    """One local process's connection through the door."""
-
-    def __init__(self, sock: socket.socket):
-        self.sock = sock
-        self.inbuf = bytearray()  # from the client, not yet a whole call
-        self.out = bytearray()  # answers for it, sent at the end of the loop's turn
-        self.greeted = False  # its VALIDATE and PING were answered by the door itself
-        self.waiting: _Wait | None = None
-        self.held: deque = deque()  # its calls after a wait, until the wait is over
-
-
-class _Wait:
-    """What every local client waiting for the same keys waits for."""
-
-    def __init__(self, call: bytes):
-        self.call = call  # WAIT and its keys
-        self.keys = w.keys_of(call)
-        self.clients: list[_Client] = []
+from .door_parts import Client as _Client, Wait as _Wait
 
 
 class StoreDoor:
@@ -73,7 +53,7 @@ class StoreDoor:
         self._broken_epoch = -1  # the epoch whose target broke (not dialled again when holding)
         self._upbuf = bytearray()
         self._unsent: deque = deque()  # (owner, call, shape): a _Client, or a _Wait's check
-        self._pending: deque = deque()  # (owner, call, shape) sent, in order
+        self._pending: deque = deque()  # (owner, call, shape, when) sent, in order
         self._out = bytearray()  # to the calls' connection, at the end of the turn
         self._wout = bytearray()  # to the waits'
         self._waits: dict[bytes, _Wait] = {}  # by keys; those not over
@@ -91,6 +71,14 @@ class StoreDoor:
         self.epoch += 1
         self.broke_at = None
         os.write(self._wake_w, b"t")
+
+    def stalled_s(self) -> float:
+        """How long the oldest call sent has waited for its answer (a partition breaks no
+        connection: a coordinator cut off only stops answering)."""
+        try:
+            return time.monotonic() - self._pending[0][3]
+        except IndexError:  # none in flight
+            return 0.0
 
     def close(self) -> None:
         self._stop = True
@@ -287,7 +275,7 @@ class StoreDoor:
         self._out.clear()
         self._wout.clear()
         # the calls not answered go first next time, in their order; checks are asked again
-        back = [(o, call, shape) for o, call, shape in self._pending if isinstance(o, _Client)]
+        back = [(o, c, shape) for o, c, shape, _ in self._pending if isinstance(o, _Client)]
         self._unsent = deque(back + [e for e in self._unsent if isinstance(e[0], _Client)])
         self._pending.clear()
         self._checking, self._woke = 0, False
@@ -309,7 +297,7 @@ class StoreDoor:
             return None if data is None else self._up_lost(broke=True)
         self._upbuf += data
         while self._pending:
-            owner, _, shape = self._pending[0]
+            owner, _, shape, _ = self._pending[0]
             try:
                 end = w.answer_end(self._upbuf, shape)
             except w.Short:
@@ -326,11 +314,12 @@ class StoreDoor:
     def _flush(self) -> None:
         """What this turn gathered leaves in one write per connection."""
         if self._up is not None:
+            now = time.monotonic()
             while self._unsent:
                 owner, call, shape = self._unsent.popleft()
                 self._out += call
                 if shape:
-                    self._pending.append((owner, call, shape))
+                    self._pending.append((owner, call, shape, now))
             for sock, buf in ((self._up, self._out), (self._wup, self._wout)):
                 if buf:
                     try:

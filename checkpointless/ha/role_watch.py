@@ -19,6 +19,7 @@ from .etcd import Etcd, EtcdError, EtcdUnavailable
 # node must still see its fence when the partition heals. Two reads per node every 10 s (0.2 a
 # second), where polling read two every 0.25 s (8 a second): 40 times fewer.
 IDLE_S = 10.0
+STALL_S = 1.0  # the door's oldest call unanswered this long: the coordinator may be cut off
 
 
 class RoleWatch:
@@ -74,11 +75,21 @@ class RoleWatch:
             self._follow_role(role)
             self._watch({f"{self.prefix}/coordinator": rev_role,
                          f"{self.prefix}/fence/{self.node}": rev_fence})
-            amiss = (self._broken or role is None or self.door.broke_at is not None)
-            self._changed.wait(self.poll_s if amiss else self.idle_s)
+            deadline = time.time() + self.idle_s
+            while not self._changed.wait(self.poll_s) and time.time() < deadline:
+                if self._amiss(role):
+                    break
             self._changed.clear()
         for w in list(self._streams.values()):
             w.close()
+
+    def _amiss(self, role) -> bool:
+        """Read etcd every poll_s, not only on its news: a watch broke, the role is vacant, or
+        the door lost the coordinator (a closed connection, or calls unanswered for STALL_S: a
+        partition leaves the streams to a cut-off member open and silent)."""
+        stalled = getattr(self.door, "stalled_s", lambda: 0.0)()
+        return (self._broken or role is None or self.door.broke_at is not None
+                or stalled > STALL_S)
 
     def _follow_role(self, role) -> None:
         if role is None:
