@@ -17,15 +17,17 @@ D = protocol.DEFAULTS
 class FindingLosses:
     """Mixed into `Supervisor`: reads its store, pool, ranks and stragglers."""
 
-    def _exited(self) -> list[Worker]:
+    def _exited(self, nodes: set | None = None) -> list[Worker]:
         """Ranks' workers that exited before they were done: lost. One that died after its
         result was in (killed on its way out) is lost only while some other rank's result is
         still missing, a moment later (those ranks may need it again, job.finish); once every
-        result is in, it finished."""
+        result is in, it finished. `nodes`: only the workers of those nodes are looked at."""
         self.pool.refresh()
         out = []
         for wid in list(self.ranks):
             w = self.workers[wid]
+            if nodes is not None and w.node not in nodes:
+                continue
             if w.alive() or wid in self.killed_after_done or \
                     self.store.check([protocol.done_key(wid)]):
                 continue
@@ -136,8 +138,10 @@ class FindingLosses:
         return out + [(self.workers[wid], False) for wid in self.stragglers.overdue(self.ranks)]
 
     def _silent_nodes(self, lost) -> list[tuple[Worker, bool]]:
-        out = []
-        for node in self.pool.fence_silent_nodes():  # each said in the log
-            out += [(w, False) for w in self._exited() if w.node == node
-                    and all(w is not x for x, _ in lost + out)]
-        return out
+        """The workers of nodes just fenced as silent (each said in the log): one pass over
+        those nodes' ranks, not one over every rank per silent node (at 16,384 ranks that
+        stalled the coordinator, docs/scale.md)."""
+        nodes = set(self.pool.fence_silent_nodes())
+        if not nodes:
+            return []
+        return [(w, False) for w in self._exited(nodes) if all(w is not x for x, _ in lost)]
