@@ -156,8 +156,8 @@ def split_fault(text: str) -> dict:
                 "factor": None if factor is None else float(factor),
                 "every": None if every is None else int(every)}
     except ValueError:
-        raise ValueError(f"fault {text!r}: rank, step, seed and an sdc fault's every must be "
-                         "integers and a slow fault's factor a number, e.g. kill:2:5@random:7, "
+        raise ValueError(f"fault {text!r}: rank, step and seed must be integers (an sdc fault's "
+                         "every too) and a slow fault's factor a number, e.g. kill:2:5@random:7, "
                          "slow:1:20:3 or sdc:2:12:1") \
             from None
 
