@@ -184,12 +184,12 @@ def test_a_failure_while_regrouping_waits_for_the_plan_that_replaces_that_peer_t
 def test_a_failure_while_restoring_goes_back_to_waiting(sup, reference, monkeypatch):
     real, calls = restore.restore, []
 
-    def flaky_restore(state, me, *hooks):
+    def flaky_restore(state, me, *hooks, **options):
         calls.append(dist.get_world_size())
         if len(calls) == 2:  # the restore after the first recovery
             sup.lose_a_worker()
             raise PeerLost("a source died while sending")
-        return real(state, me, *hooks)
+        return real(state, me, *hooks, **options)
 
     monkeypatch.setattr(restore, "restore", flaky_restore)
 
