@@ -245,7 +245,10 @@ def test_a_rank_killed_after_the_loop_or_on_its_way_out_ends_with_the_failure_fr
     recovery runs, and the run stands."""
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    before = run(tmp_path / "a", "--spares", "1", KILL_BEFORE_FINISH="2")
+    # stragglers only reported: seen once in CI, a loaded machine made rank 0 a straggler here
+    # and its eviction a second recovery (not what this test is about)
+    before = run(tmp_path / "a", "--spares", "1", "--straggler-action", "report",
+                 KILL_BEFORE_FINISH="2")
     assert_same_bits(before, clean_digest)
     assert before["status"] == "ok"
     (rec,) = before["recoveries"]
