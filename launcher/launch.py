@@ -75,13 +75,15 @@ def supervisor_config(cfg) -> SupervisorConfig:
         replication={"factor": max(1, c.replication.factor),
                      "interval": c.replication.interval,
                      "offset": replica_offset(placement, per_node)},
-        shard_size=d.shard_size if d.strategy == "hsdp" else 0,
-        tp_size=d.tp_size,
+        # under ddp every rank of a pipeline stage is a replica group of its own (mesh.py)
+        shard_size=d.shard_size if d.strategy == "hsdp" else
+        (1 if d.strategy == "ddp" and d.pp_size > 1 else 0),
+        tp_size=d.tp_size, pp_size=d.pp_size,
         straggler_factor=c.straggler.factor, straggler_window=c.straggler.window,
         audit_every=c.audit.every if c.enabled else 0,
         health=health_settings(cfg),
         tokens_per_step=cfg.trainer.micro_batch_size * cfg.trainer.grad_accum_steps *
-        cfg.data.seq_len * (d.num_processes // d.tp_size),
+        cfg.data.seq_len * (d.num_processes // (d.tp_size * d.pp_size)),
         straggler_action=c.straggler.action if c.enabled else "report",
         faults=[dict(f) for f in OmegaConf.to_container(cfg.faults)])
 

@@ -39,6 +39,8 @@ from .export import digest_and_export, export_lora
 from .memory import held
 from .metrics import Metrics
 from .model_setup import build, build_eval, cpu_threads, full_state, setup, shard, warm_up
+from . import pipeline_export
+from .pipeline import Pipeline, layer_counts
 from .schema import SHARDED, Recipe
 from .tensor_parallel import clip_grad_norm_
 
@@ -82,6 +84,7 @@ class Run:
     validate: object  # None, or a function returning the validation figures
     catch_up_threads: int
     overlapped: bool
+    pipe: object = None  # pipeline.Pipeline under distributed.pp_size > 1
     loss_value: float = float("nan")
     tokens: int = 0
     last_eval: dict | None = None
@@ -148,10 +151,15 @@ def join(cfg, out_dir: Path) -> Run:
                            "silently different job")
     # built after join: accelerate reads this worker's rank once, and a spare has none before
     accelerator = build_accelerator(cfg, job, device)
+    pipe = None
+    if d.pp_size > 1:  # this rank keeps its stage's part of the model (pipeline.py)
+        pipe = Pipeline(cfg, model, job, layer_counts(cfg, model.config))
+        model = pipe.part
     if d.strategy in SHARDED:  # sharded here, not by accelerate's plugin (see start_line)
-        shard(model, cfg, job.device_mesh(), receives_state=not job.builds_own_state)
+        shard(model, cfg, job.device_mesh(), receives_state=not job.builds_own_state,
+              roots=pipe.views if pipe else None)
         wrapped = model
-    elif d.grad_sync == "buckets":  # averaged in fixed buckets during backward
+    elif d.grad_sync == "buckets" and not pipe:  # averaged in fixed buckets during backward
         wrapped = checkpointless.DistributedDataParallel(model, bucket_cap_mb=d.bucket_cap_mb)
     else:  # flat: one fixed-order all-reduce of every gradient after the whole backward
         wrapped = model
@@ -176,13 +184,16 @@ def join(cfg, out_dir: Path) -> Run:
                                  adds=job.rank % d.tp_size == 0)) if evalset else None
     return Run(cfg, out_dir, job, accelerator, model, wrapped, optimizer, opt, ckpt, metrics,
                tokenizer, sampler, validate, catch_up_threads,
-               overlapped=d.strategy == "ddp" and d.grad_sync == "buckets")
+               overlapped=d.strategy == "ddp" and d.grad_sync == "buckets" and not pipe,
+               pipe=pipe)
 
 
 def forward_backward(run: Run, step: int) -> torch.Tensor:
     """The step's micro-batches, forward and backward; their summed loss (on this rank)."""
     cfg, job, accelerator, wrapped = run.cfg, run.job, run.accelerator, run.wrapped
     t = cfg.trainer
+    if run.pipe:  # the schedule runs the microbatches through the stages
+        return run.pipe.forward_backward(run, step)
     loss_sum = torch.zeros(1, device=accelerator.device)
     # a survivor redoing a step cut short by a peer's failure still holds its gradients;
     # the replacement they all wait on may use their idle cores (same bits, verified)
@@ -227,17 +238,22 @@ def train_step(run: Run, step: int):
         # passed is undone by going back here (audit.rewind_bound)
         run.ckpt.save(0)
     loss_sum = forward_backward(run, step)
-    if cfg.distributed.strategy == "ddp":
+    clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
+    if run.pipe:  # averaged over the stage's replicas; loss and norm over the whole pipeline
+        if cfg.distributed.strategy == "ddp":
+            job.all_reduce_grads(model.parameters())
+        loss_total, grad_norm = run.pipe.loss_and_clip(model.parameters(), loss_sum, clip)
+    elif cfg.distributed.strategy == "ddp":
         loss_total = job.all_reduce_grads(model.parameters(), extra=loss_sum)
     else:  # FSDP already averaged the gradients; the loss needs its own collective
         loss_total = loss_sum.clone()
         dist.all_reduce(loss_total)
     # unscaled first under fp16; torch's clip_grad_norm_ otherwise (the same bits); under
     # tensor parallel over gradients on two meshes (tensor_parallel.py)
-    clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-    grad_norm = clip_grad_norm_(model.parameters(), clip) if cfg.distributed.tp_size > 1 \
-        else accelerator.clip_grad_norm_(model.parameters(), clip)
-    grad_norm = full_tensor(grad_norm)
+    if not run.pipe:
+        grad_norm = clip_grad_norm_(model.parameters(), clip) if cfg.distributed.tp_size > 1 \
+            else accelerator.clip_grad_norm_(model.parameters(), clip)
+        grad_norm = full_tensor(grad_norm)
     run.opt.step()  # under fp16 the GradScaler skips an update with inf/nan gradients
     run.opt.zero_grad(set_to_none=True)
     if run.ckpt and (step + 1) % cfg.checkpoint.interval == 0:
@@ -255,7 +271,9 @@ def train(run: Run) -> None:
         with job.step():
             loss_total, grad_norm, lr, pending = train_step(run, step)
         if job.completed_steps == step + 1:  # committed (not rolled into a recovery)
-            run.loss_value = loss_total.item() / (job.world_size * t.grad_accum_steps)
+            # every rank's loss counted (a tp group's alike); under pp the last stage's
+            run.loss_value = loss_total.item() / (job.world_size // run.cfg.distributed.pp_size
+                                                   * t.grad_accum_steps)
             run.tokens = job.completed_steps * (t.micro_batch_size * t.grad_accum_steps *
                                                 run.cfg.data.seq_len * job.data_world)
             if metrics:
@@ -296,7 +314,9 @@ def finish_run(run: Run) -> None:
     # an unfinished (preempted) model is not exported: the checkpoint holds it
     export_to = out_dir / "model" if t.save_model and not job.preempted and not lora else None
     digest, full_params = job.between_steps(lambda: digest_and_export(
-        model, d.strategy, run.tokenizer, export_to, job.rank, job.world_size))
+        model, d.strategy, run.tokenizer, export_to, job.rank, job.world_size) if not run.pipe
+        else pipeline_export.digest_and_export(model, d.strategy, run.tokenizer, export_to,
+                                               job.rank, job.world_size, d.pp_size))
     if lora and t.save_model and not job.preempted:  # adapters are small; the base goes to
         state = job.between_steps(lambda: full_state(model, d.strategy))  # rank 0's host
         if job.rank == 0:

@@ -126,7 +126,7 @@ def build_eval(cfg, tokenizer):
     return ds, eval_rows(ds, cfg.eval.max_batches, cfg.trainer.micro_batch_size)
 
 
-def shard(model, cfg, mesh=None, receives_state: bool = False):
+def shard(model, cfg, mesh=None, receives_state: bool = False, roots=None):
     """FSDP2: each decoder block and then the root becomes a sharded unit over `mesh` (the job's:
     1-D under fsdp, dp_replicate x dp_shard under hsdp; by default the default group's); with a
     tp dimension the plan's linear layers are split over it first (tensor_parallel.py). A model
@@ -156,11 +156,16 @@ def shard(model, cfg, mesh=None, receives_state: bool = False):
     if "tp" in names:  # split the plan's linears over tp first; FSDP2 then shards over dp
         from .tensor_parallel import apply
         apply(base_of(model), mesh["tp"])
-        dp = tuple(n for n in names if n != "tp")
+    if "tp" in names or "pp" in names:  # FSDP2 shards over the stage's dp dimensions
+        dp = tuple(n for n in names if n not in ("tp", "pp"))
         mesh = mesh[dp] if len(dp) > 1 else mesh[dp[0]]
+    if isinstance(blocks, torch.nn.ModuleDict):  # a pipeline stage's layers, by index
+        blocks = list(blocks.values())
     for block in blocks or []:
         fully_shard(block, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+    # `roots`: a pipeline stage's views (pipeline.py), each run by the schedule as a whole
+    for root in roots or [model]:
+        fully_shard(root, mesh=mesh, mp_policy=mp)
     if model in _UNFILLED:
         _fill_shards(model, cfg, *_UNFILLED.pop(model), receives_state)
     return model

@@ -98,6 +98,7 @@ class Spec:
     # HSDP: ranks per replica group (dp_shard x tp), the groups the copies (mesh.py); 0: no groups
     shard_size: int = 0
     tp_size: int = 1  # ranks per tensor-parallel group, tp innermost (mesh.py)
+    pp_size: int = 1  # pipeline stages, outermost: world/pp consecutive ranks each (mesh.py)
     audit_every: int = DEFAULTS.audit_every  # steps between audits by a spare's replay (audit.py)
 
     def to_json(self) -> str:
@@ -151,6 +152,7 @@ class SupervisorConfig:
     tokens_per_step: int = 0  # what one step trains on, all ranks (tokens per second; 0: not said)
     shard_size: int = 0  # HSDP: ranks per replica group (mesh.py); 0: no replica groups
     tp_size: int = 1  # ranks per tensor-parallel group (mesh.py); 1: none
+    pp_size: int = 1  # pipeline stages (mesh.py); 1: none
     audit_every: int = DEFAULTS.audit_every  # steps between audits by replay (0: none)
 
     @classmethod

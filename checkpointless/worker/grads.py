@@ -118,3 +118,12 @@ def summed_extra(ddp, extra: torch.Tensor | None):
         summed, ddp.extra_sum = ddp.extra_sum, None
         return summed
     return all_reduce_extra(extra)
+
+
+def stage_all_reduce(params, group, extra: torch.Tensor | None = None):
+    """Pipeline parallel: average over the stage's data-parallel ranks (`group`; None when the
+    stage has one) and return `extra` summed over them. Nothing is kept for a redo: a pipeline's
+    step is redone whole by every stage, whose activations the replacement needs."""
+    if group is None:
+        return None if extra is None else extra.detach().clone().float()
+    return all_reduce_grads(params, dist.get_world_size(group), extra, group=group)

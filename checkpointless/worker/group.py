@@ -29,7 +29,8 @@ class Group:
     keeping FSDP2 modules pointed at the live one."""
 
     def __init__(self, store, node_store, backend: str, pg_timeout_s: float, store_ports,
-                 modules, shard_size: int = 0, tp_size: int = 1, connect=None):
+                 modules, shard_size: int = 0, tp_size: int = 1, connect=None,
+                 pp_size: int = 1):
         self.store, self.node_store = store, node_store
         # () -> a new connection to the job's store, for one generation's rendezvous (None: the
         # shared one, which nothing may cut)
@@ -41,6 +42,7 @@ class Group:
         self.modules = modules  # () -> the protected nn.Modules, for FSDP's cached group handles
         self.shard_size = shard_size  # HSDP: ranks per replica group (0: none, see mesh.py)
         self.tp_size = tp_size  # ranks per tensor-parallel group (1: none)
+        self.pp_size = pp_size  # pipeline stages (1: none)
         self.layout: meshes.Layout | None = None
         self.subgroups: dict | None = None  # {dimension: group} of this generation (mesh.py)
 
@@ -69,10 +71,11 @@ class Group:
         # wrapper more per generation. The job's own hook (failures.report_uncaught) stays.
         sys.excepthook = hook
         self.subgroups = None
-        hsdp = bool(self.shard_size) and self.shard_size < plan.world_size
-        if hsdp or self.tp_size > 1:
+        stage_world = plan.world_size // self.pp_size
+        hsdp = bool(self.shard_size) and self.shard_size < stage_world
+        if hsdp or self.tp_size > 1 or self.pp_size > 1:
             self.layout = meshes.Layout(plan.world_size, self.shard_size if hsdp
-                                        else plan.world_size, self.tp_size)
+                                        else stage_world, self.tp_size, self.pp_size)
             with communicating(f"forming the mesh's groups of generation {plan.gen}"):
                 self.subgroups = meshes.build(self.layout, rank)
         self._rendezvous_fd = None  # formed: from here a newer plan aborts the group itself

@@ -27,7 +27,7 @@ from .ddp import DistributedDataParallel
 from .failures import report_error
 from .audit_rank import RankAudits
 from .injector import FaultInjector
-from .grads import KeptGrads, summed_extra
+from .grads import KeptGrads, stage_all_reduce, summed_extra
 from .outside import OutsideSteps
 from .recovery import Recovery
 from .reporter import Reporter
@@ -117,13 +117,18 @@ class Job:
         """The job's DeviceMesh: the default group's, or (dp_replicate, dp_shard, tp): mesh.py."""
         return self._rec.group.device_mesh()
 
+    def mesh_group(self, dim: str):
+        """This generation's group of mesh dimension `dim` holding this rank, or None (mesh.py)."""
+        return (self._rec.group.subgroups or {}).get(dim)
+
     @property
     def data_rank(self) -> int:  # this rank's share of a step's batch: one per tp group
-        return self.rank // int(self.spec.tp_size)
+        per = self.world_size // int(self.spec.pp_size)  # and one per pipeline
+        return self.rank % per // int(self.spec.tp_size)
 
     @property
     def data_world(self) -> int:  # how many shares a step's batch has (data-parallel size)
-        return self.world_size // int(self.spec.tp_size)
+        return self.world_size // int(self.spec.pp_size) // int(self.spec.tp_size)
 
     def replica_host_bytes(self, part: str = "held") -> int | None:
         """Host bytes of peers' shard copies ("held"), own rollback snapshots ("own"), or "all"."""
@@ -248,15 +253,10 @@ class Job:
     def between_steps(self, fn):
         """Run `fn()`, which may use collectives, outside any step (a final evaluation, a
         gather for export) and return its result. A peer's failure inside it is recovered like
-        one in a step, and `fn` runs again on the new group; a replacement that took over after
-        the last step runs it too, as long as the script calls it after its loop.
-
-        Every member runs the same collectives after a recovery: this rank first runs again the
-        between_steps() calls it completed since the last step (their results are dropped), as
-        the replacement, following the script, runs them for the first time. So `fn` must give
-        the same result when run again (a gather, an evaluation, an export that rewrites its
-        files). Under sharded state the state at this boundary is first copied whole to peers
-        (`_secure`), so a failure here restores exactly it."""
+        one in a step: every member runs again, on the new group, the between_steps() calls it
+        completed since the last step (results dropped), as the replacement runs them for the
+        first time; so `fn` must give the same result when run again. Under sharded state the
+        state here is first copied whole to peers, so a failure here restores exactly it."""
         return self._outside.run(fn)
 
     def _new_step(self) -> None:  # what ran between the steps before it is never run again
@@ -306,12 +306,12 @@ class Job:
 
     def all_reduce_grads(self, params, extra: torch.Tensor | None = None):
         """Average the gradients of `params` over the ranks in one fixed-order collective and
-        return `extra` summed over the ranks (see `grads.all_reduce_grads`).
-
-        With a protected checkpointless.DistributedDataParallel the gradients were already
+        return `extra` summed over the ranks (see `grads.all_reduce_grads`). With a protected checkpointless.DistributedDataParallel the gradients were already
         averaged during backward, with the `extra` given to its `reduce_with()`: this returns
         that sum (or sums `extra` now if none was given). When the loop skipped the compute
         because `grads_kept`, it averages the kept gradients and extra in the wrapper's buckets."""
+        if int(self.spec.pp_size) > 1:  # over the stage's replicas: pipelines keep nothing
+            return stage_all_reduce(params, self.mesh_group("dp_replicate"), extra)
         ddp = self._ddp
         if ddp is None:
             return self._kept.all_reduce(params, self._rec.completed, self.rank,

@@ -1,23 +1,28 @@
-"""The job's device mesh: which rank sits where along (dp_replicate, dp_shard, tp), and the groups.
+"""The job's device mesh: which rank sits where along (pp, dp_replicate, dp_shard, tp), and the groups.
 
-Ranks are laid out as accelerate's ParallelismConfig orders the dimensions, tensor parallel
-innermost: rank r = (g * dp_shard + s) * tp + t. A tensor-parallel group is `tp` consecutive ranks
-(inside one node whenever tp divides the ranks per node), an FSDP shard group the ranks of one
-replica group at one tp position, and a replica group `shard_size` = dp_shard x tp consecutive
-ranks, each holding one whole copy of the model.
+Ranks are laid out as torchtitan orders the dimensions: pipeline stages outermost, then
+accelerate's ParallelismConfig order, tensor parallel innermost:
+rank r = ((p * replica_groups + g) * dp_shard + s) * tp + t. A pipeline stage is `world / pp`
+consecutive ranks (whole nodes whenever that is a multiple of the ranks per node, so stages span
+nodes and tp stays inside one), a tensor-parallel group `tp` consecutive ranks, an FSDP shard
+group the ranks of one replica group at one tp position, and a replica group `shard_size` =
+dp_shard x tp consecutive ranks of one stage, each holding one whole copy of that stage.
 
-Rank r holds slice r % shard_size of the parameters and optimizer state. Under HSDP the ranks at
-the same slice in the other replica groups hold it too, bit for bit ("twins"): FSDP2 reduce-
-scatters within a shard group and all-reduces across a slice's ranks, which all receive the same
-sum. A lost rank's slice is sent by a twin, and no host copy is needed (restore.py). Without
-replica groups (fsdp, with or without tp) every slice exists once and peer copies keep it.
+Rank r holds slice (stage, r % shard_size) of the parameters and optimizer state. The ranks of
+the same stage at the same slice in the other replica groups hold it too, bit for bit ("twins"):
+FSDP2 reduce-scatters within a shard group and all-reduces across a slice's ranks, which all
+receive the same sum; under ddp every rank of a stage is a replica group of its own. A lost rank's
+slice is sent by a twin, and no host copy is needed (restore.py). Without replica groups (fsdp,
+with or without tp) every slice exists once and peer copies keep it.
 
 The subgroups are built in every generation, by every member, right after the default group and
-in one fixed order (replicate groups, then shard groups, then tp groups). torch names a new group
-by counting the groups made since the last destroy_process_group(), so a generation's subgroups
-take the names the previous one's had: the DeviceMesh that FSDP and the tensor-parallel DTensors
-were built on (which resolves its groups by name) points at the new ones at once, in survivors and
-replacement alike, and only FSDP's cached handles need replacing (group.Group.rebind).
+in one fixed order (replicate groups, then shard groups, then tp groups, stage by stage; then the
+pp groups that join the stages). torch names a new group by counting the groups made since the
+last destroy_process_group(), so a generation's subgroups take the names the previous one's had:
+the DeviceMesh that FSDP and the tensor-parallel DTensors were built on (which resolves its groups
+by name) points at the new ones at once, in survivors and replacement alike, and only FSDP's
+cached handles need replacing (group.Group.rebind). A pipeline's stages are rebuilt on the new pp
+group by the loop (launcher/pipeline.py).
 """
 from __future__ import annotations
 
@@ -25,27 +30,35 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-DIMS = ("dp_replicate", "dp_shard", "tp")  # accelerate's names, in its order
+DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # pp outermost, then accelerate's order
 
 
 @dataclass(frozen=True)
 class Layout:
     world: int
-    shard_size: int  # ranks per replica group: dp_shard x tp (the world itself without hsdp)
+    shard_size: int  # ranks per replica group of one stage: dp_shard x tp
     tp: int = 1
+    pp: int = 1  # pipeline stages
 
     def __post_init__(self):
-        if self.shard_size < 1 or self.world % self.shard_size:
-            raise ValueError(f"shard_size={self.shard_size} must divide the world size "
-                             f"{self.world}")
+        if self.pp < 1 or self.world % self.pp:
+            raise ValueError(f"pp_size={self.pp} must divide the world size {self.world}")
+        if self.shard_size < 1 or self.stage_world % self.shard_size:
+            raise ValueError(f"shard_size={self.shard_size} must divide the ranks of a stage "
+                             f"{self.stage_world}")
         if self.tp < 1 or self.shard_size % self.tp:
             raise ValueError(f"tp_size={self.tp} must divide the ranks per replica group "
                              f"{self.shard_size}")
 
     @property
+    def stage_world(self) -> int:
+        """Ranks per pipeline stage (the world itself without pp)."""
+        return self.world // self.pp
+
+    @property
     def groups(self) -> int:
-        """Replica groups (dp_replicate)."""
-        return self.world // self.shard_size
+        """Replica groups per stage (dp_replicate)."""
+        return self.stage_world // self.shard_size
 
     @property
     def dp_shard(self) -> int:
@@ -53,56 +66,82 @@ class Layout:
 
     @property
     def sizes(self) -> dict[str, int]:
-        return {"dp_replicate": self.groups, "dp_shard": self.dp_shard, "tp": self.tp}
+        return {"pp": self.pp, "dp_replicate": self.groups, "dp_shard": self.dp_shard,
+                "tp": self.tp}
 
     def dims(self) -> tuple[str, ...]:
         """The mesh's dimensions: dp_shard always, dp_replicate with replica groups, tp when
-        tensor parallel."""
+        tensor parallel, pp when pipelined."""
         return tuple(d for d in DIMS if d == "dp_shard" or self.sizes[d] > 1)
 
+    def stage(self, rank: int) -> int:
+        return rank // self.stage_world
+
     def position(self, rank: int) -> int:
-        """Which slice of the state `rank` holds."""
-        return rank % self.shard_size
+        """Which slice of the state `rank` holds (unique across stages)."""
+        return self.stage(rank) * self.shard_size + rank % self.shard_size
 
     def group_of(self, rank: int) -> int:
-        return rank // self.shard_size
+        return (rank % self.stage_world) // self.shard_size
 
     def coords(self, rank: int) -> dict[str, int]:
-        """{"dp_replicate": g, "dp_shard": s, "tp": t} of `rank`."""
-        return {"dp_replicate": rank // self.shard_size,
+        """{"dp_replicate": g, "dp_shard": s, "tp": t} of `rank`, with "pp": p when pipelined."""
+        return {**({"pp": self.stage(rank)} if self.pp > 1 else {}),
+                "dp_replicate": self.group_of(rank),
                 "dp_shard": (rank % self.shard_size) // self.tp, "tp": rank % self.tp}
 
     def data_rank(self, rank: int) -> int:
-        """Which data-parallel share of the batch `rank` trains on: a tp group shares one."""
-        return rank // self.tp
+        """Which data-parallel share of the batch `rank` trains on: a tp group shares one, and
+        so do the stages of one pipeline."""
+        return (rank % self.stage_world) // self.tp
+
+    @property
+    def data_world(self) -> int:
+        return self.stage_world // self.tp
 
     def twins(self, rank: int) -> list[int]:
-        """The other ranks holding the same slice as `rank` (one per other replica group)."""
-        p = self.position(rank)
-        return [p + g * self.shard_size for g in range(self.groups)
-                if p + g * self.shard_size != rank]
+        """The other ranks holding the same slice as `rank` (one per other replica group of its
+        stage)."""
+        return [r for r in self.replicate_ranks(self.position(rank)) if r != rank]
 
-    def shard_ranks(self, group: int, t: int = 0) -> list[int]:
-        """The FSDP shard group of replica group `group` at tp position `t`."""
-        base = group * self.shard_size + t
+    def shard_ranks(self, group: int, t: int = 0, stage: int = 0) -> list[int]:
+        """The FSDP shard group of replica group `group` of `stage` at tp position `t`."""
+        base = stage * self.stage_world + group * self.shard_size + t
         return list(range(base, base + self.shard_size, self.tp))
 
     def replicate_ranks(self, position: int) -> list[int]:
-        return list(range(position, self.world, self.shard_size))
+        """The ranks holding slice `position` (see position())."""
+        stage, p = divmod(position, self.shard_size)
+        base = stage * self.stage_world + p
+        return list(range(base, base + self.stage_world, self.shard_size))
 
     def tp_ranks(self, first: int) -> list[int]:
         """The tp group that starts at rank `first`."""
         return list(range(first, first + self.tp))
 
+    def stage_ranks(self, stage: int) -> list[int]:
+        return list(range(stage * self.stage_world, (stage + 1) * self.stage_world))
+
+    def pp_ranks(self, index: int) -> list[int]:
+        """The pipeline of the ranks at `index` inside their stage: one rank per stage."""
+        return [index + p * self.stage_world for p in range(self.pp)]
+
+    def data_parallel_ranks(self, rank: int) -> list[int]:
+        """The ranks that average gradients with `rank`: its stage's ranks at its tp position."""
+        return [r for r in self.stage_ranks(self.stage(rank)) if r % self.tp == rank % self.tp]
+
     def all_groups(self) -> list[tuple[str, list[int]]]:
         """Every subgroup of the mesh as (dimension, ranks), in the order they are built."""
         out = []
+        slices = range(self.pp * self.shard_size)
         if self.groups > 1:
-            out += [("dp_replicate", self.replicate_ranks(p)) for p in range(self.shard_size)]
-        out += [("dp_shard", self.shard_ranks(g, t)) for g in range(self.groups)
-                for t in range(self.tp)]
+            out += [("dp_replicate", self.replicate_ranks(p)) for p in slices]
+        out += [("dp_shard", self.shard_ranks(g, t, s)) for s in range(self.pp)
+                for g in range(self.groups) for t in range(self.tp)]
         if self.tp > 1:
             out += [("tp", self.tp_ranks(f)) for f in range(0, self.world, self.tp)]
+        if self.pp > 1:
+            out += [("pp", self.pp_ranks(i)) for i in range(self.stage_world)]
         return out
 
     def mesh(self) -> list:
@@ -113,9 +152,7 @@ class Layout:
     def lost_with_a_node(self, ranks_per_node: int) -> list[int]:
         """Slices whose every copy sits on one node (losing that node loses the slice); empty
         when any one node's loss leaves each slice somewhere."""
-        if self.groups < 2:
-            return list(range(self.shard_size))
-        return [p for p in range(self.shard_size)
+        return [p for p in range(self.pp * self.shard_size)
                 if len({r // ranks_per_node for r in self.replicate_ranks(p)}) < 2]
 
 

@@ -67,7 +67,8 @@ class Recovery:
         self.node_store = membership.connect(*plans_at) if node_port else store
         self.group = Group(store, self.node_store, spec.backend, spec.pg_timeout_s,
                            {port, node_port} - {0}, state.modules, spec.shard_size,
-                           spec.tp_size, connect=lambda: membership.connect(host, port))
+                           spec.tp_size, connect=lambda: membership.connect(host, port),
+                           pp_size=spec.pp_size)
         self.watch = Watch(host, port, lambda: self.gen, self._abort_from_watch,
                            plans_at=plans_at)
         # held while the watch thread judges and aborts, and while this thread enters a step or

@@ -48,13 +48,14 @@ class ShardReplicas:
     their host buffers, and the background exchange that refreshes the copies."""
 
     def __init__(self, factor: int = 2, interval: int = 1, offset: int = 1,
-                 shard_size: int = 0):
+                 shard_size: int = 0, pp_size: int = 1):
         if factor < 1 or interval < 1:
             raise ValueError(f"replication factor={factor} and interval={interval} must be >= 1")
         self.factor, self.interval, self.offset = factor, interval, offset
         # HSDP with replica groups: twins (mesh.py) are the copies, so snapshots are
         # taken only to roll this rank back, and nothing is sent
         self.shard_size = shard_size
+        self.pp_size = pp_size  # pipeline stages: a slice's twins are in its own stage
         self.rollback_only = factor <= 1 and shard_size > 0
         # Own versions kept. With peer copies, three (see above). With twins alone a restore
         # resumes at a step some rank of each position reached or snapshotted: ranks are at
@@ -87,10 +88,12 @@ class ShardReplicas:
 
     def twins(self, rank: int, world: int) -> list[int]:
         """Ranks holding the same slice as `rank` in their live state (HSDP), else none."""
-        if not self.shard_size or self.shard_size >= world or world % self.shard_size:
+        stage_world = world // self.pp_size
+        if not self.shard_size or self.shard_size >= stage_world or \
+                stage_world % self.shard_size:
             return []
         from .mesh import Layout
-        return Layout(world, self.shard_size).twins(rank)
+        return Layout(world, self.shard_size, pp=self.pp_size).twins(rank)
 
     def due(self, step: int) -> bool:
         return (self.factor > 1 or self.rollback_only) and step % self.interval == 0

@@ -14,7 +14,7 @@ instead, and says so; before any rank finished a step, nothing was trained, and 
 the one its replacement built.
 
 Who sends to whom is decided by pure functions over what the members told each other
-(assign_sources, restorable_step, pick_senders, at the end); transfer.py moves the bytes.
+(agreement.py); transfer.py moves the bytes.
 """
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 
 from . import transfer
+from .agreement import (assign_sources, pick_holders, pick_senders,  # noqa: F401
+                        replicated_step, restorable_step, stage_ranks)
 from .failures import communicating
 from .group import reshard_all
 from .state import ProtectedState
@@ -85,18 +87,20 @@ def _restore_replicated(state: ProtectedState, me: Position, hook, send_hook) ->
         dist.all_gather(got, mine.to(torch.int64))
     steps = [int(g[0]) for g in got]
     kept = [bool(g[1]) for g in got]
-    resume = max(steps)
-    if resume < 0:
-        raise RuntimeError("no member of the new generation holds training state")
+    stages = stage_ranks(state, me.world_size)
+    resume = replicated_step(steps, stages)
     sources = [r for r, s in enumerate(steps) if s == resume]
     receivers = [r for r, s in enumerate(steps) if s != resume]
     if me.world_size > 1 and any(not g[2] for g, s in zip(got, steps) if s >= 0):
-        return _start_equal(state, me, steps, min(sources), resume)
+        return _start_equal(state, me, steps, stages, sources, resume)
     out = Outcome(resumed_step=resume)
     # when every source redoes the step from kept gradients, it only waits for the receivers
     if me.rank in receivers and all(kept[r] for r in sources):
         out.catching_up = len(receivers)
-    pairs = assign_sources(receivers, sources)
+    pairs = {}  # a pipeline stage's state comes from a source of the same stage
+    for ranks in stages:
+        pairs.update(assign_sources([r for r in receivers if r in ranks],
+                                    [r for r in sources if r in ranks]))
     sent = received = 0
     t0 = time.time()
     for dst, src in pairs.items():
@@ -114,16 +118,27 @@ def _restore_replicated(state: ProtectedState, me: Position, hook, send_hook) ->
     return out
 
 
-def _start_equal(state: ProtectedState, me: Position, steps: list[int], src: int,
-                 resume: int) -> Outcome:
+def _start_equal(state: ProtectedState, me: Position, steps: list[int],
+                 stages: list[list[int]], sources: list[int], resume: int) -> Outcome:
     """The launch's first agreement: every member takes `src`'s state (rank 0's, unless a
     failure took it before this), as torch's DDP broadcasts rank 0's parameters when it is
     built. A script that builds its model without a seed then trains equal replicas; a seeded
     one loses nothing (the bits are the same). Also after a failure during this broadcast: a
-    member not yet through it asks for it again."""
+    member not yet through it asks for it again. Pipelined, each stage's first source sends
+    its stage's state to the others of that stage, one at a time."""
     t0 = time.time()
-    got_state, moved = transfer.broadcast_state(state.state() if me.rank == src else None,
-                                                src, me.rank)
+    if len(stages) == 1:
+        src = min(sources)
+        got_state, moved = transfer.broadcast_state(state.state() if me.rank == src else None,
+                                                    src, me.rank)
+    else:
+        mine = next(ranks for ranks in stages if me.rank in ranks)
+        src, got_state, moved = min(r for r in sources if r in mine), None, 0
+        for dst in mine:
+            if dst != src and me.rank == src:
+                moved += transfer.send_state(state.state(), dst)
+            elif dst == me.rank != src:
+                got_state, moved = transfer.recv_state(src)
     if got_state is not None:
         state.load(got_state)
     info = {"steps_by_rank": steps, "pairs": {}, "source": None if me.rank == src else src,
@@ -258,79 +273,3 @@ def _rewind(state: ProtectedState, me: Position, at_most: int, loaded) -> Outcom
     info = dict(restored_from="durable_checkpoint", steps_redone=max(0, newest - step),
                 transfer_s=time.time() - t0)
     return Outcome(resumed_step=step, drop_kept_grads=True, info=info)
-
-
-# ---- agreement: pure functions over what the members said
-
-def assign_sources(receivers: list[int], sources: list[int]) -> dict[int, int]:
-    """Pair each receiver with a source, spreading receivers evenly over the sources."""
-    if receivers and not sources:
-        raise RuntimeError("no healthy worker holds the state: nothing to copy from")
-    return {r: sources[i % len(sources)] for i, r in enumerate(sorted(receivers))}
-
-
-def _reaches(info: dict, s: int) -> bool:
-    """A member with state can be brought to step `s` by itself (it is there, or rolls back)."""
-    return info["completed"] >= 0 and not info.get("built") and \
-        (info["completed"] == s or s in info["own"])
-
-
-def _built_at(info: dict, s: int) -> bool:
-    """A replacement from before the first commit holds its own build of step `s`'s slice: the
-    last resort for that slice (a copy or a twin, where one exists, is what the lost rank held)."""
-    return bool(info.get("built")) and info["completed"] == s
-
-
-def restorable_step(infos: list[dict], twins: list[list[int]] | None = None) -> int | None:
-    """The newest step to which every member's slice can be brought.
-
-    `infos[r]` = {"completed": steps done by rank r (-1: a spare, holds nothing),
-                  "built": r is a replacement from before the first commit (its own build),
-                  "own": steps of r's own snapshots, "held": {rank: steps of its copies}};
-    `twins[r]`: the ranks whose live slice is r's (HSDP's replica groups), none without them.
-    A member with state can be at s if it completed exactly s or snapshotted s; any rank can
-    be at s if a twin can by itself, or a member with state holds a copy of its slice at s.
-    """
-    twins = twins or [[] for _ in infos]
-    with_state = [r for r, i in enumerate(infos) if i["completed"] >= 0]
-    candidates = {i["completed"] for i in infos if i["completed"] >= 0}
-    candidates |= {s for i in infos for s in i["own"]}
-
-    def sendable(f: int, s: int) -> bool:
-        return any(_reaches(infos[t], s) for t in twins[f]) or \
-            any(s in infos[h]["held"].get(str(f), []) for h in with_state)
-
-    for s in sorted(candidates, reverse=True):
-        if all(_reaches(i, s) or sendable(r, s) or _built_at(i, s)
-               for r, i in enumerate(infos)):
-            return s
-    return None
-
-
-def pick_senders(infos: list[dict], step: int,
-                 twins: list[list[int]] | None = None) -> dict[int, tuple[int, str]]:
-    """For each rank that cannot reach `step` by itself (a spare, or under HSDP a survivor a
-    step ahead or behind without the snapshot), who sends its slice: {rank: (sender, how)},
-    how "twin" (the sender's live state, HSDP) or "held" (a copy in its host memory). Twins are
-    preferred (nothing to keep), and the load is spread: the least busy sender first."""
-    twins = twins or [[] for _ in infos]
-    load: dict[int, int] = {}
-    out = {}
-    for f, info in enumerate(infos):
-        if _reaches(info, step):
-            continue
-        options = [(h, "twin") for h in twins[f] if _reaches(infos[h], step)]
-        if not options:
-            options = [(h, "held") for h, i in enumerate(infos) if i["completed"] >= 0
-                       and step in i["held"].get(str(f), [])]
-        if not options and _built_at(info, step):
-            continue  # it keeps its own build
-        h, how = min(options, key=lambda o: (load.get(o[0], 0), o[0]))
-        load[h] = load.get(h, 0) + 1
-        out[f] = (h, how)
-    return out
-
-
-def pick_holders(infos: list[dict], step: int) -> dict[int, int]:
-    """For each spare's rank, a member holding its slice at `step`, spreading the load."""
-    return {f: h for f, (h, _) in pick_senders(infos, step).items()}

@@ -43,19 +43,30 @@ class ProtectedState:
         if sharded and self.replicas is None:
             rep = {**protocol.default_replication(), **self.spec.replication}
             self.replicas = ShardReplicas(int(rep["factor"]), int(rep["interval"]),
-                                          int(rep["offset"]), int(self.spec.shard_size))
+                                          int(rep["offset"]), int(self.spec.shard_size),
+                                          int(getattr(self.spec, "pp_size", 1)))
             self.check_host_memory()
 
     def twins(self, world: int) -> list[list[int]] | None:
-        """Under HSDP, each rank's twins (the ranks holding its slice live), else None."""
-        twins = [self.replicas.twins(r, world) for r in range(world)] if self.replicas else []
+        """Under HSDP, each rank's twins (the ranks holding its slice live); under ddp with
+        pipeline stages the other ranks of its stage; else None."""
+        pp = int(getattr(self.spec, "pp_size", 1))
+        if self.replicas:
+            twins = [self.replicas.twins(r, world) for r in range(world)]
+        elif pp > 1:
+            per = world // pp
+            twins = [[x for x in range(r // per * per, (r // per + 1) * per) if x != r]
+                     for r in range(world)]
+        else:
+            twins = []
         return twins if any(twins) else None
 
     def compared(self, world: int) -> list[list[int]] | None:
         """The rank sets whose parameters must agree (consistency.compared); None under fsdp,
         whose slices exist once each."""
         twins = self.twins(world)
-        if self.replicas is not None and not twins:
+        if (self.replicas is not None or int(getattr(self.spec, "pp_size", 1)) > 1) \
+                and not twins:
             return None
         return consistency.compared(world, twins)
 

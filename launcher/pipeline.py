@@ -1,0 +1,287 @@
+"""Pipeline parallelism in the recipe loop (`distributed.pp_size`).
+
+The split follows the model's own pipeline plan (transformers' `base_model_pp_plan`: the
+embedding, the run of decoder layers, the final norm; the head after it): each stage holds a
+run of decoder layers, the first stage the embedding too, the last the norm and the head. Which
+layers each stage holds is chosen by parameter count (`split`) or set with
+`distributed.pp_layers`, and printed at the start. torch's own `torch.distributed.pipelining`
+runs the schedule (GPipe, 1F1B, interleaved 1F1B) over the job's pp mesh dimension.
+
+A worker builds the whole model as every other shape does (the same seed gives every layer the
+same initial bits as an unpipelined run), then keeps its stage's part (`StagePart`, whose
+parameter names are the whole model's, so checkpoints and digests name each tensor once). Under
+interleaved 1F1B a worker holds two virtual stages, p and p + pp_size; each is a `StageView` over
+the part's modules.
+
+Recovery: a rank lost anywhere in the schedule (a microbatch's send or receive, the stage's
+gradient reduction, the optimizer) fails the step on every stage; each drops the step's
+microbatches and partial gradients and redoes it whole on the next generation's group, the
+replacement having received its stage's state from a twin (the same stage in another
+data-parallel replica) or peer copies (restore.py). The stages are rebuilt for every generation:
+torch's PipelineStage keeps the process group it was made with.
+"""
+from __future__ import annotations
+
+import torch
+
+from checkpointless.worker import full_tensor, is_dtensor, local_tensor
+
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
+             "interleaved-1f1b": "ScheduleInterleaved1F1B"}
+# the pipeline plan this loop knows how to run: a Llama-like decoder (rotary positions, one
+# causal mask for every layer)
+PLAN = ("embed_tokens", "layers", "norm")
+
+
+def virtual_stages(d) -> int:
+    """Stages per worker: two under interleaved 1F1B, else one."""
+    return 2 if d.pp_schedule == "interleaved-1f1b" else 1
+
+
+def microbatches(cfg) -> int:
+    """Pipeline microbatches per step: distributed.pp_microbatches, or grad_accum_steps raised
+    to at least pp_size (fewer would leave a stage idle for most of the step)."""
+    d = cfg.distributed
+    return d.pp_microbatches or max(cfg.trainer.grad_accum_steps, d.pp_size)
+
+
+def split(layers: int, parts: int, per_layer: int, first_extra: int = 0,
+          last_extra: int = 0) -> list[int]:
+    """Decoder layers per part, at least one each, summing to `layers`, so that the largest
+    part's parameters (the first's with the embedding, the last's with the norm and head) are
+    as few as possible; among equal choices the earlier parts take fewer layers."""
+    if not 1 <= parts <= layers:
+        raise ValueError(f"{layers} layers cannot be split into {parts} parts")
+
+    def cost(i: int, n: int) -> int:
+        return n * per_layer + (first_extra if i == 0 else 0) + \
+            (last_extra if i == parts - 1 else 0)
+
+    # best[i][k]: the least largest part when parts i.. hold the last k layers
+    best = [[None] * (layers + 1) for _ in range(parts + 1)]
+    choice = [[0] * (layers + 1) for _ in range(parts + 1)]
+    best[parts][0] = 0
+    for i in range(parts - 1, -1, -1):
+        for k in range(parts - i, layers - i + 1):
+            for n in range(1, k - (parts - i - 1) + 1):
+                rest = best[i + 1][k - n]
+                if rest is None:
+                    continue
+                worst = max(cost(i, n), rest)
+                if best[i][k] is None or worst < best[i][k]:
+                    best[i][k], choice[i][k] = worst, n
+    out, k = [], layers
+    for i in range(parts):
+        out.append(choice[i][k])
+        k -= out[-1]
+    return out
+
+
+def layer_counts(cfg, hf, params: dict[str, int] | None = None) -> list[int]:
+    """Decoder layers per (virtual) stage, first to last: distributed.pp_layers when set, else
+    `split` by parameter count (`params`: per-layer, embedding and head counts; estimated from
+    the config when not given)."""
+    d = cfg.distributed
+    if d.pp_layers:
+        return list(d.pp_layers)
+    h, inter, vocab = hf.hidden_size, hf.intermediate_size, hf.vocab_size
+    heads, kv = hf.num_attention_heads, getattr(hf, "num_key_value_heads", None) or \
+        hf.num_attention_heads
+    head_dim = getattr(hf, "head_dim", None) or h // heads
+    p = params or {"layer": h * head_dim * (2 * heads + 2 * kv) + 3 * h * inter + 2 * h,
+                   "embed": vocab * h,
+                   "head": h + (0 if getattr(hf, "tie_word_embeddings", False) else vocab * h)}
+    return split(hf.num_hidden_layers, d.pp_size * virtual_stages(d), p["layer"], p["embed"],
+                 p["head"])
+
+
+def refusal(cfg, hf) -> str | None:
+    """Why distributed.pp_size cannot split the model of config `hf` as asked, with the fix;
+    None when it can (or pp is 1)."""
+    d = cfg.distributed
+    if d.pp_size <= 1:
+        return None
+    key, kind = f"distributed.pp_size={d.pp_size}", type(hf).__name__
+    plan = tuple(getattr(hf, "base_model_pp_plan", None) or ())
+    if plan != PLAN:
+        what = f"a pipeline plan over {', '.join(plan)}" if plan else "no pipeline plan"
+        return (f"{key}: {kind} has {what}; this loop pipelines Llama-like decoders (a plan "
+                f"over {', '.join(PLAN)}: Llama, Qwen2, Mistral). Fix: distributed.pp_size=1")
+    stages = d.pp_size * virtual_stages(d)
+    if hf.num_hidden_layers < stages:
+        return (f"{key}: the model has {hf.num_hidden_layers} decoder layers, fewer than its "
+                f"{stages} (virtual) stages. Fix: distributed.pp_size at most "
+                f"{hf.num_hidden_layers // virtual_stages(d)}")
+    if d.pp_layers:
+        got = list(d.pp_layers)
+        if len(got) != stages or min(got) < 1 or sum(got) != hf.num_hidden_layers:
+            return (f"distributed.pp_layers={got}: needs {stages} entries of at least 1 (one "
+                    f"per {'virtual ' if stages > d.pp_size else ''}stage) summing to the "
+                    f"model's {hf.num_hidden_layers} decoder layers. Fix: e.g. "
+                    f"distributed.pp_layers={split(hf.num_hidden_layers, stages, 1)}, or unset "
+                    "it to split by parameter count")
+    return None
+
+
+def stage_layers(counts: list[int]) -> list[list[int]]:
+    """The layer indices of each (virtual) stage, from its count of layers."""
+    out, first = [], 0
+    for n in counts:
+        out.append(list(range(first, first + n)))
+        first += n
+    return out
+
+
+def describe(counts: list[int], pp: int) -> str:
+    """The split as the start line prints it: each worker stage's layers."""
+    layers = stage_layers(counts)
+    v = len(counts) // pp
+    parts = []
+    for p in range(pp):
+        mine = [layers[p + i * pp] for i in range(v)]
+        spans = "+".join(f"{m[0]}-{m[-1]}" if len(m) > 1 else f"{m[0]}" for m in mine)
+        extra = (" +embed" if p == 0 else "") + (" +norm,head" if p == pp - 1 else "")
+        parts.append(f"stage {p}: layers {spans}{extra}")
+    return "; ".join(parts)
+
+
+class StagePart(torch.nn.Module):
+    """A worker's part of a causal LM: its decoder layers (under their index in the whole
+    model), the rotary embedding every stage needs, the embedding on the first stage, the norm
+    and head on the last. Shaped like the model (`<prefix>.layers.<i>`, `lm_head`) so the
+    sharding and tensor-parallel code find the blocks where they look for them."""
+
+    def __init__(self, model: torch.nn.Module, layers: list[int], first: bool, last: bool):
+        super().__init__()
+        prefix = model.base_model_prefix
+        base = getattr(model, prefix)
+        self.config, self.base_model_prefix = model.config, prefix
+        self.model_class = type(model).__name__  # what the export's config names
+        body = torch.nn.Module()
+        body.layers = torch.nn.ModuleDict({str(i): base.layers[i] for i in layers})
+        body.rotary_emb = base.rotary_emb
+        body.embed_tokens = base.embed_tokens if first else None
+        body.norm = base.norm if last else None
+        setattr(self, prefix, body)
+        self.lm_head = model.lm_head if last else None
+        self.loss_function = model.loss_function  # the whole model's: the same loss as unpipelined
+
+    @property
+    def body(self) -> torch.nn.Module:
+        return getattr(self, self.base_model_prefix)
+
+
+class StageView(torch.nn.Module):
+    """One (virtual) stage: the forward of its layers of a StagePart, from the input ids on the
+    first stage or the previous stage's hidden states, to the logits on the last."""
+
+    def __init__(self, part: StagePart, layers: list[int], first: bool, last: bool):
+        super().__init__()
+        body = part.body
+        self.config = part.config
+        self.layers = torch.nn.ModuleList([body.layers[str(i)] for i in layers])
+        self.rotary_emb = body.rotary_emb
+        self.embed_tokens = body.embed_tokens if first else None
+        self.norm = body.norm if last else None
+        self.lm_head = part.lm_head if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+        h = self.embed_tokens(x) if self.embed_tokens is not None else x
+        # the positions and causal mask an unpipelined forward makes (no padding, no cache)
+        pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None,
+                                  cache=None, position_ids=pos)
+        rope = self.rotary_emb(h, position_ids=pos)
+        for layer in self.layers:
+            h = layer(h, attention_mask=mask, position_embeddings=rope, position_ids=pos)
+        if self.lm_head is not None:
+            h = self.lm_head(self.norm(h))
+        return h
+
+
+class Pipeline:
+    """This worker's stage(s) of the pipeline and the schedule that runs them."""
+
+    def __init__(self, cfg, model: torch.nn.Module, job, counts: list[int]):
+        d = self.d = cfg.distributed
+        self.cfg, self.job = cfg, job
+        self.pp, self.v = d.pp_size, virtual_stages(d)
+        self.stage = job.rank // (job.world_size // self.pp)
+        layers = stage_layers(counts)
+        self.indices = [self.stage + i * self.pp for i in range(self.v)]
+        n_stages = self.pp * self.v
+        mine = sorted(i for s in self.indices for i in layers[s])
+        self.first, self.last = self.stage == 0, self.stage == self.pp - 1
+        self.part = StagePart(model, mine, self.first, self.last)
+        self.views = [StageView(self.part, layers[s], s == 0, s == n_stages - 1)
+                      for s in self.indices]
+        self.n_micro = microbatches(cfg)
+        self._gen, self.schedule = None, None
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.part.loss_function(logits=logits, labels=labels,
+                                       vocab_size=self.part.config.vocab_size)
+
+    def _current(self, device):
+        """The schedule over this generation's pp group (rebuilt after every recovery)."""
+        if self._gen != self.job.gen:
+            from torch.distributed import pipelining
+            group = self.job.mesh_group("pp")
+            stages = [pipelining.PipelineStage(v, s, self.pp * self.v, device, group=group)
+                      for v, s in zip(self.views, self.indices)]
+            kind = getattr(pipelining, SCHEDULES[self.d.pp_schedule])
+            self.schedule = kind(stages if self.v > 1 else stages[0], self.n_micro,
+                                 loss_fn=self.loss)
+            self._gen = self.job.gen
+        return self.schedule
+
+    def forward_backward(self, run, step: int) -> torch.Tensor:
+        """The step's microbatches through the schedule, forward and backward; the step's
+        summed loss as the unpipelined loop counts it (on the last stage; zero elsewhere).
+        Only the first stage reads the inputs, only the last the labels."""
+        job, t, device = self.job, self.cfg.trainer, run.accelerator.device
+        schedule = self._current(device)
+        job.seed_step(step, 0)
+        inputs = labels = None
+        if self.first or self.last:
+            from .data import to_device
+            rows = [to_device(run.sampler.batch(step, job.data_rank, job.data_world, micro),
+                              device) for micro in range(t.grad_accum_steps)]
+            inputs = torch.cat([r["input_ids"] for r in rows]) if self.first else None
+            labels = torch.cat([r["labels"] for r in rows]) if self.last else None
+        losses: list = []
+        with run.accelerator.autocast():
+            schedule.step(*([inputs] if self.first else []), target=labels, losses=losses,
+                          return_outputs=False)
+        if not self.last:
+            return torch.zeros(1, device=device)
+        # the mean of the microbatches' losses, counted as grad_accum_steps micro-batches
+        return (torch.stack([x.detach().float() for x in losses]).mean() *
+                t.grad_accum_steps).reshape(1)
+
+    def loss_and_clip(self, params, loss_sum: torch.Tensor, max_norm: float):
+        """One small collective over every rank: the step's loss (summed over the ranks, as
+        unpipelined) and the squares of each stage's gradient norm (its first rank's), for the
+        whole model's norm; the gradients are then scaled by the same factor everywhere."""
+        import torch.distributed as dist
+        grads = [p.grad for p in params if p.grad is not None]
+        sets: dict = {}
+        for g in grads:
+            sets.setdefault((g.device_mesh, tuple(g.placements)) if is_dtensor(g) else None,
+                            []).append(g)
+        squares = torch.zeros((), dtype=torch.float32)
+        for same in sets.values():
+            norm = full_tensor(torch.nn.utils.get_total_norm(same, 2.0))
+            squares = squares + norm.detach().to("cpu", torch.float32) ** 2
+        first = self.job.rank % (self.job.world_size // self.pp) == 0
+        both = torch.stack([loss_sum.detach().to("cpu", torch.float32).reshape(()),
+                            squares if first else torch.zeros(())]).to(loss_sum.device)
+        dist.all_reduce(both)
+        both = both.cpu()
+        total = both[1].sqrt()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            local = local_tensor(g)
+            local.mul_(coef.to(local.device, local.dtype))
+        return both[0].reshape(1), total
