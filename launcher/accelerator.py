@@ -61,9 +61,13 @@ def start_line(cfg, accelerator: Accelerator) -> str:
             f"{accelerator.device}, mixed precision {accelerator.mixed_precision}"
             f"{' with a GradScaler' if accelerator.scaler is not None else ''}, gradient "
             f"accumulation {accelerator.gradient_accumulation_steps}")
+    if d.pp_size > 1:
+        line += (f"; pipeline of {d.pp_size} stages ({d.pp_schedule}, torch.distributed."
+                 f"pipelining) x {d.num_processes // d.pp_size} workers each")
     if d.strategy == "ddp":
-        return line + ("; gradients averaged by checkpointless in fixed-order "
-                       f"{'buckets during backward' if d.grad_sync == 'buckets' else 'one all-reduce after backward'}")
+        sync = "buckets during backward" if d.grad_sync == "buckets" and d.pp_size == 1 \
+            else "one all-reduce after backward"
+        return line + f"; gradients averaged by checkpointless in fixed-order {sync}"
     # accelerate's FSDP2 plugin shards a model that is whole on every worker (or broadcast from
     # rank 0, a collective a replacement could never join), and on gloo it is ignored: the
     # launcher's shard() lets each rank build, load and hold only its own slice

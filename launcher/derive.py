@@ -65,10 +65,11 @@ def sharding_defaults(cfg: DictConfig) -> None:
     """hsdp's shard group is one node's processes unless given; peer copies default to none
     where replica groups already hold every slice twice or more, else to 2."""
     d, rep = cfg.distributed, cfg.checkpointless.replication
+    stage = d.num_processes // max(1, d.pp_size)  # the workers of one pipeline stage
     if d.strategy == "hsdp" and d.shard_size == 0:
-        d.shard_size = max(1, d.num_processes // max(1, d.num_nodes))
+        d.shard_size = max(1, min(stage, d.num_processes // max(1, d.num_nodes)))
     if rep.factor is None:
-        groups = d.num_processes // d.shard_size if d.strategy == "hsdp" and d.shard_size else 1
+        groups = stage // d.shard_size if d.strategy == "hsdp" and d.shard_size else 1
         rep.factor = 0 if groups >= 2 else CL_DEFAULTS.replication_factor
 
 

@@ -240,6 +240,15 @@ def _placed(d, e: dict) -> dict:
             "source_coordinates": None if src is None else coordinates(d, int(src))}
 
 
+def pipeline_summary(cfg) -> dict | None:
+    """The schedule and split of a pipelined run (pipeline.py), None without stages."""
+    if cfg.distributed.pp_size <= 1:
+        return None
+    from .pipeline import summary
+    from .plan.model import hf_config
+    return summary(cfg, hf_config(cfg)[0])
+
+
 def _report(cfg, run: dict, t0: float, **extra) -> dict:
     results = run["results_by_rank"]
     r0 = results.get(0, {})
@@ -249,6 +258,7 @@ def _report(cfg, run: dict, t0: float, **extra) -> dict:
         "world_size": run["world_size"],
         "strategy": cfg.distributed.strategy,
         "parallelism": mesh_sizes(cfg.distributed),
+        "pipeline": pipeline_summary(cfg),
         "steps_completed": r0.get("steps", run["steps_completed"]),
         "steps_this_launch": run["steps_completed"],
         "tokens": r0.get("tokens"),

@@ -38,9 +38,10 @@ from .evaluate import evaluate
 from .export import digest_and_export, export_lora
 from .memory import held
 from .metrics import Metrics
-from .model_setup import build, build_eval, cpu_threads, full_state, setup, shard, warm_up
+from .model_setup import (build, build_eval, cpu_threads, full_state, hand_over_init, setup,
+                          shard, warm_up)
 from . import pipeline_export
-from .pipeline import Pipeline, layer_counts
+from .pipeline import Pipeline, ViewSet, layer_counts
 from .schema import SHARDED, Recipe
 from .tensor_parallel import clip_grad_norm_
 
@@ -154,6 +155,7 @@ def join(cfg, out_dir: Path) -> Run:
     pipe = None
     if d.pp_size > 1:  # this rank keeps its stage's part of the model (pipeline.py)
         pipe = Pipeline(cfg, model, job, layer_counts(cfg, model.config))
+        hand_over_init(model, pipe.part)
         model = pipe.part
     if d.strategy in SHARDED:  # sharded here, not by accelerate's plugin (see start_line)
         shard(model, cfg, job.device_mesh(), receives_state=not job.builds_own_state,
@@ -170,11 +172,14 @@ def join(cfg, out_dir: Path) -> Run:
     # and their optimizer state are sent. Under fp16 the GradScaler's scale travels too: a
     # replacement must scale its loss as the survivors do
     scaler = {"grad_scaler": accelerator.scaler} if accelerator.scaler is not None else {}
+    views = {"stage_views": ViewSet(pipe.views)} if pipe else {}  # their FSDP handles follow
     job.protect(model=wrapped, optimizer=optimizer, send_frozen=cfg.peft.method == "none",
-                **scaler)
+                **scaler, **views)
     ckpt = durable_checkpoints(cfg, job, model, optimizer, accelerator.scaler)
     if not job.is_replacement:
         accelerator.print(start_line(cfg, accelerator), flush=True)
+        if pipe:  # which layers each stage holds (by parameter count, or distributed.pp_layers)
+            accelerator.print(f"[launcher] pipeline split: {pipe.split}", flush=True)
     metrics = (Metrics(cfg, out_dir, job.completed_steps, accelerator, job.is_replacement)
                if accelerator.is_main_process else None)
     device = accelerator.device

@@ -171,6 +171,13 @@ def shard(model, cfg, mesh=None, receives_state: bool = False, roots=None):
     return model
 
 
+def hand_over_init(model, part) -> None:
+    """A pipeline stage's part (pipeline.StagePart) of a model still on the meta device takes
+    over its init rules: shard() fills the part's own parameters, by their names in the model."""
+    if model in _UNFILLED:
+        _UNFILLED[part] = _UNFILLED.pop(model)
+
+
 def shard_mesh():
     """The mesh FSDP2 shards over: the job's default group itself, on the device of the backend
     this worker joined with (nccl: its GPU, else the CPU).

@@ -145,6 +145,19 @@ def describe(counts: list[int], pp: int) -> str:
     return "; ".join(parts)
 
 
+def summary(cfg, hf) -> dict:
+    """What report.json and the plan say of the pipeline: schedule, microbatches, the split."""
+    d = cfg.distributed
+    counts = layer_counts(cfg, hf)
+    layers = stage_layers(counts)
+    v = virtual_stages(d)
+    return {"stages": d.pp_size, "schedule": d.pp_schedule, "microbatches": microbatches(cfg),
+            "virtual_stages_per_worker": v, "layers_per_stage": counts,
+            "split": describe(counts, d.pp_size),
+            "layers_by_worker_stage": [[i for k in range(v) for i in layers[p + k * d.pp_size]]
+                                       for p in range(d.pp_size)]}
+
+
 class StagePart(torch.nn.Module):
     """A worker's part of a causal LM: its decoder layers (under their index in the whole
     model), the rotary embedding every stage needs, the embedding on the first stage, the norm
@@ -200,6 +213,22 @@ class StageView(torch.nn.Module):
         return h
 
 
+class ViewSet(torch.nn.Module):
+    """The stage views as a protected object with no state of its own (the part holds all of
+    it): protected so that a recovery points their FSDP handles at the new group too, as it
+    does the part's (each view is an FSDP root under fsdp, as torch's pipelining expects)."""
+
+    def __init__(self, views: list[StageView]):
+        super().__init__()
+        self.views = torch.nn.ModuleList(views)
+
+    def state_dict(self, *args, **kwargs) -> dict:
+        return {}
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return None
+
+
 class Pipeline:
     """This worker's stage(s) of the pipeline and the schedule that runs them."""
 
@@ -217,6 +246,7 @@ class Pipeline:
         self.views = [StageView(self.part, layers[s], s == 0, s == n_stages - 1)
                       for s in self.indices]
         self.n_micro = microbatches(cfg)
+        self.split = describe(counts, self.pp)
         self._gen, self.schedule = None, None
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,7 @@ def preflight(cfg) -> None:
                             # the model is built to compare shapes only when it can be
                             _checkpoints(cfg, model_ok=not (model or tokenizer))) if p]
     if not problems:
-        problems += [p for p in (_tensor_parallel(cfg),) if p] or _memory(cfg)
+        problems += [p for p in (_tensor_parallel(cfg), _pipeline(cfg)) if p] or _memory(cfg)
         problems += [p for p in (startup_problem(cfg),) if p]
     if problems:
         raise RecipeError("this recipe cannot start on this machine:\n  - " +
@@ -341,6 +341,15 @@ def _tensor_parallel(cfg) -> str | None:
     from .plan.model import hf_config
     from .tensor_parallel import refusal
     return refusal(cfg.distributed.tp_size, hf_config(cfg)[0])
+
+
+def _pipeline(cfg) -> str | None:
+    """distributed.pp_size splits this model: it has a plan this loop runs, and layers enough."""
+    if cfg.distributed.pp_size <= 1:
+        return None
+    from .pipeline import refusal
+    from .plan.model import hf_config
+    return refusal(cfg, hf_config(cfg)[0])
 
 
 def _memory(cfg) -> list[str]:

@@ -29,18 +29,19 @@ _DIVIDES = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
 def mesh_sizes(d) -> dict[str, int]:
     """The job's mesh as report.json and the plan name it, from the recipe's distributed section:
     {"dp_replicate", "dp_shard", "tp", "pp"} (ddp: every worker a whole replica)."""
-    n, tp = d.num_processes, d.tp_size
+    pp = d.pp_size
+    n, tp = d.num_processes // pp, d.tp_size  # the workers of one pipeline stage
     if d.strategy == "ddp":
-        return {"dp_replicate": n, "dp_shard": 1, "tp": 1, "pp": 1}
+        return {"dp_replicate": n, "dp_shard": 1, "tp": 1, "pp": pp}
     group = d.shard_size if d.strategy == "hsdp" and d.shard_size else n
-    return {"dp_replicate": n // group, "dp_shard": group // tp, "tp": tp, "pp": 1}
+    return {"dp_replicate": n // group, "dp_shard": group // tp, "tp": tp, "pp": pp}
 
 
 def coordinates(d, rank: int) -> dict[str, int]:
     """Where `rank` sits in the mesh (checkpointless.worker.Layout's rule; ddp: every worker a
     replica group of its own)."""
     m = mesh_sizes(d)
-    return Layout(d.num_processes, m["dp_shard"] * m["tp"], m["tp"]).coords(rank)
+    return Layout(d.num_processes, m["dp_shard"] * m["tp"], m["tp"], m["pp"]).coords(rank)
 
 
 def refusal(tp: int, hf) -> str | None:

@@ -236,7 +236,7 @@ def check_sharding(cfg: DictConfig) -> None:
          f"of {n}, e.g. distributed.shard_size={max(1, n // max(1, d.num_nodes))} (one node's "
          "processes)")
     per_node = n // max(1, d.num_nodes)
-    layout = Layout(n, d.shard_size)
+    layout = Layout(n, d.shard_size, pp=d.pp_size)
     lost = layout.lost_with_a_node(per_node) if d.num_nodes > 1 and layout.groups >= 2 else []
     need(not lost, "distributed.shard_size", d.shard_size,
          f"puts every copy of shard position(s) {lost} on one node, so that node's loss "
@@ -303,7 +303,9 @@ def check_dir(key: str, value: str, example: str) -> None:
 
 
 # in this order: the folders last, as they look at the disk
+from .validate_pipeline import check_pipeline  # noqa: E402  (it uses need(), above)
+
 CROSS_FIELD = (check_precision, check_sources, check_nodes, check_etcd, check_trackers,
                check_eval, check_peft, check_faults, check_audits, check_replication,
-               check_sharding,
+               check_pipeline, check_sharding,
                check_tensor_parallel, check_folders)

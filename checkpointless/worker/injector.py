@@ -180,8 +180,10 @@ class FaultInjector:
 
 def _middle_block(model: torch.nn.Module):
     """The block in the middle of the model's longest list of layers (a transformer's decoder
-    blocks), or None for a model without one."""
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) >= 2]
+    blocks; a pipeline stage keeps its own by index), or None for a model without one."""
+    lists = [list(m.values()) if isinstance(m, torch.nn.ModuleDict) else list(m)
+             for m in model.modules()
+             if isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict)) and len(m) >= 2]
     if not lists:
         return None
     layers = max(lists, key=len)

@@ -12,6 +12,7 @@ from .budget import detect_device
 from .items import CURRENT_LOOP, LoopFacts, build_plan
 from .model import ModelFacts, model_facts
 from .report import Plan, fmt_gb
+from .stages import splits_evenly
 
 
 def plan(cfg, facts: ModelFacts | None = None, loop: LoopFacts = CURRENT_LOOP,
@@ -39,13 +40,19 @@ def candidates(cfg) -> list[dict]:
     (from ddp), model.gradient_checkpointing=true, then trainer.micro_batch_size halved down to
     1 (with trainer.grad_accum_steps doubled: the same tokens per step); last, with gradient
     accumulation, trainer.grad_accum_steps=1 (fewer tokens per step, but no gradients of earlier
-    micro-batches alive through the next forward)."""
+    micro-batches alive through the next forward). Pipelined, distributed.pp_schedule=1f1b from
+    gpipe (fewer microbatches in flight) comes after recomputation, and only the candidates
+    whose rows split into whole microbatches are tried."""
     out, cur = [], {}
-    if cfg.distributed.strategy == "ddp":
+    d = cfg.distributed
+    if d.strategy == "ddp":
         cur = {**cur, "distributed.strategy": "fsdp"}
         out.append(cur)
     if not cfg.model.gradient_checkpointing:
         cur = {**cur, "model.gradient_checkpointing": True}
+        out.append(cur)
+    if d.pp_size > 1 and d.pp_schedule == "gpipe":
+        cur = {**cur, "distributed.pp_schedule": "1f1b"}
         out.append(cur)
     mbs, accum = cfg.trainer.micro_batch_size, cfg.trainer.grad_accum_steps
     base = dict(cur)
@@ -62,7 +69,7 @@ def candidates(cfg) -> list[dict]:
             mbs = max(1, mbs // 2)
     unique = []
     for changes in out:  # the same settings reached twice are tried once
-        if changes not in unique:
+        if changes not in unique and splits_evenly(_with(cfg, changes)):
             unique.append(changes)
     return unique
 

@@ -96,7 +96,8 @@ def _setup(cfg, facts: ModelFacts) -> _Setup:
     tp = d.tp_size
     return _Setup(
         world=world, ways=ways, groups=world // ways, tp=tp,
-        split=facts.tp_split_params / facts.n_params if tp > 1 and facts.n_params else 0.0, fsdp=fsdp, lora=lora, ckpt=bool(cfg.model.gradient_checkpointing),
+        split=facts.tp_split_params / facts.n_params if tp > 1 and facts.n_params else 0.0,
+        fsdp=fsdp, lora=lora, ckpt=bool(cfg.model.gradient_checkpointing),
         accum=t.grad_accum_steps, bf16=bf16, mp=mp, pb=pb, cb=cb, gb=4 if mp else pb,
         p=2 if (bf16 or pb == 2) else 4, r=cb,
         dname="float32" if pb == 4 else facts.dtype_name,
@@ -273,7 +274,11 @@ def _summary(s: _Setup, cfg, facts: ModelFacts, device: str, quadratic: bool) ->
 
 
 def build_plan(cfg, facts: ModelFacts, loop: LoopFacts, device: str) -> Plan:
-    """The plan of a resolved recipe on `device` (cuda or cpu), without looking for a fix."""
+    """The plan of a resolved recipe on `device` (cuda or cpu), without looking for a fix;
+    pipelined (distributed.pp_size > 1), its heaviest stage's (stages.py)."""
+    if cfg.distributed.pp_size > 1:
+        from .stages import pipeline_plan
+        return pipeline_plan(cfg, facts, loop, device)
     budget, budget_source = device_budget(cfg, device)
     s = _setup(cfg, facts)
     quadratic = _quadratic(facts, device, s.masked)

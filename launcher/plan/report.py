@@ -2,7 +2,7 @@
 compared with the budget, and the table, report and verdict `python -m launcher plan` prints."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .model import ModelFacts
 
@@ -43,6 +43,8 @@ class Plan:
     ranks_per_node: int = 1  # ranks whose host rows share that memory
     fix_tried: bool = False
     closest: tuple | None = None  # (overrides, Plan) needing the least, when none fits
+    stages: list = field(default_factory=list)  # pipelined: each worker stage's need, in order
+    heaviest: int = 0  # pipelined: the stage whose rows these are
 
     @property
     def peak_phase(self) -> str:
@@ -103,8 +105,9 @@ class Plan:
             return line + "; fits with: " + " ".join(self.fix)
         if self.fix_tried:
             line += ("; no override tried fits (distributed.strategy=fsdp, "
-                     "model.gradient_checkpointing=true, a smaller trainer.micro_batch_size, "
-                     "trainer.grad_accum_steps=1)")
+                     "model.gradient_checkpointing=true, "
+                     + ("distributed.pp_schedule=1f1b, " if self.stages else "")
+                     + "a smaller trainer.micro_batch_size, trainer.grad_accum_steps=1)")
             if self.closest is not None:
                 changes, best = self.closest
                 line += (f"; the closest, {' '.join(changes) or 'the recipe as it is'}, needs "
@@ -155,6 +158,9 @@ class Plan:
             "",
             f"peak per rank: {fmt_gb(self.peak)} ({self.peak:,} bytes) during {self.peak_phase}",
             f"by phase: {phases}",
+            *(["by stage: " + ", ".join(f"{i} {fmt_gb(b)}" for i, b in enumerate(self.stages))
+               + f" (the table is stage {self.heaviest}'s, the heaviest)"] if self.stages
+              else []),
             host,
             self.verdict(),
         ])
