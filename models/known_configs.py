@@ -20,6 +20,9 @@ KNOWN_CONFIGS = {
     "meta-llama/Meta-Llama-3-70B": dict(_LLAMA3, hidden_size=8192, intermediate_size=28672,
                                         num_hidden_layers=80, num_attention_heads=64,
                                         max_position_embeddings=8192, tie_word_embeddings=False),
+    "meta-llama/Llama-3.1-405B": dict(_LLAMA3, hidden_size=16384, intermediate_size=53248,
+                                      num_hidden_layers=126, num_attention_heads=128,
+                                      max_position_embeddings=131072, tie_word_embeddings=False),
     "meta-llama/Llama-3.2-1B": dict(_LLAMA3, hidden_size=2048, intermediate_size=8192,
                                     num_hidden_layers=16, num_attention_heads=32, head_dim=64,
                                     max_position_embeddings=131072, tie_word_embeddings=True),
@@ -39,6 +42,7 @@ KNOWN_CONFIGS = {
 ALIASES = {"gpt2": "openai-community/gpt2", "gpt2-xl": "openai-community/gpt2-xl",
            "meta-llama/Meta-Llama-3-8B-Instruct": "meta-llama/Meta-Llama-3-8B",
            "meta-llama/Meta-Llama-3-70B-Instruct": "meta-llama/Meta-Llama-3-70B",
+           "meta-llama/Llama-3.1-405B-Instruct": "meta-llama/Llama-3.1-405B",
            "meta-llama/Llama-3.2-1B-Instruct": "meta-llama/Llama-3.2-1B"}
 
 

@@ -13,6 +13,7 @@ numbers and the overrides that fit. What is counted, and why: docs/memory-plan.m
     budget.py  the device's and the node's memory
     report.py  the Plan and the table, report and verdict it prints
     fit.py     plan(), the fix search, check_fits, the command line
+    stages.py  a pipelined recipe's plan: each worker stage's, the heaviest the rank's
 """
 from .budget import DEFAULT_DEVICE_GB
 from .fit import candidates, check_fits, find_fix, main, plan
