@@ -47,7 +47,7 @@ def bench(args: list[str]) -> int:
             tau_steps = checkpoint_every(save_cost, cfg.mtbf_s, step_s)
         rc_cfg, out = mode_recipe(cfg, overrides, mode, tau_steps)
         print(f"[bench] mode {mode} -> {out}", flush=True)
-        killer_plan = plan if mode in ("checkpointless", "restart", "tp") else None
+        killer_plan = plan if mode in ("checkpointless", "restart", "tp", "pp") else None
         if mode in ("off", "restart", "flat"):
             rc, kills, elapsed = run_torchrun(cfg, out, killer_plan, cfg.steps)
         elif mode == "plain":
@@ -82,7 +82,10 @@ def side_by_side(cfg, overrides: list[str], modes: list[str], strategy: str) -> 
         paired = run_paired(cfg, overrides, pair)
         print(f"[bench] paired: {json.dumps(paired)}", flush=True)
     groups = [("fsdp", [m for m in ("fsdp", "fsdp-replicated", "hsdp", "tp") if m in modes]),
-              ("audits", [m for m in ("audit-off", "audit") if m in modes])]
+              ("audits", [m for m in ("audit-off", "audit") if m in modes]),
+              # pp beside the same recipe's ddp on the same workers ("ddp": on's recipe, its
+              # own name so that on's figure from the off/on pair stays its own)
+              ("pipeline", ["ddp", "pp"] if "pp" in modes else [])]
     for what, group in groups:
         if len(group) >= 2 and cfg.paired_steps:
             print(f"[bench] {' and '.join(group)} side by side, taking turns every "

@@ -16,8 +16,10 @@ from ..recipes import RecipeError
 # (checkpointless.audit.every=1); their failure-free step times are taken side by side
 # tp: fsdp x tensor parallel 2 (distributed.tp_size=2) with spares, killed on the failure
 # schedule like checkpointless; its failure-free step time is taken beside fsdp-replicated's
+# pp: 2 pipeline stages x 2 replicas (distributed.pp_size=2) with spares, killed on the failure
+# schedule like checkpointless; its failure-free step time is taken beside on's (the same workers)
 MODES = ("off", "on", "plain", "flat", "checkpointless", "restart", "fsdp", "fsdp-replicated",
-         "hsdp", "tp", "slow-evict", "slow-report", "audit-off", "audit")
+         "hsdp", "tp", "slow-evict", "slow-report", "audit-off", "audit", "pp")
 
 
 @dataclass

@@ -31,6 +31,8 @@ def mode_recipe(cfg, overrides: list[str], mode: str, tau_steps: int = 0,
     elif mode == "tp":  # 2 shards x tp 2 on 4 workers; peer copies as fsdp-replicated keeps
         extra += ["distributed.strategy=fsdp", "distributed.tp_size=2",
                   f"checkpointless.spares={cfg.spares}"]
+    elif mode == "pp":  # 2 pipeline stages x 2 ddp replicas (1f1b), killed like checkpointless
+        extra += ["distributed.pp_size=2", f"checkpointless.spares={cfg.spares}"]
     elif mode.startswith("audit"):  # the same job, audited every step or not at all
         extra += [f"checkpointless.spares={max(1, cfg.spares)}", "checkpoint.interval=10",
                   f"checkpointless.audit.every={1 if mode == 'audit' else 0}"]

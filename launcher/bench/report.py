@@ -172,7 +172,8 @@ def report(cfg, results: dict, save_cost: float, out_root: Path,
     for mode, against, line in (("fsdp", "fsdp-replicated", replication_line),
                                 ("hsdp", "fsdp-replicated", hsdp_line),
                                 ("tp", "fsdp-replicated", tp_line),
-                                ("audit", "audit-off", audit_line)):
+                                ("audit", "audit-off", audit_line),
+                                ("pp", "pp", pp_line)):
         if mode in s and against in s:
             print(line(s, paired))
     if "checkpointless" in s and "off" in s:
@@ -196,7 +197,7 @@ def report(cfg, results: dict, save_cost: float, out_root: Path,
 
 def _unmeasured(s: dict) -> list[str]:
     """The modes that were to meet failures and measured no recovery (said): no figure."""
-    out = [m for m in ("checkpointless", "restart", "tp")
+    out = [m for m in ("checkpointless", "restart", "tp", "pp")
            if m in s and s[m].get("recovery_s_median") is None]
     if out:
         print(f"[bench] ERROR: no recovery was measured in {', '.join(out)}: no failure "
@@ -320,3 +321,23 @@ def audit_line(s: dict, paired: dict | None) -> str:
     same = bits[0] == bits[1] is not None
     return (f"audits every step: median step {a * 1000:.1f} ms vs none {b * 1000:.1f} ms "
             f"({a / b - 1:+.1%}, {how}); final bits {'EQUAL' if same else 'DIFFER'}")
+
+
+def pp_line(s: dict, paired: dict | None) -> str:
+    """2 pipeline stages x 2 replicas against ddp on the same workers (on): the failure-free step
+    time, the time per token (a pipelined step trains half the rows: two replicas, not four),
+    and the pp mode's recoveries and goodput."""
+    p = paired or {}
+    a, b = p.get("step_s_median_pp"), p.get("step_s_median_ddp")
+    how = "side by side, taking turns" if a and b else "one after the other"
+    if not (a and b) and "on" in s:
+        a, b = s["pp"]["step_s_median"], s["on"]["step_s_median"]
+    rec, good = s["pp"].get("recovery_s_all") or [], s["pp"].get("goodput")
+    tail = (f"recoveries of pp from the kills: {rec or 'none (no failure fell inside its run)'}"
+            f" s, goodput {'-' if good is None else format(good, '.1%')}")
+    if not (a and b):
+        return f"pp (2 stages x 2 replicas, 1f1b): no ddp step time beside it; {tail}"
+    s["pp"]["step_vs_ddp"], s["pp"]["time_per_token_vs_ddp"] = round(a / b - 1, 4), \
+        round(2 * a / b - 1, 4)
+    return (f"pp (2 stages x 2 replicas, 1f1b) median step {a * 1000:.1f} ms vs ddp {b * 1000:.1f}"
+            f" ms ({a / b - 1:+.1%}; per token {2 * a / b - 1:+.1%}, {how}); {tail}")
