@@ -48,42 +48,54 @@ def test_flatten_roundtrip_keeps_every_bit_and_dtype():
     assert _equal(transfer.unflatten_state(skeleton, flat), s)
 
 
-def _pair(rank, port, q, flip):
+FLIPS = (None, False, True)
+
+
+def _pair(rank, port, q):
+    """One pair of processes for the three cases, one after the other over the same group (a
+    case's three messages are all received before its check, so the next starts in step)."""
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
                             timeout=timedelta(seconds=30))
     try:
-        if rank == 0:
-            q.put(None)
-            if flip is None:
-                transfer.send_state(_state(), 1)
-                return
-            # what send_state sends, with the true digest, and then (flip) one bit of the
-            # payload changed in flight: only the digest check can catch it
-            skel, payload = transfer.flatten_state(_state(), tail=32)
-            flat = payload[:-32]
-            payload[-32:] = torch.frombuffer(bytearray(transfer._digest(skel, flat)),
-                                             dtype=torch.uint8)
-            if flip:
-                flat[len(flat) // 2] ^= 1 << 3
-            dist.send(torch.tensor([len(skel), flat.numel()]), 1)
-            dist.send(torch.frombuffer(bytearray(skel), dtype=torch.uint8), 1)
-            dist.send(payload, 1)
-        else:
-            try:
-                got, n = transfer.recv_state(0)
-                q.put(("ok", _equal(got, _state()), n))
-            except transfer.IntegrityError as exc:
-                q.put(("integrity", str(exc), 0))
+        got = {}
+        for flip in FLIPS:
+            if rank == 0:
+                if flip is None:
+                    transfer.send_state(_state(), 1)
+                    continue
+                # what send_state sends, with the true digest, and then (flip) one bit of the
+                # payload changed in flight: only the digest check can catch it
+                skel, payload = transfer.flatten_state(_state(), tail=32)
+                flat = payload[:-32]
+                payload[-32:] = torch.frombuffer(bytearray(transfer._digest(skel, flat)),
+                                                 dtype=torch.uint8)
+                if flip:
+                    flat[len(flat) // 2] ^= 1 << 3
+                dist.send(torch.tensor([len(skel), flat.numel()]), 1)
+                dist.send(torch.frombuffer(bytearray(skel), dtype=torch.uint8), 1)
+                dist.send(payload, 1)
+            else:
+                try:
+                    state, n = transfer.recv_state(0)
+                    got[flip] = ("ok", _equal(state, _state()), n)
+                except transfer.IntegrityError as exc:
+                    got[flip] = ("integrity", str(exc), 0)
+        q.put(None if rank == 0 else got)
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("flip", [None, False, True])
-def test_state_transfer_over_gloo_is_exact_and_a_flipped_bit_is_refused(flip):
-    # only the receiver (rank 1) reports
-    (got,) = [x for x in spawn_gloo(_pair, 2, flip) if x is not None]
-    kind, value, n = got
+@pytest.fixture(scope="module")
+def transfers():
+    """What rank 1 received in each case (only the receiver reports)."""
+    (got,) = [x for x in spawn_gloo(_pair, 2) if x is not None]
+    return got
+
+
+@pytest.mark.parametrize("flip", FLIPS)
+def test_state_transfer_over_gloo_is_exact_and_a_flipped_bit_is_refused(flip, transfers):
+    kind, value, n = transfers[flip]
     if flip:
         assert kind == "integrity" and "SHA-256" in value
     else:  # send_state itself, and the hand-built message with its true digest, are accepted

@@ -20,14 +20,10 @@ def _digest(state: dict) -> str:
     return state_sha256(state)
 
 
-def _sharded_digest(rank, port, q, world, overrides):
-    import torch.distributed as dist
-
+def _sharded(rank, world, overrides):
     from launcher.export import local_state
     from launcher.model_setup import build, shard
     from models.init import is_meta
-    dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", port, is_master=False),
-                            rank=rank, world_size=world)
     cfg = _tiny_cfg(**{"distributed.strategy": "fsdp", "distributed.num_processes": world,
                        **overrides})
     _, model, _ = build(cfg, torch.device("cpu"))
@@ -35,8 +31,40 @@ def _sharded_digest(rank, port, q, world, overrides):
     shard(model, cfg)
     local = sum(p.to_local().numel() for p in model.parameters())
     # every rank gathers each tensor in turn (full_state would give rank 0 alone the state)
-    q.put((rank, meta_before, is_meta(model), local, _digest(local_state(model, "fsdp"))))
+    return rank, meta_before, is_meta(model), local, _digest(local_state(model, "fsdp"))
+
+
+def _sharded_digest(rank, port, q, world, overrides):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", port, is_master=False),
+                            rank=rank, world_size=world)
+    q.put(_sharded(rank, world, overrides))
     dist.destroy_process_group()
+
+
+def _two_ranks(rank, port, q, folder):
+    """The 2-process cases of this file in one pair of processes (each process imports torch,
+    transformers and the launcher once: about 5 s on 2 cores), one after the other on one group:
+    the seeded init sharded, the same with LoRA, and pretrained weights read shard by shard."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", port, is_master=False),
+                            rank=rank, world_size=2)
+    q.put({"seeded": _sharded(rank, 2, {}), "lora": _sharded(rank, 2, LORA),
+           "pretrained": _pretrained(rank, 2, folder)})
+    dist.destroy_process_group()
+
+
+LORA = {"peft.method": "lora", "peft.r": 4}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """{case: [what each of the 2 ranks put]}, and the saved model of the pretrained case with
+    its folder."""
+    folder = tmp_path_factory.mktemp("pretrained")
+    saved = _save_pretrained(folder)
+    got = spawn_gloo(_two_ranks, 2, str(folder), timeout=300)
+    return {case: [g[case] for g in got] for case in got[0]}, saved, folder
 
 
 def _whole_digest(**overrides):
@@ -47,20 +75,22 @@ def _whole_digest(**overrides):
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow),
                                    pytest.param(8, marks=pytest.mark.scale)])
-def test_the_full_model_is_the_same_bits_for_any_world_size_and_strategy(world):
+def test_the_full_model_is_the_same_bits_for_any_world_size_and_strategy(world, request):
     ddp, n = _whole_digest()  # the whole model, filled as ddp fills it
-    got = spawn_gloo(_sharded_digest, world, world, {}, timeout=300)
+    if world == 2:
+        got = request.getfixturevalue("two_ranks")[0]["seeded"]
+    else:
+        got = spawn_gloo(_sharded_digest, world, world, {}, timeout=300)
     assert [g[1] for g in got] == [True] * world  # built on meta: nothing allocated before
     assert not any(g[2] for g in got)  # every shard allocated after shard()
     assert all(g[3] < n / world + 2000 for g in got)  # each rank holds about 1/world
     assert {g[4] for g in got} == {ddp}
 
 
-def test_lora_base_and_adapters_are_the_same_bits_sharded_or_whole():
-    lora = {"peft.method": "lora", "peft.r": 4}
-    ddp, _ = _whole_digest(**lora)
-    got = spawn_gloo(_sharded_digest, 2, 2, lora, timeout=180)
-    assert {g[4] for g in got} == {ddp}
+def test_lora_base_and_adapters_are_the_same_bits_sharded_or_whole(two_ranks):
+    ddp, _ = _whole_digest(**LORA)
+    got = two_ranks[0]["lora"]
+    assert len(got) == 2 and {g[4] for g in got} == {ddp}
 
 
 def test_a_seed_changes_the_model_and_the_same_seed_repeats_it():
@@ -119,9 +149,7 @@ def test_an_init_that_cannot_be_replayed_is_refused_by_name():
 
 # ---- model.init=pretrained under fsdp: each rank reads its rows from the safetensors files ----
 
-def _pretrained_digest(rank, port, q, world, folder):
-    import torch.distributed as dist
-
+def _pretrained(rank, world, folder):
     from launcher.export import local_state
     from launcher.model_setup import build, shard
     from models import pretrained
@@ -133,29 +161,34 @@ def _pretrained_digest(rank, port, q, world, folder):
         read.append(part.numel())
         return part
     pretrained.SafetensorsFiles.read_part = counted
-    dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", port, is_master=False),
-                            rank=rank, world_size=world)
-    cfg = _tiny_cfg(**{"distributed.strategy": "fsdp", "distributed.num_processes": world,
-                       "model.init": "pretrained", "model.id": folder})
-    _, model, _ = build(cfg, torch.device("cpu"))
-    shard(model, cfg)
-    q.put((rank, sum(read), _digest(local_state(model, "fsdp"))))
-    dist.destroy_process_group()
+    try:
+        cfg = _tiny_cfg(**{"distributed.strategy": "fsdp", "distributed.num_processes": world,
+                           "model.init": "pretrained", "model.id": folder})
+        _, model, _ = build(cfg, torch.device("cpu"))
+        shard(model, cfg)
+    finally:
+        pretrained.SafetensorsFiles.read_part = original
+    return rank, sum(read), _digest(local_state(model, "fsdp"))
 
 
-def test_pretrained_weights_are_read_shard_by_shard_and_equal_the_saved_model(tmp_path):
+def _save_pretrained(folder):
+    """A model of tiny-llama's shape with other values than the seeded init, saved in several
+    files and an index, as save_pretrained writes a large model."""
     from transformers import AutoModelForCausalLM
 
     from launcher.model_setup import build
     torch.manual_seed(123)  # other values than the seeded init would give
     _, like, _ = build(_tiny_cfg(), torch.device("cpu"))
     saved = AutoModelForCausalLM.from_config(like.config)
-    # several files and an index, as save_pretrained writes a large model
-    saved.save_pretrained(tmp_path, max_shard_size="100KB")
-    assert (tmp_path / "model.safetensors.index.json").exists()
+    saved.save_pretrained(folder, max_shard_size="100KB")
+    return saved
+
+
+def test_pretrained_weights_are_read_shard_by_shard_and_equal_the_saved_model(two_ranks):
+    got, saved, folder = two_ranks[0]["pretrained"], two_ranks[1], two_ranks[2]
+    assert (folder / "model.safetensors.index.json").exists() and len(got) == 2
     expected = _digest(saved.state_dict())
     n = sum(p.numel() for p in saved.parameters())
-    got = spawn_gloo(_pretrained_digest, 2, 2, str(tmp_path), timeout=180)
     assert {g[2] for g in got} == {expected}
     for _, elements, _ in got:  # each rank read about half of the model, never all of it
         assert elements < 0.55 * n, (elements, n)
