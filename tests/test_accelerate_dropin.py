@@ -98,12 +98,26 @@ def clean(references):
     return dict(rep, digest=final_digest(rep))
 
 
+@pytest.fixture(scope="module")
+def killed_twice(tmp_path_factory, clean):
+    """One run: rank 1 killed at step 12 (an epoch's first step), then its replacement at step
+    17 (mid-epoch), a warm spare ready for each."""
+    rep = _supervised(tmp_path_factory.mktemp("kill"), "kill", "--spares", "2",
+                      "--fault", "kill:1:12", "--fault", "kill:1:17")
+    assert [(r["failed_rank"], r["resumed_step"]) for r in rep["recoveries"]] == [(1, 12),
+                                                                                 (1, 17)]
+    assert [f["rank"] for f in rep["failures"]] == [1, 1]  # rank 0 never left its process
+    assert rep["pids_at_start"]["0"] == rep["pids_at_end"]["0"]
+    return rep
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("step", [17, 12], ids=["mid-epoch", "first-step-of-an-epoch"])
-def test_a_worker_killed_in_a_training_step_is_replaced_with_the_same_bits(tmp_path, clean, step):
-    rep = _supervised(tmp_path, "kill", "--spares", "1", "--fault", f"kill:1:{step}")
+def test_a_worker_killed_in_a_training_step_is_replaced_with_the_same_bits(killed_twice, clean,
+                                                                          step):
+    rep = killed_twice
     assert_same_bits(rep, clean)
-    (rec,) = rep["recoveries"]
+    (rec,) = [r for r in rep["recoveries"] if r["failed_at_step"] == step]
     assert rec["failed_rank"] == 1 and rec["cause"] == "exit" and rec["resumed_step"] == step
     assert "a peer was lost during backward" in rep["stderr"]
     # every epoch's evaluation printed once, with the failure-free figures: at an epoch's first

@@ -163,10 +163,11 @@ def test_on_accelerate_bf16_with_accumulation_rank_0_replaced_keeps_the_bits_and
     the failure-free bits. TensorBoard, W&B (offline) and MLflow (a local file store), through
     accelerate's trackers, each hold every step once and the recovery; W&B and MLflow in one
     run, continued by the replacement."""
-    args = ("distributed.num_processes=2", "trainer.max_steps=16", "trainer.precision=bf16",
+    # 8 steps, rank 0 killed at the 5th: bf16 autocast on CPU makes each step of the two runs slow
+    args = ("distributed.num_processes=2", "trainer.max_steps=8", "trainer.precision=bf16",
             "trainer.grad_accum_steps=2")
     _, ref, _ = references.train("tiny-llama", *args)
-    out, rep, r = train(tmp_path, "tb", "tiny-llama", *args, "faults=[kill:0:8]",
+    out, rep, r = train(tmp_path, "tb", "tiny-llama", *args, "faults=[kill:0:4]",
                         "logging.trackers=[tensorboard,wandb,mlflow]",
                         env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
     assert [x["failed_rank"] for x in rep["recoveries"]] == [0]
@@ -184,11 +185,11 @@ def test_on_accelerate_bf16_with_accumulation_rank_0_replaced_keeps_the_bits_and
     assert len(list(run.glob("events.out.tfevents.*"))) == 2  # rank 0, then its replacement
     events = EventAccumulator(str(run))
     events.Reload()
-    assert [e.step for e in events.Scalars("loss")] == list(range(16))  # each step once
+    assert [e.step for e in events.Scalars("loss")] == list(range(8))  # each step once
     assert [round(e.value, 4) for e in events.Scalars("loss")] == \
         [round(x, 4) for x in losses(out)]
     (rec,) = events.Scalars("recovery/generation")
-    assert rec.step == 8 and rec.value == 1
+    assert rec.step == 4 and rec.value == 1
     assert events.Scalars("recovery/bytes_received")[0].value > 1e6
     # W&B offline: rank 0's run and its replacement's, one run id, each step in one of them once
     # (what the killed rank 0's W&B had not written out, its replacement gave it again)
@@ -196,7 +197,7 @@ def test_on_accelerate_bf16_with_accumulation_rank_0_replaced_keeps_the_bits_and
     runs = sorted((out / "logs" / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and len({p.name.split("-")[3] for p in runs}) == 1
     rows = [row for p in runs for row in offline_history(next(p.glob("run-*.wandb")))]
-    assert sorted(row["_step"] for row in rows if "loss" in row) == list(range(16))
+    assert sorted(row["_step"] for row in rows if "loss" in row) == list(range(8))
     # the killed rank 0's last row was never written by W&B (it writes a row once the next
     # step arrives): its replacement gave it again
     assert "given again from metrics.jsonl" in r.stdout
@@ -204,7 +205,7 @@ def test_on_accelerate_bf16_with_accumulation_rank_0_replaced_keeps_the_bits_and
     assert all(round(row["loss"], 4) == round(losses_by_step[row["_step"]], 4)
                for row in rows if "loss" in row)
     assert [(row["_step"], row["recovery/generation"]) for row in rows
-            if "recovery/generation" in row] == [(8, 1)]
+            if "recovery/generation" in row] == [(4, 1)]
     # MLflow: one experiment, one run, continued by the replacement
     from mlflow.tracking import MlflowClient
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # as the launcher sets it for its own
@@ -212,6 +213,6 @@ def test_on_accelerate_bf16_with_accumulation_rank_0_replaced_keeps_the_bits_and
     (exp,) = [e for e in client.search_experiments() if e.name == "tiny-llama"]
     (run,) = client.search_runs([exp.experiment_id])
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == \
-        list(range(16))
+        list(range(8))
     (gen,) = client.get_metric_history(run.info.run_id, "recovery/generation")
-    assert (gen.step, gen.value) == (8, 1)
+    assert (gen.step, gen.value) == (4, 1)
