@@ -169,11 +169,7 @@ def report(cfg, results: dict, save_cost: float, out_root: Path,
         print()
         print(straggler_table(s))
     same = None
-    for mode, against, line in (("fsdp", "fsdp-replicated", replication_line),
-                                ("hsdp", "fsdp-replicated", hsdp_line),
-                                ("tp", "fsdp-replicated", tp_line),
-                                ("audit", "audit-off", audit_line),
-                                ("pp", "pp", pp_line)):
+    for mode, against, line in COMPARED:
         if mode in s and against in s:
             print(line(s, paired))
     if "checkpointless" in s and "off" in s:
@@ -341,3 +337,9 @@ def pp_line(s: dict, paired: dict | None) -> str:
         round(2 * a / b - 1, 4)
     return (f"pp (2 stages x 2 replicas, 1f1b) median step {a * 1000:.1f} ms vs ddp {b * 1000:.1f}"
             f" ms ({a / b - 1:+.1%}; per token {2 * a / b - 1:+.1%}, {how}); {tail}")
+
+
+# (mode, the mode it is read against, the line that compares them)
+COMPARED = (("fsdp", "fsdp-replicated", replication_line), ("hsdp", "fsdp-replicated", hsdp_line),
+            ("tp", "fsdp-replicated", tp_line), ("audit", "audit-off", audit_line),
+            ("pp", "pp", pp_line))
