@@ -14,18 +14,18 @@ recipe's seeded init, which is the lost rank's bit for bit (restore.py, _start_f
 """
 import pytest
 
-from tests.conftest import FSDP_12, assert_same_bits, train
-
-DDP_12 = ("trainer.max_steps=12",)
+from tests.conftest import FSDP_12, TINY_30, assert_same_bits, train
 
 pytestmark = pytest.mark.slow
 
 
 def test_losses_at_start_up_and_inside_a_recovery_end_with_the_failure_free_bits(
-        tmp_path, references):
+        tmp_path, tiny_llama_30_steps):
+    """On the session's 30-step tiny-llama (its failure-free run shared with the other ddp
+    fault tests, not a reference of its own: a launcher run costs about 20 s of start-up)."""
     faults = "faults=[kill:2:0@init,kill:1:0@join,kill:3:6,kill:0:6@join]"
-    _, want, _ = references.train("tiny-llama", *DDP_12)
-    out, rep, r = train(tmp_path, "clustered", "tiny-llama", *DDP_12, faults,
+    _, want, _ = tiny_llama_30_steps
+    out, rep, r = train(tmp_path, "clustered", "tiny-llama", *TINY_30, faults,
                         "checkpointless.spares=4")
     log = r.stdout + r.stderr
     for phase in ("step 0 (init)", "step 0 (join)", "step 6 (join)"):

@@ -122,7 +122,13 @@ def test_both_twins_lost_falls_back_to_the_durable_checkpoint(tmp_path, hsdp_12)
     assert "resume from the durable checkpoint at step 4" in r.stdout
 
 
+# in make test-scale, not make test (three launchers: its time budget). What it joins stays in
+# make test: slices restored from their twins in the other replica group, with no peer copy in
+# host memory (test_kills_inside_steps_are_restored_from_twins_with_the_failure_free_bits above),
+# and a node lost mid-step moving whole to the spare node (test_multinode.py, under ddp and under
+# fsdp x tp, two ranks restored at once from the other node)
 @pytest.mark.slow
+@pytest.mark.extended
 def test_a_lost_node_of_a_two_node_hsdp_job_comes_back_from_the_other_group(tmp_path, hsdp_12):
     from tests.test_multinode import lose_node_1
     rep = lose_node_1(tmp_path, *HSDP_12)  # node 1: replica group 1 (ranks 2 and 3)

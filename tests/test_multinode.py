@@ -212,6 +212,11 @@ def test_a_node_lost_while_another_nodes_ranks_move_ends_with_the_one_node_bits(
     assert not _job_processes(tmp_path)
 
 
+# in make test-scale, not make test (its time budget): the same path, fsdp slices of a node lost
+# mid-step restored from another node's memory with the one-node bits, runs in make test under tp
+# (test_tp_inside_each_node_a_lost_node_takes_a_whole_tp_group_and_comes_back_with_the_bits:
+# fsdp 2 across the nodes x tp 2 inside each, its slices from node 0's memory)
+@pytest.mark.extended
 def test_fsdp_across_nodes_restores_a_lost_nodes_slices_from_another_nodes_memory(
         tmp_path, fsdp_12_steps):
     rep = lose_node_1(tmp_path, *FSDP_12)
@@ -264,4 +269,6 @@ def test_tp_inside_each_node_a_lost_node_takes_a_whole_tp_group_and_comes_back_w
     assert {r["restored_from"] for r in recs} == {"peer_memory"}
     assert {r["failed_coordinates"]["dp_shard"] for r in recs} == {1}
     assert set(recs[0]["served"].values()) <= {0, 1}  # copies a node away
+    assert len(set(rep["params_sha256_by_rank"].values())) == 1
     assert rep["params_sha256"] == want["params_sha256"]
+    assert "(2 ranks of lost nodes, 0 processes)" in (tmp_path / "node0.log").read_text()
