@@ -69,16 +69,42 @@ def test_failure_free_twin_equals_plain_torchrun(tmp_path, plain_digest):
     assert rep["steps_completed"] == STEPS
 
 
+# a hang, a kill and a raise at three ranks share one run (rank 3 is never touched: it keeps its
+# process throughout); a kill before any step, at rank 3, is a run of its own
+SHARED = ("hang:1:7", "kill:2:10", "raise:0:12")
+
+
+@pytest.fixture(scope="module")
+def three_failures(tmp_path_factory, plain_digest):
+    """One run of the twin losing rank 1 to a hang at step 7, rank 2 to a kill at step 10 and
+    rank 0 to a raise at step 12, a warm spare ready for each."""
+    args = [a for fault in SHARED for a in ("--fault", fault)]
+    rep = twin(tmp_path_factory.mktemp("three"), "--spares", "3", *args)
+    assert_same_bits(rep, plain_digest)
+    assert rep["steps_completed"] == STEPS
+    assert [(r["failed_rank"], r["failed_at_step"]) for r in rep["recoveries"]] == [
+        (1, 7), (2, 10), (0, 12)]
+    # nobody else was lost on the way: a survivor leaving its process would be a failure too
+    assert sorted(f["rank"] for f in rep["failures"]) == [0, 1, 2], rep["failures"]
+    return rep
+
+
 @pytest.mark.parametrize("fault, cause", [("kill:2:10", "exit"), ("hang:1:7", "hang"),
                                           ("raise:0:12", "error"), ("kill:3:0", "exit")])
 def test_a_failed_worker_is_replaced_and_the_bits_are_unchanged(tmp_path, plain_digest, fault,
-                                                                 cause):
+                                                                 cause, request):
     kind, rank, step = fault.split(":")
     rank, step = int(rank), int(step)
-    rep = twin(tmp_path, "--spares", "1", "--fault", fault)
+    if fault in SHARED:
+        rep = request.getfixturevalue("three_failures")
+        (rec,) = [r for r in rep["recoveries"] if r["failed_rank"] == rank]
+        survivors = [3]  # the others failed in turn (at other steps) in the shared run
+    else:
+        rep = twin(tmp_path, "--spares", "1", "--fault", fault)
+        (rec,) = rep["recoveries"]
+        survivors = [r for r in range(4) if r != rank]
     assert_same_bits(rep, plain_digest)
     assert rep["steps_completed"] == STEPS
-    (rec,) = rep["recoveries"]
     assert rec["failed_rank"] == rank and rec["cause"] == cause
     assert rec["resumed_step"] == step and rec["failed_at_step"] == step
     assert rec["state_bytes"] > 0 and rec["source_ranks"] and rank not in rec["source_ranks"]
@@ -89,7 +115,6 @@ def test_a_failed_worker_is_replaced_and_the_bits_are_unchanged(tmp_path, plain_
         assert rec["detect_s"] >= 2.0  # the heartbeat timeout
     else:
         assert rec["detect_s"] < 2.0 and rec["recovery_s"] < 5.0
-    survivors = [r for r in range(4) if r != rank]
     for r in survivors:  # healthy workers never left their processes
         assert rep["pids_at_start"][str(r)] == rep["pids_at_end"][str(r)]
     assert rep["pids_at_start"][str(rank)] != rep["pids_at_end"][str(rank)]
