@@ -83,7 +83,7 @@ def supervisor_config(cfg) -> SupervisorConfig:
         audit_every=c.audit.every if c.enabled else 0,
         health=health_settings(cfg),
         tokens_per_step=cfg.trainer.micro_batch_size * cfg.trainer.grad_accum_steps *
-        cfg.data.seq_len * (d.num_processes // (d.tp_size * d.pp_size)),
+        cfg.data.seq_len * (d.num_processes // d.tp_size),  # pp keeps the batch (pipeline.py)
         straggler_action=c.straggler.action if c.enabled else "report",
         faults=[dict(f) for f in OmegaConf.to_container(cfg.faults)])
 

@@ -280,6 +280,7 @@ def train(run: Run) -> None:
             run.loss_value = loss_total.item() / (job.world_size // run.cfg.distributed.pp_size
                                                    * t.grad_accum_steps)
             run.tokens = job.completed_steps * (t.micro_batch_size * t.grad_accum_steps *
+                                                run.cfg.distributed.pp_size *
                                                 run.cfg.data.seq_len * job.data_world)
             if metrics:
                 metrics.step(step, run.loss_value, lr, float(grad_norm), job.step_started_at,

@@ -38,11 +38,19 @@ def virtual_stages(d) -> int:
     return 2 if d.pp_schedule == "interleaved-1f1b" else 1
 
 
+def rows_per_step(cfg) -> int:
+    """The rows one pipeline trains on per step: those of its pp_size workers, as ddp would
+    give them (micro_batch_size x grad_accum_steps each), so that turning pp on keeps the
+    recipe's batch: a pipelined run trains the same rows as the same recipe under ddp."""
+    t = cfg.trainer
+    return cfg.distributed.pp_size * t.micro_batch_size * t.grad_accum_steps
+
+
 def microbatches(cfg) -> int:
-    """Pipeline microbatches per step: distributed.pp_microbatches, or grad_accum_steps raised
-    to at least pp_size (fewer would leave a stage idle for most of the step)."""
+    """Pipeline microbatches per step: distributed.pp_microbatches, or one per micro-batch of
+    the pipeline's workers (pp_size x grad_accum_steps, each micro_batch_size rows)."""
     d = cfg.distributed
-    return d.pp_microbatches or max(cfg.trainer.grad_accum_steps, d.pp_size)
+    return d.pp_microbatches or d.pp_size * cfg.trainer.grad_accum_steps
 
 
 def split(layers: int, parts: int, per_layer: int, first_extra: int = 0,
@@ -269,15 +277,18 @@ class Pipeline:
     def forward_backward(self, run, step: int) -> torch.Tensor:
         """The step's microbatches through the schedule, forward and backward; the step's
         summed loss as the unpipelined loop counts it (on the last stage; zero elsewhere).
-        Only the first stage reads the inputs, only the last the labels."""
+        Only the first stage reads the inputs, only the last the labels: the rows of the
+        pp_size data shares of this pipeline (rows_per_step)."""
         job, t, device = self.job, self.cfg.trainer, run.accelerator.device
         schedule = self._current(device)
         job.seed_step(step, 0)
         inputs = labels = None
         if self.first or self.last:
             from .data import to_device
-            rows = [to_device(run.sampler.batch(step, job.data_rank, job.data_world, micro),
-                              device) for micro in range(t.grad_accum_steps)]
+            shares = job.data_world * self.pp
+            rows = [to_device(run.sampler.batch(step, job.data_rank * self.pp + k, shares,
+                                                micro), device)
+                    for k in range(self.pp) for micro in range(t.grad_accum_steps)]
             inputs = torch.cat([r["input_ids"] for r in rows]) if self.first else None
             labels = torch.cat([r["labels"] for r in rows]) if self.last else None
         losses: list = []

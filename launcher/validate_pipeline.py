@@ -40,11 +40,12 @@ def check_pipeline(cfg: DictConfig) -> None:
              f"workers each) and must divide it. Fix: a divisor of {stage}")
     need(stage % d.tp_size == 0, "distributed.tp_size", d.tp_size,
          f"must divide the workers of a pipeline stage ({stage}). Fix: a divisor of {stage}")
-    rows = t.micro_batch_size * t.grad_accum_steps
-    micro = d.pp_microbatches or max(t.grad_accum_steps, pp)
+    rows = pp * t.micro_batch_size * t.grad_accum_steps
+    micro = d.pp_microbatches or pp * t.grad_accum_steps
     need(rows % micro == 0, "distributed.pp_microbatches", micro,
-         f"must divide the {rows} rows a worker trains on per step (trainer.micro_batch_size x "
-         f"grad_accum_steps) into equal microbatches. Fix: distributed.pp_microbatches="
+         f"must divide the {rows} rows a pipeline trains on per step (pp_size x "
+         "trainer.micro_batch_size x grad_accum_steps) into equal microbatches. Fix: "
+         "distributed.pp_microbatches="
          f"{max(m for m in range(1, rows + 1) if rows % m == 0 and m <= max(micro, 1))}, or "
          "raise trainer.micro_batch_size")
     if d.pp_schedule == "interleaved-1f1b":

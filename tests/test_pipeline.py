@@ -83,7 +83,7 @@ def test_the_split_of_tiny_llama_and_of_405b_by_parameter_count():
     (["distributed.pp_size=4"], "distributed.pp_size=4: leaves each stage one worker under ddp"),
     (["distributed.pp_size=2", "eval.every=5"], "eval.every=5: with distributed.pp_size=2"),
     (["distributed.pp_size=2", "distributed.pp_microbatches=3"],
-     "distributed.pp_microbatches=3: must divide the 8 rows"),
+     "distributed.pp_microbatches=3: must divide the 16 rows"),
     (["distributed.pp_size=2", "distributed.pp_schedule=interleaved-1f1b",
       "distributed.pp_microbatches=1"], "interleaved-1f1b runs microbatches in rounds"),
     (["distributed.pp_layers=[2,2]"], "distributed.pp_layers=[2, 2]: applies with"),

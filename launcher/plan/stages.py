@@ -54,10 +54,10 @@ def splits_evenly(cfg) -> bool:
     """Whether the worker's rows per step divide into the pipeline's microbatches (and, under
     interleaved 1F1B, the microbatches into rounds of pp_size), as validation requires."""
     from .. import pipeline
-    d, t = cfg.distributed, cfg.trainer
+    d = cfg.distributed
     if d.pp_size <= 1:
         return True
-    rows, micro = t.micro_batch_size * t.grad_accum_steps, pipeline.microbatches(cfg)
+    rows, micro = pipeline.rows_per_step(cfg), pipeline.microbatches(cfg)
     return rows % micro == 0 and (d.pp_schedule != "interleaved-1f1b" or micro % d.pp_size == 0)
 
 
@@ -97,10 +97,11 @@ def _stage_setup(cfg, sf: ModelFacts, n_micro: int):
     """The rows' shared numbers for a stage: sharded over the stage's ranks, a microbatch's
     tokens, gradients accumulated over the microbatches, no ddp buckets (a stage's gradients
     are all-reduced flat after the schedule)."""
-    d, t = cfg.distributed, cfg.trainer
+    d = cfg.distributed
     world = d.num_processes // d.pp_size
     ways = d.shard_size if d.strategy == "hsdp" and d.shard_size else world
-    tokens = math.ceil(t.micro_batch_size * t.grad_accum_steps * cfg.data.seq_len / n_micro)
+    from .. import pipeline
+    tokens = math.ceil(pipeline.rows_per_step(cfg) * cfg.data.seq_len / n_micro)
     return replace(_setup(cfg, sf), world=world, ways=ways, groups=max(1, world // ways),
                    accum=n_micro, tokens=tokens, grad_sync_buckets=False)
 
@@ -216,7 +217,7 @@ def pipeline_plan(cfg, facts: ModelFacts, loop, device: str) -> Plan:
     """The plan of each worker stage; the heaviest (by what it needs of the budget) is returned
     as the rank's plan, its summary naming the split, the schedule and each stage's need."""
     from .. import pipeline
-    d, t = cfg.distributed, cfg.trainer
+    d = cfg.distributed
     counts = layer_split(cfg, facts)
     plans = [stage_plan(cfg, facts, loop, device, counts, p) for p in range(d.pp_size)]
     worst = max(range(d.pp_size), key=lambda p: plans[p].need)
@@ -224,7 +225,7 @@ def pipeline_plan(cfg, facts: ModelFacts, loop, device: str) -> Plan:
     result.stages = [pl.need for pl in plans]
     result.heaviest = worst
     n_micro = pipeline.microbatches(cfg)
-    rows = t.micro_batch_size * t.grad_accum_steps / n_micro
+    rows = pipeline.rows_per_step(cfg) / n_micro
     result.summary += (
         f"; pipeline: {d.pp_size} stages of {d.num_processes // d.pp_size} ranks, "
         f"{d.pp_schedule}, {n_micro} microbatches of {rows:g} rows; split: "
