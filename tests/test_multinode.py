@@ -61,6 +61,11 @@ def one_node_digest(tiny_llama_30_steps_digest):
     return tiny_llama_30_steps_digest  # the same recipe on 1 node x 4 workers
 
 
+# in make test-scale, not make test (three launchers: its time budget). The same path, a node
+# lost mid-step moving whole to the spare node in one generation, detected within node_timeout_s,
+# nothing of the job left, runs in make test under fsdp x tp (test_tp_inside_each_node_..., which
+# asserts the same of its recoveries), and under Slurm (test_slurm.py, ddp, these bits)
+@pytest.mark.extended
 def test_a_lost_node_moves_whole_to_the_spare_node_with_the_one_node_bits(tmp_path,
                                                                           one_node_digest):
     port = _port()
@@ -166,9 +171,10 @@ def test_sigterm_to_one_nodes_launcher_stops_the_whole_job_at_one_boundary(tmp_p
     assert not _job_processes(tmp_path)
 
 
-def lose_node_1(tmp_path, *extra, after_steps=6) -> dict:
+def lose_node_1(tmp_path, *extra, after_steps=6, spare_node_exits=False) -> dict:
     """2 nodes x 2 and a spare node; node 1's launcher and workers SIGKILLed 0.15 s into step
-    `after_steps` (its compute, not its start). The report of the run that went on."""
+    `after_steps` (its compute, not its start). The report of the run that went on (with
+    `spare_node_exits`, once the spare node's launcher, which took node 1's place, exited 0)."""
     port = _port()
     procs = [_launch(tmp_path, k, port, *extra) for k in range(3)]
     try:
@@ -176,6 +182,8 @@ def lose_node_1(tmp_path, *extra, after_steps=6) -> dict:
         time.sleep(0.15)
         os.killpg(procs[1].pid, signal.SIGKILL)
         assert procs[0].wait(timeout=240) == 0, (tmp_path / "node0.log").read_text()[-3000:]
+        if spare_node_exits:
+            assert procs[2].wait(timeout=30) == 0
     finally:
         for p in procs:
             if p.poll() is None:
@@ -262,9 +270,23 @@ def test_tp_inside_each_node_a_lost_node_takes_a_whole_tp_group_and_comes_back_w
     and the run ends with the bits of the same tp run on one node without a failure."""
     tp = ("distributed.tp_size=2",)
     _, want, _ = references.train("tiny-llama", *FSDP_12, *tp)
-    rep = lose_node_1(tmp_path, *FSDP_12, *tp)
+    rep = lose_node_1(tmp_path, *FSDP_12, *tp, spare_node_exits=True)
     recs = rep["recoveries"]
     assert rep["parallelism"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "pp": 1}
+    assert {(r["cause"], r["failed_node"], r["replacement_node"]) for r in recs} == {
+        ("node_lost", 1, 2)}
+    assert len({r["generation"] for r in recs}) == 1  # failed together, one new generation
+    log = (tmp_path / "node0.log").read_text()
+    assert "node 1 lost" in log
+    # detected within node_timeout_s (3 s) of the node's last beat, and the ranks back soon after
+    # a spare was ready (the spare node's workers may still be starting: that wait is its own
+    # phase, said in the log, not recovery work)
+    assert all(r["detect_s"] < 3.0 + 1.0 for r in recs), [r["detect_s"] for r in recs]
+    assert all(r["recovery_s"] - r["phases_s"]["spare_wait"] < 3.0 + 3.0 for r in recs), \
+        [r["phases_s"] for r in recs]
+    if any(r["phases_s"]["spare_wait"] > 0.5 for r in recs):
+        assert "for a spare to warm up" in log, [r["phases_s"] for r in recs]
+    assert not _job_processes(tmp_path)  # nothing of the job is left on any node
     assert sorted(r["failed_rank"] for r in recs) == [2, 3]
     assert {r["restored_from"] for r in recs} == {"peer_memory"}
     assert {r["failed_coordinates"]["dp_shard"] for r in recs} == {1}
