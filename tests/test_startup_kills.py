@@ -114,3 +114,7 @@ def test_fsdp_a_node_lost_before_the_first_step_moves_to_the_spare_node_with_the
     assert sorted(r["failed_rank"] for r in recs) == [2, 3], recs
     assert {(r["cause"], r["failed_node"], r["resumed_step"]) for r in recs} == {
         ("node_lost", 1, 0)}, recs
+    # no copy of the lost slices existed: the replacements keep their own (seeded) builds
+    assert "build" in {r["restored_from"] for r in recs}, recs
+    assert "start from their replacement's own build of the step-0 state" in \
+        (tmp_path / "node0.log").read_text()
