@@ -17,3 +17,8 @@ from .tensors import full_tensor, is_dtensor, local_part, local_tensor
 __all__ = ["durable", "health", "params_checksum", "StateDigest", "model_sha256", "state_sha256",
            "ShardedCheckpoints", "KEEP", "ROLLBACK_KEEP", "Layout", "full_tensor", "is_dtensor",
            "local_part", "local_tensor", "seed_all"]
+
+# logical ranks (issue 40): a fixed logical world on however many processes host it
+from .logical import Placement, logical_all_reduce, logical_all_reduce_grads  # noqa: E402
+
+__all__ += ["Placement", "logical_all_reduce", "logical_all_reduce_grads"]
