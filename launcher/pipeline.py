@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import torch
 
-from checkpointless.worker import full_tensor, is_dtensor, local_tensor
-
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
              "interleaved-1f1b": "ScheduleInterleaved1F1B"}
 # the pipeline plan this loop knows how to run: a Llama-like decoder (rotary positions, one
@@ -306,23 +304,14 @@ class Pipeline:
         unpipelined) and the squares of each stage's gradient norm (its first rank's), for the
         whole model's norm; the gradients are then scaled by the same factor everywhere."""
         import torch.distributed as dist
+        from .tensor_parallel import scale_by_clip, squared_norm
         grads = [p.grad for p in params if p.grad is not None]
-        sets: dict = {}
-        for g in grads:
-            sets.setdefault((g.device_mesh, tuple(g.placements)) if is_dtensor(g) else None,
-                            []).append(g)
-        squares = torch.zeros((), dtype=torch.float32)
-        for same in sets.values():
-            norm = full_tensor(torch.nn.utils.get_total_norm(same, 2.0))
-            squares = squares + norm.detach().to("cpu", torch.float32) ** 2
+        squares = squared_norm(grads)  # this stage's, the same on each of its ranks
         first = self.job.rank % (self.job.world_size // self.pp) == 0
         both = torch.stack([loss_sum.detach().to("cpu", torch.float32).reshape(()),
                             squares if first else torch.zeros(())]).to(loss_sum.device)
         dist.all_reduce(both)
         both = both.cpu()
         total = both[1].sqrt()
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            local = local_tensor(g)
-            local.mul_(coef.to(local.device, local.dtype))
+        scale_by_clip(grads, total, max_norm)
         return both[0].reshape(1), total

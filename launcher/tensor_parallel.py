@@ -99,6 +99,14 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     the squares are summed in parameter order, and every rank scales by the same factor: the
     replicated parameters' copies on a tp group stay equal."""
     grads = [p.grad for p in parameters if p.grad is not None]
+    total = squared_norm(grads).sqrt()
+    scale_by_clip(grads, total, max_norm)
+    return total
+
+
+def squared_norm(grads) -> torch.Tensor:
+    """The square of the gradients' global 2-norm (fp32, on the CPU): each set of one mesh and
+    placements normed by DTensor on its own mesh, the squares summed in parameter order."""
     sets: dict = {}
     for g in grads:
         sets.setdefault((g.device_mesh, tuple(g.placements)) if is_dtensor(g) else None,
@@ -107,9 +115,12 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     for same in sets.values():
         norm = full_tensor(torch.nn.utils.get_total_norm(same, 2.0))
         squares = squares + norm.detach().to("cpu", torch.float32) ** 2
-    total = squares.sqrt()
+    return squares
+
+
+def scale_by_clip(grads, total: torch.Tensor, max_norm: float) -> None:
+    """Scale every gradient (its local part) by the clip factor of norm `total`."""
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
         local = local_tensor(g)
         local.mul_(coef.to(local.device, local.dtype))
-    return total

@@ -32,7 +32,7 @@ def test_stages_are_outermost_so_a_stage_is_consecutive_ranks_and_twins_stay_in_
 def test_ddp_stages_make_each_worker_a_replica_group_and_a_stage_on_one_node_is_lost_with_it():
     lay = Layout(4, 1, pp=2)  # ddp: 2 stages x 2 replicas
     assert lay.replicate_ranks(0) == [0, 1] and lay.replicate_ranks(1) == [2, 3]
-    assert lay.twins(3) == [2] and lay.data_parallel_ranks(2) == [2, 3]
+    assert lay.twins(3) == [2] and lay.twins(0) == [1]
     assert lay.lost_with_a_node(ranks_per_node=2) == [0, 1]  # each node holds a whole stage
     assert lay.lost_with_a_node(ranks_per_node=1) == []
     with pytest.raises(ValueError):

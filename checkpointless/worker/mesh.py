@@ -95,10 +95,6 @@ class Layout:
         so do the stages of one pipeline."""
         return (rank % self.stage_world) // self.tp
 
-    @property
-    def data_world(self) -> int:
-        return self.stage_world // self.tp
-
     def twins(self, rank: int) -> list[int]:
         """The other ranks holding the same slice as `rank` (one per other replica group of its
         stage)."""
@@ -125,10 +121,6 @@ class Layout:
     def pp_ranks(self, index: int) -> list[int]:
         """The pipeline of the ranks at `index` inside their stage: one rank per stage."""
         return [index + p * self.stage_world for p in range(self.pp)]
-
-    def data_parallel_ranks(self, rank: int) -> list[int]:
-        """The ranks that average gradients with `rank`: its stage's ranks at its tp position."""
-        return [r for r in self.stage_ranks(self.stage(rank)) if r % self.tp == rank % self.tp]
 
     def all_groups(self) -> list[tuple[str, list[int]]]:
         """Every subgroup of the mesh as (dimension, ranks), in the order they are built."""

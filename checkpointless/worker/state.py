@@ -53,10 +53,9 @@ class ProtectedState:
         pp = int(getattr(self.spec, "pp_size", 1))
         if self.replicas:
             twins = [self.replicas.twins(r, world) for r in range(world)]
-        elif pp > 1:
-            per = world // pp
-            twins = [[x for x in range(r // per * per, (r // per + 1) * per) if x != r]
-                     for r in range(world)]
+        elif pp > 1:  # ddp stages: each rank a replica group of its own (mesh.py)
+            from .mesh import Layout
+            twins = [Layout(world, 1, pp=pp).twins(r) for r in range(world)]
         else:
             twins = []
         return twins if any(twins) else None
