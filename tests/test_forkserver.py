@@ -119,3 +119,28 @@ def test_start_process_forks_only_the_named_module_once_its_server_is_warm(tmp_p
         p = processes.start_process(CMD + [str(tmp_path / f"s{i}"), "4"], other)
         assert isinstance(p, subprocess.Popen) and p.wait(20) == 4
         assert _read(tmp_path / f"s{i}")["preloaded_by"] is None
+
+
+def test_a_workers_environment_keys_the_server_the_launcher_warmed_before_it(monkeypatch):
+    """The launcher warms the server with its base environment before any worker exists; each
+    worker's environment adds its own keys. What torch reads at import (TORCH_CPP_LOG_LEVEL)
+    must be in both, or the first workers find no ready server and start fresh (about 10 s more
+    per start on 2 cores: seen when that default was added to the workers' keys alone)."""
+    import sys
+    from types import SimpleNamespace
+    from checkpointless.control import forkserver
+    from checkpointless.protocol import keys
+    monkeypatch.delenv("TORCH_CPP_LOG_LEVEL", raising=False)
+    made = []  # the environments servers were started with (none really started here)
+    monkeypatch.setattr(forkserver, "_Server", lambda module, env, args: made.append(env) or
+                        SimpleNamespace(proc=SimpleNamespace(poll=lambda: None)))
+    servers = forkserver.ForkServers(per_worker_prefix=keys.ENV_PREFIX)
+    cmd = [sys.executable, "-m", "launcher.loop", "recipe.yaml"]
+    base = {"PATH": "/usr/bin", "HF_HUB_OFFLINE": "1"}
+    first = servers.server(cmd, base)  # warmed before the first generation
+    for wid in range(3):
+        worker = dict(base, **keys.worker_env("127.0.0.1", 29400, wid, wid, False))
+        assert servers.server(cmd, worker) is first
+    assert len(made) == 1 and made[0]["TORCH_CPP_LOG_LEVEL"] == "ERROR"
+    monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", "WARNING")  # the launcher's own choice wins
+    assert "TORCH_CPP_LOG_LEVEL" not in keys.worker_env("127.0.0.1", 29400, 3, 3, False)

@@ -34,7 +34,7 @@ import subprocess
 import sys
 import threading
 
-from ..protocol.keys import ENV_PRELOAD
+from ..protocol.keys import ENV_PRELOAD, with_worker_defaults
 from .spawn import die_with_parent
 
 
@@ -166,7 +166,8 @@ class ForkServers:
     def server(self, cmd: list[str], env: dict) -> _Server:
         """The server for `cmd` in `env`, started now if there is none (it preloads then)."""
         module, args = cmd[2], cmd[3:]
-        base = {k: v for k, v in env.items() if not k.startswith(self.per_worker_prefix)}
+        base = with_worker_defaults({k: v for k, v in env.items()
+                                     if not k.startswith(self.per_worker_prefix)})
         key = (module, tuple(sorted(base.items())))
         with self._lock:
             server = self._servers.get(key)

@@ -265,11 +265,21 @@ def worker_env(host: str, port: int, wid: int, slot: int, spare: bool, node: int
            ENV_DEVICE_SLOT: str(slot), ENV_SPARE: "1" if spare else "0", ENV_NODE: str(node)}
     if node_store_port:
         env[ENV_NODE_STORE_PORT] = str(node_store_port)
-    # torch's C++ side prints a 30-line stack for every store connection a failure closes (a
-    # lost peer, a group cut short, a partition): each is handled and said in one line here.
-    # TORCH_CPP_LOG_LEVEL=WARNING in the launcher's environment shows them again.
+    return with_worker_defaults(env)
+
+
+def with_worker_defaults(env: dict) -> dict:
+    """`env` with what every worker's environment gets unless the launcher's own sets it.
+
+    torch's C++ side prints a 30-line stack for every store connection a failure closes (a lost
+    peer, a group cut short, a partition): each is handled and said in one line here.
+    TORCH_CPP_LOG_LEVEL=WARNING in the launcher's environment shows them again. torch reads it
+    once, when it loads: a fork server (control/forkserver.py) must be started with it, so its
+    environment gets these defaults too, and a worker's differs from it only in the per-worker
+    keys (otherwise each first worker would start a server of its own, and start fresh while
+    that one preloads: about 10 s more per start on 2 cores, seen after this default came)."""
     if "TORCH_CPP_LOG_LEVEL" not in os.environ:
-        env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+        env = {**env, "TORCH_CPP_LOG_LEVEL": env.get("TORCH_CPP_LOG_LEVEL", "ERROR")}
     return env
 
 
