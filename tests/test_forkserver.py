@@ -144,3 +144,19 @@ def test_a_workers_environment_keys_the_server_the_launcher_warmed_before_it(mon
     assert len(made) == 1 and made[0]["TORCH_CPP_LOG_LEVEL"] == "ERROR"
     monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", "WARNING")  # the launcher's own choice wins
     assert "TORCH_CPP_LOG_LEVEL" not in keys.worker_env("127.0.0.1", 29400, 3, 3, False)
+
+
+def test_a_worker_whose_exit_the_server_never_reports_is_counted_dead(monkeypatch):
+    """A report lost (or a server that stopped reaping) must not leave a dead worker counted
+    alive: its peers would wait on it for ever."""
+    from types import SimpleNamespace
+    from checkpointless.control import forkserver
+    monkeypatch.setattr(forkserver, "REPORT_GRACE_S", 0.2)
+    child = subprocess.Popen(["sleep", "30"])
+    forked = forkserver.Forked(child.pid, SimpleNamespace(codes={}))
+    assert forked.poll() is None  # running
+    child.kill()
+    child.wait()  # reaped here, as the server would, and no report sent
+    assert forked.poll() is None  # within the grace its report may still come
+    time.sleep(0.3)
+    assert forked.poll() == -signal.SIGKILL

@@ -33,6 +33,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 from ..protocol.keys import ENV_PRELOAD, with_worker_defaults
 from .spawn import die_with_parent
@@ -71,11 +72,30 @@ class Forked:
     def __init__(self, pid: int, server: "_Server"):
         self.pid, self._server = pid, server
         self.returncode: int | None = None
+        self._gone_since: float | None = None
 
     def poll(self) -> int | None:
         if self.returncode is None:
             self.returncode = self._server.codes.get(self.pid)
+        if self.returncode is None and self._unreported_exit():
+            self.returncode = -signal.SIGKILL
         return self.returncode
+
+    def _unreported_exit(self) -> bool:
+        """The process has exited (a zombie, or reaped) and the server has not said so within
+        REPORT_GRACE_S. Its report comes a moment after the exit; one that never comes (a
+        server stopped, a report lost) must not leave a dead worker counted alive: its peers
+        would wait on it for ever. Its code is unknown then: counted as a SIGKILL."""
+        if not _exited(self.pid):
+            self._gone_since = None
+            return False
+        now = time.monotonic()
+        self._gone_since = self._gone_since or now
+        if now - self._gone_since < REPORT_GRACE_S:
+            return False
+        print(f"[checkpointless] worker {self.pid} exited and its fork server did not report it "
+              f"in {REPORT_GRACE_S:.0f} s; counted as killed", file=sys.stderr, flush=True)
+        return True
 
     def wait(self, timeout: float | None = None) -> int:
         with self._server.changed:
@@ -89,6 +109,20 @@ class Forked:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+
+REPORT_GRACE_S = 3.0
+
+
+def _exited(pid: int) -> bool:
+    """`pid` is a zombie or no longer exists."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return True
+    except OSError:
+        return False
 
 
 _SERVER_MAIN = "from checkpointless.control.forkserver import main; main()"
@@ -130,7 +164,12 @@ class _Server:
 
     def _read(self) -> None:
         for line in self.reports:
-            msg = json.loads(line)
+            try:
+                msg = json.loads(line)
+            except ValueError:  # never expected: said, and the reports go on being read
+                print(f"[checkpointless] fork server: unreadable report {line!r}",
+                      file=sys.stderr, flush=True)
+                continue
             if "ready" in msg:
                 self.ready.set()
                 continue
