@@ -9,6 +9,10 @@ any worker, rank 0 included, loses no coordination state.
 What a rank reads per generation does not grow with the job: its own node's part (who joined or
 left there), which carries the plan's head (world size, nodes with members). A rank's own rank
 never changes while it lives (a lost rank goes to a spare), so a survivor only learns whether it is still in.
+The exception is a shrink (checkpointless.shrink, no spare ready): the survivors are numbered
+anew and a survivor then hosts more than one logical rank; a node's part lists its members'
+hosted logical ranks whenever the placement is not one logical rank per process
+(worker/logical.py).
 """
 from __future__ import annotations
 
@@ -31,6 +35,10 @@ class Plan:
     t_published: float = 0.0
     lost: int = 0  # workers the supervisor had declared lost when it published this plan
     nodes: dict[int, int] = field(default_factory=dict)  # worker id -> node (absent: node 0)
+    # after a shrink: worker id -> the logical ranks it hosts, of `logical_world` (0: the world
+    # size); empty while every process hosts the logical rank equal to its own rank
+    hosts: dict[int, list[int]] = field(default_factory=dict)
+    logical_world: int = 0
 
     def node_of(self, wid: int) -> int:
         return self.nodes.get(wid, 0)
@@ -47,6 +55,16 @@ class Seat:
     nodes: int  # nodes with members
     lost: int
     t_published: float
+    hosted: tuple[int, ...] = ()  # the logical ranks this process runs (empty: its rank alone)
+    logical_world: int = 0  # the job's logical world (0: the world size)
+
+    @property
+    def logical_ranks(self) -> tuple[int, ...]:
+        return self.hosted or (self.rank,)
+
+    @property
+    def logical_size(self) -> int:
+        return self.logical_world or self.world_size
 
 
 def parts(plan: Plan, before: Plan | None) -> dict[int, dict]:
@@ -63,6 +81,8 @@ def parts(plan: Plan, before: Plan | None) -> dict[int, dict]:
         part["members"] += 1
         if old.get(wid) != rank:
             part["joined"][str(wid)] = rank
+        if plan.hosts:
+            part.setdefault("hosted", {})[str(wid)] = list(plan.hosts[wid])
     for wid in old:
         if wid not in plan.ranks:
             out[before.node_of(wid)]["left"].append(wid)
@@ -94,7 +114,8 @@ def publish(store, plan: Plan, before: Plan | None = None) -> None:
     plan.t_published = time.time()
     by_node = parts(plan, before)
     head = {"gen": plan.gen, "world_size": plan.world_size, "t": plan.t_published,
-            "lost": plan.lost, "nodes": sum(1 for v in by_node.values() if v["members"])}
+            "lost": plan.lost, "nodes": sum(1 for v in by_node.values() if v["members"]),
+            "logical_world": plan.logical_world}
     # each part carries the head too: a rank reads its node's part and nothing else
     store.multi_set([keys.plan_node_key(plan.gen, k) for k in by_node],
                     [json.dumps(dict(v, **head)) for v in by_node.values()])
@@ -134,7 +155,8 @@ def follow_steps(wid: int, node: int, rank: int, after_gen: int, gen: int):
         return None
     return Seat(gen=gen, world_size=part["world_size"], rank=rank, node=node,
                 members_here=part["members"], nodes=part["nodes"], lost=part["lost"],
-                t_published=part["t"])
+                t_published=part["t"], hosted=tuple(part.get("hosted", {}).get(str(wid), ())),
+                logical_world=part.get("logical_world", 0))
 
 
 # what `peek` asks compare_set to expect and set: a value no key of the protocol ever holds

@@ -65,6 +65,11 @@ class Defaults:
     # steps between audits by replay (audit.py): an idle spare recomputes one sampled rank's
     # step and compares its gradient digest; 0: no audits
     audit_every: int = 0
+    # with no spare ready for a lost rank (worker/logical.py): exact (the survivors host its
+    # logical rank; every reduction sums logical ranks in one fixed order, the failure-free run's
+    # too, so a shrunk run keeps its bits), fast (today's collectives; the batch is kept, the
+    # bits may differ), off (wait spare_wait_s for a spare, then stop)
+    shrink: str = "off"
 
 
 DEFAULTS = Defaults()
@@ -100,6 +105,7 @@ class Spec:
     tp_size: int = 1  # ranks per tensor-parallel group, tp innermost (mesh.py)
     pp_size: int = 1  # pipeline stages, outermost: world/pp consecutive ranks each (mesh.py)
     audit_every: int = DEFAULTS.audit_every  # steps between audits by a spare's replay (audit.py)
+    shrink: str = DEFAULTS.shrink  # exact, fast or off: no spare ready (worker/logical.py)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -154,6 +160,8 @@ class SupervisorConfig:
     tp_size: int = 1  # ranks per tensor-parallel group (mesh.py); 1: none
     pp_size: int = 1  # pipeline stages (mesh.py); 1: none
     audit_every: int = DEFAULTS.audit_every  # steps between audits by replay (0: none)
+    shrink: str = DEFAULTS.shrink  # exact, fast or off: a lost rank with no spare ready
+    shrink_max_hosted: int = 0  # most logical ranks one process may host (0: no limit)
 
     @classmethod
     def of(cls, settings, **given) -> "SupervisorConfig":
