@@ -10,9 +10,9 @@ What a rank reads per generation does not grow with the job: its own node's part
 left there), which carries the plan's head (world size, nodes with members). A rank's own rank
 never changes while it lives (a lost rank goes to a spare), so a survivor only learns whether it is still in.
 The exception is a shrink (checkpointless.shrink, no spare ready): the survivors are numbered
-anew and a survivor then hosts more than one logical rank; a node's part lists its members'
-hosted logical ranks whenever the placement is not one logical rank per process
-(worker/logical.py).
+anew and a survivor then hosts more than one logical rank; the plan's head then carries the
+whole placement (worker/logical.py), O(processes), and only while it is not one logical rank per
+process.
 """
 from __future__ import annotations
 
@@ -55,12 +55,13 @@ class Seat:
     nodes: int  # nodes with members
     lost: int
     t_published: float
-    hosted: tuple[int, ...] = ()  # the logical ranks this process runs (empty: its rank alone)
     logical_world: int = 0  # the job's logical world (0: the world size)
+    # after a shrink, the logical ranks each process rank runs; empty: process r runs rank r
+    placement: tuple[tuple[int, ...], ...] = ()
 
     @property
     def logical_ranks(self) -> tuple[int, ...]:
-        return self.hosted or (self.rank,)
+        return self.placement[self.rank] if self.placement else (self.rank,)
 
     @property
     def logical_size(self) -> int:
@@ -81,8 +82,6 @@ def parts(plan: Plan, before: Plan | None) -> dict[int, dict]:
         part["members"] += 1
         if old.get(wid) != rank:
             part["joined"][str(wid)] = rank
-        if plan.hosts:
-            part.setdefault("hosted", {})[str(wid)] = list(plan.hosts[wid])
     for wid in old:
         if wid not in plan.ranks:
             out[before.node_of(wid)]["left"].append(wid)
@@ -116,6 +115,9 @@ def publish(store, plan: Plan, before: Plan | None = None) -> None:
     head = {"gen": plan.gen, "world_size": plan.world_size, "t": plan.t_published,
             "lost": plan.lost, "nodes": sum(1 for v in by_node.values() if v["members"]),
             "logical_world": plan.logical_world}
+    if plan.hosts:  # the whole placement, by process rank: a reduction in logical order needs
+        by_rank = {rank: list(plan.hosts[wid]) for wid, rank in plan.ranks.items()}  # it all
+        head["placement"] = [by_rank[r] for r in range(plan.world_size)]
     # each part carries the head too: a rank reads its node's part and nothing else
     store.multi_set([keys.plan_node_key(plan.gen, k) for k in by_node],
                     [json.dumps(dict(v, **head)) for v in by_node.values()])
@@ -155,8 +157,8 @@ def follow_steps(wid: int, node: int, rank: int, after_gen: int, gen: int):
         return None
     return Seat(gen=gen, world_size=part["world_size"], rank=rank, node=node,
                 members_here=part["members"], nodes=part["nodes"], lost=part["lost"],
-                t_published=part["t"], hosted=tuple(part.get("hosted", {}).get(str(wid), ())),
-                logical_world=part.get("logical_world", 0))
+                t_published=part["t"], logical_world=part.get("logical_world", 0),
+                placement=tuple(tuple(h) for h in part.get("placement", ())))
 
 
 # what `peek` asks compare_set to expect and set: a value no key of the protocol ever holds
