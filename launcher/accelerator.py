@@ -64,6 +64,9 @@ def start_line(cfg, accelerator: Accelerator) -> str:
     if d.pp_size > 1:
         line += (f"; pipeline of {d.pp_size} stages ({d.pp_schedule}, torch.distributed."
                  f"pipelining) x {d.num_processes // d.pp_size} workers each")
+    if d.strategy == "ddp" and cfg.checkpointless.shrink == "exact":
+        return line + ("; gradients averaged by checkpointless over the logical ranks in one "
+                       "fixed order (checkpointless.shrink=exact)")
     if d.strategy == "ddp":
         sync = "buckets during backward" if d.grad_sync == "buckets" and d.pp_size == 1 \
             else "one all-reduce after backward"

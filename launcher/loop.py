@@ -35,6 +35,7 @@ from .audit_replay import LoopReplay
 from .checkpoints import durable_checkpoints
 from .data import to_device
 from .evaluate import evaluate
+from .hosted import eval_share, logical_step, takes_logical_step
 from .export import digest_and_export, export_lora
 from .memory import held
 from .metrics import Metrics
@@ -146,10 +147,10 @@ def join(cfg, out_dir: Path) -> Run:
     # a spare replays sampled ranks' steps while it waits, when audits are on (audit_replay.py)
     replay = LoopReplay(cfg, model, sampler, device) if cfg.checkpointless.audit.every else None
     job = checkpointless.join(seed=cfg.run.seed, replay=replay)
-    if dist.get_world_size() != d.num_processes:
-        raise RuntimeError(f"torch.distributed reports world size {dist.get_world_size()} but "
-                           f"distributed.num_processes={d.num_processes}: refusing to train a "
-                           "silently different job")
+    if job.logical_world != d.num_processes or dist.get_world_size() != job.world_size:
+        raise RuntimeError(f"torch.distributed reports world size {dist.get_world_size()} "
+                           f"(logical {job.logical_world}) but distributed.num_processes="
+                           f"{d.num_processes}: refusing to train a silently different job")
     # built after join: accelerate reads this worker's rank once, and a spare has none before
     accelerator = build_accelerator(cfg, job, device)
     pipe = None
@@ -161,7 +162,8 @@ def join(cfg, out_dir: Path) -> Run:
         shard(model, cfg, job.device_mesh(), receives_state=not job.builds_own_state,
               roots=pipe.views if pipe else None)
         wrapped = model
-    elif d.grad_sync == "buckets" and not pipe:  # averaged in fixed buckets during backward
+    elif d.grad_sync == "buckets" and not pipe and cfg.checkpointless.shrink != "exact":
+        # averaged in fixed buckets during backward (under shrink=exact: by logical rank)
         wrapped = checkpointless.DistributedDataParallel(model, bucket_cap_mb=d.bucket_cap_mb)
     else:  # flat: one fixed-order all-reduce of every gradient after the whole backward
         wrapped = model
@@ -184,12 +186,12 @@ def join(cfg, out_dir: Path) -> Run:
                if accelerator.is_main_process else None)
     device = accelerator.device
     # a tp group's ranks evaluate the same rows together; its first rank's figures count
-    validate = (lambda: evaluate(model, *evalset, job.data_rank, job.data_world,
+    validate = (lambda: evaluate(model, *evalset, *eval_share(cfg, job),
                                  t.micro_batch_size, device, Autocast(accelerator),
                                  adds=job.rank % d.tp_size == 0)) if evalset else None
     return Run(cfg, out_dir, job, accelerator, model, wrapped, optimizer, opt, ckpt, metrics,
                tokenizer, sampler, validate, catch_up_threads,
-               overlapped=d.strategy == "ddp" and d.grad_sync == "buckets" and not pipe,
+               overlapped=isinstance(wrapped, checkpointless.DistributedDataParallel),
                pipe=pipe)
 
 
@@ -242,9 +244,12 @@ def train_step(run: Run, step: int):
         # the launch's state on disk: a rank found computing wrong before any audit of it
         # passed is undone by going back here (audit.rewind_bound)
         run.ckpt.save(0)
-    loss_sum = forward_backward(run, step)
+    logical = takes_logical_step(run)  # by logical rank: shrink=exact, or a shrunk job
+    loss_sum = logical_step(run, step) if logical else forward_backward(run, step)
     clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-    if run.pipe:  # averaged over the stage's replicas; loss and norm over the whole pipeline
+    if logical:  # averaged over the logical world already
+        loss_total = loss_sum
+    elif run.pipe:  # averaged over the stage's replicas; loss and norm over the whole pipeline
         if cfg.distributed.strategy == "ddp":
             job.all_reduce_grads(model.parameters())
         loss_total, grad_norm = run.pipe.loss_and_clip(model.parameters(), loss_sum, clip)
@@ -277,8 +282,8 @@ def train(run: Run) -> None:
             loss_total, grad_norm, lr, pending = train_step(run, step)
         if job.completed_steps == step + 1:  # committed (not rolled into a recovery)
             # every rank's loss counted (a tp group's alike); under pp the last stage's
-            run.loss_value = loss_total.item() / (job.world_size // run.cfg.distributed.pp_size
-                                                   * t.grad_accum_steps)
+            run.loss_value = loss_total.item() / (
+                job.logical_world // run.cfg.distributed.pp_size * t.grad_accum_steps)
             run.tokens = job.completed_steps * (t.micro_batch_size * t.grad_accum_steps *
                                                 run.cfg.distributed.pp_size *
                                                 run.cfg.data.seq_len * job.data_world)

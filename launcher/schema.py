@@ -193,6 +193,8 @@ class CheckpointlessConfig:
     confirm_s: float = ranged(CL.confirm_s, ">= 0", " seconds")  # how long a failed collective waits for a peer's loss to be confirmed
     consistency_every: int = ranged(CL.consistency_every, ">= 0", " steps (0 checks only at the end)")  # steps between checks that replicas hold the same parameters (0: end only)
     max_replacement_failures: int = ranged(CL.max_replacement_failures, ">= 1")  # replacements dying before a first step, in a row, before the run stops
+    shrink: str = one_of("off", "exact", "fast")  # with no spare ready for a lost rank: off (wait spare_wait_s for one, then stop), exact (a survivor hosts its logical rank; every reduction sums the logical ranks in one fixed order, the failure-free run's too, so a shrunk run ends with its bits; ddp only for now), fast (the same, with today's collectives: the bits may differ after a shrink); the job grows back when a spare is ready (docs/shrink.md)
+    shrink_max_hosted: int = ranged(0, ">= 0", " (0: no limit)")  # the most logical ranks one process may host after a shrink (its memory: each hosted rank keeps one more copy of the gradients)
     spare_nodes: int = ranged(0, ">= 0")  # extra nodes whose launchers start nproc_per_node warm spares each: a lost node's ranks move to one of them together
     node_timeout_s: float = ranged(CL.node_timeout_s, "> 0", " seconds")  # silence of a node's launcher after which the node is lost, failed whole and fenced
     coordinator: str = one_of("store", "etcd")  # store: the coordinator is node 0's (or a stand-alone) launcher, and its loss ends the run; etcd: the job's facts live in etcd, any launcher can coordinate, and the role moves when its node is lost (docs/multinode.md)

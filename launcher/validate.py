@@ -304,8 +304,9 @@ def check_dir(key: str, value: str, example: str) -> None:
 
 # in this order: the folders last, as they look at the disk
 from .validate_pipeline import check_pipeline  # noqa: E402  (it uses need(), above)
+from .validate_shrink import check_shrink  # noqa: E402
 
 CROSS_FIELD = (check_precision, check_sources, check_nodes, check_etcd, check_trackers,
                check_eval, check_peft, check_faults, check_audits, check_replication,
-               check_pipeline, check_sharding,
+               check_pipeline, check_shrink, check_sharding,
                check_tensor_parallel, check_folders)

@@ -9,9 +9,8 @@
             opt.step()
     job.finish({"loss": ...})
 
-The loops are written on the step boundary (steploop.py), which asks the state machine
-(recovery.py) for its transitions; docs/recovery.md follows a failure through the files.
-"""
+Loops are written on the step boundary (steploop.py), which asks the state machine (recovery.py)
+for its transitions; docs/recovery.md follows a failure through the files."""
 from __future__ import annotations
 
 import json
@@ -28,6 +27,7 @@ from .failures import report_error
 from .audit_rank import RankAudits
 from .injector import FaultInjector
 from .grads import KeptGrads, stage_all_reduce, summed_extra
+from .hosting import LogicalRanks
 from .outside import OutsideSteps
 from .recovery import Recovery
 from .reporter import Reporter
@@ -36,8 +36,9 @@ from .seeding import seed_all, step_seed
 from .state import ProtectedState
 
 
-class Job:
-    """A worker's handle on the job: the public loop API over the recovery parts."""
+class Job(LogicalRanks):
+    """A worker's handle on the job: the public loop API over the recovery parts (and the
+    logical ranks it hosts after a shrink: hosting.py)."""
 
     def __init__(self, store, worker_id: int, spec: protocol.Spec, host: str, port: int):
         self.store = store
@@ -123,12 +124,12 @@ class Job:
 
     @property
     def data_rank(self) -> int:  # this rank's share of a step's batch: one per tp group
-        per = self.world_size // int(self.spec.pp_size)  # and one per pipeline
-        return self.rank % per // int(self.spec.tp_size)
+        per = self.logical_world // int(self.spec.pp_size)  # and one per pipeline; after a
+        return self.logical_ranks[0] % per // int(self.spec.tp_size)  # shrink its first hosted
 
     @property
     def data_world(self) -> int:  # how many shares a step's batch has (data-parallel size)
-        return self.world_size // int(self.spec.pp_size) // int(self.spec.tp_size)
+        return self.logical_world // int(self.spec.pp_size) // int(self.spec.tp_size)
 
     def replica_host_bytes(self, part: str = "held") -> int | None:
         """Host bytes of peers' shard copies ("held"), own rollback snapshots ("own"), or "all"."""
@@ -136,8 +137,7 @@ class Job:
 
     def replica_timing(self) -> dict | None:
         """The replica exchanges' count and training-thread seconds (snapshot copy, waits)."""
-        r = self._state.replicas
-        return dict(r.timing) if r is not None else None
+        return dict(self._state.replicas.timing) if self._state.replicas is not None else None
 
     # ---- state ---------------------------------------------------------------------------------
     def protect(self, send_frozen: bool = True, **objects) -> None:
@@ -283,33 +283,33 @@ class Job:
         inside it is recovered (the step is redone); any other error is reported and raised."""
         return StepScope(self)
 
-    def seed_step(self, step: int, micro: int = 0) -> int:
+    def seed_step(self, step: int, micro: int = 0, share: int | None = None) -> int:
         """Seed every generator for (step, micro, data share): a tensor-parallel group's ranks
-        draw alike, so their replicated activations (dropout outside split layers) agree."""
-        return seed_all(step_seed(self.seed, step, self.data_rank, micro))
+        draw alike, so their replicated activations (dropout outside split layers) agree.
+        `share`: a hosted logical rank's (hosting.py); this rank's own by default."""
+        return seed_all(step_seed(self.seed, step, self.data_rank if share is None else share,
+                                  micro))
 
     @property
     def grads_kept(self) -> bool:
         """True when this rank redoes a step whose all-reduce a peer's failure cut short and it
-        still holds its own gradients of that step (same state, rank and world size). The loop
-        may then skip forward and backward (and zero_grad): `all_reduce_grads` puts the kept
-        gradients back and reuses the `extra` given with them. Only the replacement computes, so
-        a recovery costs one rank's share of a step; a loop that recomputes gets the same bits."""
+        still holds its own gradients of that step (same state, rank and world size): the loop
+        may skip forward and backward (and zero_grad), `all_reduce_grads` puts them back with
+        their `extra`. Only the replacement computes; a loop that recomputes gets the same bits."""
         return self._kept.usable(self._rec.completed, self.rank, self.world_size)
 
     @property
     def catching_up(self) -> int:
         """How many ranks compute this step while every other rank waits on them, if this rank
         is one of them, else 0: a replacement's first step when the survivors redo it from kept
-        gradients (on CPU it may use the idle cores, launcher/loop.py)."""
+        gradients (on CPU it may use the idle cores: launcher/loop.py)."""
         return self._rec.catching_up
 
     def all_reduce_grads(self, params, extra: torch.Tensor | None = None):
-        """Average the gradients of `params` over the ranks in one fixed-order collective and
-        return `extra` summed over the ranks (see `grads.all_reduce_grads`). With a protected checkpointless.DistributedDataParallel the gradients were already
-        averaged during backward, with the `extra` given to its `reduce_with()`: this returns
-        that sum (or sums `extra` now if none was given). When the loop skipped the compute
-        because `grads_kept`, it averages the kept gradients and extra in the wrapper's buckets."""
+        """Average the gradients of `params` over the ranks in one fixed-order collective; return
+        `extra` summed (grads.all_reduce_grads). A protected checkpointless.DistributedDataParallel
+        averaged them during backward with its `reduce_with()` extra: that sum is returned. After
+        a skipped compute (`grads_kept`) the kept gradients are averaged in its buckets."""
         if int(self.spec.pp_size) > 1:  # over the stage's replicas: pipelines keep nothing
             return stage_all_reduce(params, self.mesh_group("dp_replicate"), extra)
         ddp = self._ddp

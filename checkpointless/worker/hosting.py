@@ -1,0 +1,97 @@
+"""A process's logical ranks (checkpointless.shrink; the placement is logical.py's).
+
+A job keeps the logical world it was launched with, L = its number of ranks. With no spare ready
+for a lost rank, the supervisor shrinks the job: a survivor hosts the lost logical rank as well,
+runs its micro-batches with its data share and its random streams, and keeps its gradient apart
+from its own until the reduction. This is what a loop reads for that (mixed into `Job`), and the
+reduction of the hosted contributions:
+
+    for r in job.logical_ranks:                         # (r,) = (job.rank,) until a shrink
+        job.seed_step(step, micro, share=r)
+        ...forward and backward on batch(step, r, job.logical_world, micro)...
+        contributions[r] = job.flat_grads(params, extra=loss_sum)   # the grads are zeroed
+    loss_total = job.reduce_logical(params, contributions)         # averaged into the .grads
+
+`shrink=exact`: every process sums the L contributions in logical order (logical.py), the
+failure-free run included, so a shrunk run ends with its bits. `shrink=fast`: a process sums its
+hosted ranks in logical order, then one plain all-reduce over the processes; the batch is the
+same, the summation order is not, and the bits may differ from the failure-free run's.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .failures import communicating
+from .logical import Placement, logical_all_reduce
+
+
+class LogicalRanks:
+    """Mixed into `Job`: reads the generation's seat (`self._rec.plan`)."""
+
+    @property
+    def logical_ranks(self) -> tuple[int, ...]:
+        """The logical ranks this process runs this generation, lowest first."""
+        plan = self._rec.plan
+        return plan.logical_ranks if plan is not None else (self.rank,)
+
+    @property
+    def logical_world(self) -> int:
+        """The job's logical world: the ranks it was launched with, whoever runs them now."""
+        plan = self._rec.plan
+        return plan.logical_size if plan is not None else self.world_size
+
+    @property
+    def placement(self) -> Placement:
+        plan = self._rec.plan
+        if plan is None or not plan.placement:
+            return Placement.identity(self.world_size)
+        return Placement(self.logical_world, plan.placement)
+
+    @property
+    def shrunk(self) -> bool:
+        """Fewer processes than logical ranks run this generation."""
+        return self.world_size < self.logical_world
+
+    @staticmethod
+    def flat_grads(params, extra: torch.Tensor | None = None) -> torch.Tensor:
+        """One hosted rank's contribution: its gradients in parameter order (zeros for a
+        parameter it left without one) and `extra` after them, as one float32 buffer; the
+        `.grad`s are cleared for the next hosted rank's backward."""
+        params = [p for p in params if p.requires_grad]
+        parts = [p.grad.reshape(-1).float() if p.grad is not None else
+                 torch.zeros(p.numel(), device=p.device) for p in params]
+        if extra is not None:
+            parts.append(extra.detach().reshape(-1).float())
+        flat = torch.cat(parts)
+        for p in params:
+            p.grad = None
+        return flat
+
+    def reduce_logical(self, params, contributions: dict[int, torch.Tensor],
+                       extra_numel: int = 1) -> torch.Tensor:
+        """Sum the hosted ranks' `contributions` over the whole logical world (exact: in
+        logical order; fast: hosted ones in logical order, then over the processes), write the
+        gradients' average into the `.grad`s, and return the summed extra (the last
+        `extra_numel` values). The `.grad`s are written only once the collective succeeded."""
+        params = [p for p in params if p.requires_grad]
+        total = (logical_all_reduce(contributions, self.placement)
+                 if self.spec.shrink == "exact" else self._fast_sum(contributions))
+        extra = total[total.numel() - extra_numel:].clone()
+        grads = total[:total.numel() - extra_numel].div_(self.logical_world)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.grad = grads[offset:offset + n].view_as(p).to(p.dtype).clone()
+            offset += n
+        return extra
+
+    def _fast_sum(self, contributions: dict[int, torch.Tensor]) -> torch.Tensor:
+        ranks = sorted(contributions)
+        total = contributions[ranks[0]].clone()
+        for r in ranks[1:]:
+            total.add_(contributions[r])
+        if self.world_size > 1:
+            with communicating("gradient all-reduce"):
+                dist.all_reduce(total)
+        return total

@@ -1,0 +1,56 @@
+"""A ddp step by logical ranks (checkpointless.shrink; the library's side is
+checkpointless/worker/hosting.py).
+
+Under `shrink=exact` every step takes this path, the failure-free one too: each logical rank's
+micro-batches run with its data share and its random streams, its gradients are kept apart, and
+the reduction sums the job's logical ranks in one fixed order, so a process hosting two of them
+after a shrink computes what two processes did. Under `shrink=fast` only a shrunk generation
+takes it (with today's collective); the others run the usual step.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+from .data import to_device
+
+
+def takes_logical_step(run) -> bool:
+    """This generation's steps go by logical rank: the same answer on every process."""
+    d, shrink = run.cfg.distributed, run.cfg.checkpointless.shrink
+    return d.strategy == "ddp" and not run.pipe and (
+        shrink == "exact" or (shrink == "fast" and run.job.shrunk))
+
+
+def logical_step(run, step: int) -> torch.Tensor:
+    """Forward and backward for each hosted logical rank, then the gradients averaged over the
+    logical world (written into the `.grad`s); the step's loss summed over every logical rank."""
+    job, accelerator, t = run.job, run.accelerator, run.cfg.trainer
+    params = [p for p in run.model.parameters() if p.requires_grad]
+    contributions = {}
+    for share in job.logical_ranks:
+        loss_sum = torch.zeros(1, device=accelerator.device)
+        for p in params:  # a redone step (or the last hosted rank) leaves nothing behind
+            p.grad = None
+        # no reduction inside backward: the buckets would sum this rank's gradients alone
+        with accelerator.no_sync(run.wrapped) if run.overlapped else nullcontext():
+            for micro in range(t.grad_accum_steps):
+                job.seed_step(step, micro, share=share)
+                batch = to_device(run.sampler.batch(step, share, job.logical_world, micro),
+                                  accelerator.device)
+                with accelerator.autocast():
+                    loss = run.model(**batch).loss
+                loss_sum += loss.detach().float()
+                accelerator.backward(loss)  # loss / grad_accum_steps, as in the usual step
+        contributions[share] = job.flat_grads(params, extra=loss_sum)
+    return job.reduce_logical(params, contributions)
+
+
+
+def eval_share(cfg, job) -> tuple[int, int]:
+    """(share, shares) of the validation rows this process computes: by process where the job
+    may shrink (each row is summed once, whoever computes it), else by data-parallel rank."""
+    if cfg.checkpointless.shrink != "off" and cfg.distributed.strategy == "ddp":
+        return job.rank, job.world_size
+    return job.data_rank, job.data_world
