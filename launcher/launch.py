@@ -282,4 +282,8 @@ def _report(cfg, run: dict, t0: float, **extra) -> dict:
         "local_params_by_rank": {str(r): v.get("local_params") for r, v in results.items()},
         "full_params": r0.get("full_params"),
         "memory": memory_by_rank(results),
+        # checkpointless.shrink on: its mode, the shrinks and grows, the processes at the end
+        # (results_by_rank counts those) and the capacity lost while shrunk
+        **{k: run[k] for k in ("shrink", "shrinks", "grows", "processes_at_end",
+                               "shrunk_capacity_lost_s") if k in run},
     }

@@ -10,6 +10,7 @@ coordinator copies them into the job's facts as it goes:
 - `failure/<wid>`: each lost worker, as the report lists it, once the loss is recorded;
 - `recovery/<wid>`: its recovery's entry, once the recovery completed (said in the log);
 - `stragglers/<token>`: each coordinator's straggler entries, when they change;
+- `resize/<i>`: the job's i-th shrink or grow (checkpointless.shrink), as it happens;
 - `notice/<i>`: the supervisor's notices (a preemption, a straggler asked to leave), written by
   the supervisor itself before it publishes each, and published again by takeover.py.
 A coordinator taking over reads them back (`resume`) and merges its own store's on top. The
@@ -45,11 +46,13 @@ class Ledger:
         self.earlier_failures: list[dict] = []  # recorded by coordinators before this one
         self.earlier_recoveries: list[dict] = []
         self.earlier_stragglers: list[dict] = []
+        self.earlier_resizes: list[dict] = []  # the shrinks and grows, in order
         self._stragglers = "[]"  # this coordinator's entries as last copied
         self._dirty: set[int] = set()  # chunks with steps not copied yet
         self._failures: set[int] = set()  # worker ids whose failure / recovery is copied
         self._recoveries: set[int] = set()
         self._last = 0.0
+        self._resizes: dict[int, str] = {}  # resizes not copied yet: index -> JSON
 
     # ---- a takeover ---------------------------------------------------------------------------
     def resume(self, store, record: dict) -> None:
@@ -68,10 +71,13 @@ class Ledger:
                 self._recoveries.add(int(key))
             elif kind == "stragglers":
                 self.earlier_stragglers += value
+            elif kind == "resize":
+                self.earlier_resizes.append((int(key), value))
             # notice/<i>: the supervisor's notices, published again by takeover.py
         self.earlier_failures.sort(key=lambda f: f.get("t_fail", 0.0))
         self.earlier_recoveries.sort(key=lambda e: e["generation"])
         self.earlier_stragglers.sort(key=lambda e: e.get("from_step", 0))
+        self.earlier_resizes = [e for _, e in sorted(self.earlier_resizes, key=lambda x: x[0])]
         self.resumed_steps = dict(self.steps)  # the scraper's thread reads it (prometheus.py)
         if self.steps:
             # this store holds only the steps from now on: its scan starts past the known ones
@@ -100,10 +106,24 @@ class Ledger:
                 e = recovery_entry(store, f, nproc, last_gen)
                 if e is not None and self.facts.record(f"recovery/{f.wid}", json.dumps(e)):
                     self._recoveries.add(f.wid)
+        self._copy_resizes()
         raw = json.dumps(stragglers or [])
         if raw != self._stragglers and self.facts.record(
                 f"stragglers/{self.facts.taking.get('token', 0)}", raw):
             self._stragglers = raw
+
+    def record_resize(self, i: int, event: dict) -> None:
+        """The job's i-th shrink or grow, at once: a takeover keeps the report's `shrinks`,
+        `grows` and the capacity they cost. One etcd did not take now is tried again at the
+        next tick."""
+        if self.facts.durable:
+            self._resizes[i] = json.dumps(event)
+            self._copy_resizes()
+
+    def _copy_resizes(self) -> None:
+        for i, raw in list(self._resizes.items()):
+            if self.facts.record(f"resize/{i}", raw):
+                del self._resizes[i]
 
     def _read_steps(self, store) -> None:
         """The step records written since the last read (report.new_step_records' cursor)."""
@@ -122,5 +142,8 @@ class Ledger:
 
 def failure_of(f: Failure) -> dict:
     """A failure as the report lists it, with when it happened (the record's order)."""
-    return {"rank": f.rank, "worker": f.wid, "cause": f.cause, "step": f.step,
-            "error": f.error, "t_fail": round(f.t_fail, 6)}
+    out = {"rank": f.rank, "worker": f.wid, "cause": f.cause, "step": f.step,
+           "error": f.error, "t_fail": round(f.t_fail, 6)}
+    if f.shrunk:  # no spare took it: its logical ranks moved to survivors
+        out["shrunk"] = True
+    return out

@@ -32,7 +32,7 @@ class FindingLosses:
                     self.store.check([protocol.done_key(wid)]):
                 continue
             if self.store.check([protocol.result_key(self.ranks[wid])]):
-                if membership.results_in(self.store, self.cfg.nproc):
+                if membership.results_in(self.store, self.placement.processes):
                     self.killed_after_done.append(wid)
                     continue
                 seen = self._exit_seen.setdefault(wid, time.time())

@@ -103,6 +103,13 @@ def spare_wait_over(waited_s: float, spare_wait_s: float) -> str | None:
             "run stops here. Raise it if spares start slowly on this machine")
 
 
+def shrink_refused(why: str, max_hosted: int) -> str:
+    """A shrink no survivor can take (Placement.shrink's ValueError, `why`)."""
+    return (f"no spare is ready and no process can host more logical ranks "
+            f"(checkpointless.shrink_max_hosted={max_hosted}): {why}; the run stops here. Raise "
+            "checkpointless.shrink_max_hosted (0: no limit) or checkpointless.spares")
+
+
 def bad_exits(codes: dict[int, int | None]) -> str | None:
     """Workers that reported done but exited with an error of their own: the script failed."""
     bad = sorted(wid for wid, c in codes.items() if c is not None and c > 0)

@@ -37,6 +37,7 @@ class Snapshot:
     # after a takeover: the step records its coordinators before kept (ledger.py), so that
     # the steps and goodput count from the launch, as report.json does
     earlier_steps: dict = field(default_factory=dict)
+    processes: int = 0  # processes hosting the logical ranks (fewer than nproc while shrunk)
 
 
 class Figures:
@@ -100,6 +101,9 @@ class Figures:
                         None if rate is None else rate * self.tokens_per_step)
         yield gauge("generation", "The membership generation", now.gen)
         yield gauge("world_size", "Ranks training", now.world_size)
+        yield gauge("processes", "Processes in use, each hosting one logical rank or more "
+                    "(fewer than the logical world while shrunk)", now.processes or now.nproc)
+        yield gauge("logical_world", "Logical ranks of the job", now.nproc)
         yield gauge("spares_ready", "Warm spares ready to take a rank", now.spares_ready)
         yield gauge("nodes_alive", "Nodes not lost", now.nodes_alive)
         if now.nodes_lost is not None:

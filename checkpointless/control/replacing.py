@@ -1,10 +1,13 @@
 """The supervisor's hands on a failure: the loss recorded (the record first: survivors wait for
 it), the stop rules applied, each lost rank given to a ready, healthy spare, and the next
-generation published. A half of `Supervisor` (supervisor.py), kept apart for its size."""
+generation published. With checkpointless.shrink on, the lost ranks no ready spare takes move
+to the survivors at once (a shrink), and a spare that warms up later takes one back (a grow).
+A half of `Supervisor` (supervisor.py), kept apart for its size."""
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 
 from ..protocol import membership
 from . import policy
@@ -13,6 +16,55 @@ from .processes import Worker
 from .report import Failure
 
 D = protocol.DEFAULTS
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which logical ranks each process hosts, `hosts[p]` sorted, processes numbered 0..P-1:
+    the supervisor's copy of worker/logical.py's Placement, with the same rules for a shrink
+    and a grow (a test holds the two to the same answers). The control plane may not import
+    the worker's side (tests/test_layers.py); once Placement lives in protocol/, this goes."""
+    logical_world: int
+    hosts: tuple
+
+    @classmethod
+    def identity(cls, logical_world: int) -> "Placement":
+        return cls(logical_world, tuple((r,) for r in range(logical_world)))
+
+    @property
+    def processes(self) -> int:
+        return len(self.hosts)
+
+    def loads(self) -> list[int]:
+        return [len(h) for h in self.hosts]
+
+    def process_of(self, logical: int) -> int:
+        return next(p for p, h in enumerate(self.hosts) if logical in h)
+
+    def shrink(self, lost, capacity: int | None = None) -> "Placement":
+        """Each lost process's logical ranks, lowest first, to the survivor hosting the fewest
+        then (ties: the lowest index); a ValueError when every survivor is at `capacity`."""
+        cap = capacity or float("inf")
+        new = [list(h) for p, h in enumerate(self.hosts) if p not in set(lost)]
+        if not new:
+            raise ValueError(f"no process survives the loss of {sorted(lost)}")
+        for logical in sorted(r for p in lost for r in self.hosts[p]):
+            free = [p for p, h in enumerate(new) if len(h) < cap]
+            if not free:
+                raise ValueError(f"cannot place logical rank {logical}: every surviving "
+                                 f"process already hosts {cap} (loads {[len(h) for h in new]})")
+            new[min(free, key=lambda p: (len(new[p]), p))].append(logical)
+        return Placement(self.logical_world, tuple(tuple(sorted(h)) for h in new))
+
+    def grow(self, n: int = 1) -> "Placement":
+        """n new processes, each taking the highest logical rank of the most loaded one."""
+        new = [list(h) for h in self.hosts]
+        for _ in range(n):
+            donor = min(range(len(new)), key=lambda p: (-len(new[p]), p))
+            if len(new[donor]) < 2:
+                raise ValueError(f"cannot grow past {len(new)} processes")
+            new.append([new[donor].pop()])
+        return Placement(self.logical_world, tuple(tuple(h) for h in new))
 
 
 def fit_spares(store, ready: list, said: dict, log=print) -> list:
@@ -119,6 +171,9 @@ class Replacing:
             later = len(self.pool.spares(self.store, ready=True)) >= len(pending)
             for f in pending:
                 self.pool.refill(self.workers[f.wid], later)
+        if cfg.shrink != "off":  # no waiting: what no ready spare takes moves to the survivors
+            self._replace_or_shrink(pending)
+            return
         t0, said = time.time(), False
         while (spares := self._choose_spares(pending)) is None:
             ready = self.pool.spares(self.store, ready=True)
@@ -156,13 +211,116 @@ class Replacing:
         """The ready spares whose newest health check passed (fit_spares)."""
         return fit_spares(self.store, ready, self._unhealthy_said, self.log)
 
+    def _replace_or_shrink(self, pending: list[Failure]) -> None:
+        """The ready spares take as many lost ranks as they cover; the rest shrink the job."""
+        given, spares = [], []
+        for k in range(len(pending), 0, -1):  # the longest run of losses the spares cover
+            chosen = self._choose_spares(pending[:k])
+            if chosen is not None:
+                given, spares = pending[:k], chosen
+                break
+        t = time.time()
+        for f, spare in zip(given, spares):
+            spare.rank = f.rank
+            self.ranks[spare.wid] = f.rank
+            f.t_spare, f.new_wid, f.new_node = t, spare.wid, spare.node
+        rest = pending[len(given):]
+        event = self._shrink(rest) if rest else None
+        self._publish()
+        for f, spare in zip(given, spares):
+            f.gen = spare.took_over_gen = self.gen
+        for f in rest:
+            f.gen = self.gen
+        if event:
+            self._resized(event)
+
+    def _shrink(self, rest: list[Failure]) -> dict:
+        """Move the logical ranks of the lost processes in `rest` to the survivors and number
+        the processes anew (the placement keeps their order); the shrink's report entry."""
+        old, lost = self.placement, sorted(f.rank for f in rest)
+        try:
+            new = old.shrink(lost, self.cfg.shrink_max_hosted or None)
+        except ValueError as exc:
+            self._stop_if(policy.shrink_refused(str(exc), self.cfg.shrink_max_hosted))
+        survivors = [p for p in range(old.processes) if p not in lost]
+        number = {p: i for i, p in enumerate(survivors)}
+        wid_at = {number[r]: wid for wid, r in self.ranks.items()}  # new process -> worker
+        for wid, r in list(self.ranks.items()):
+            self.ranks[wid] = self.workers[wid].rank = number[r]
+        self._place(new)
+        t, said = time.time(), []
+        for f in rest:
+            f.shrunk = True
+            f.moved = {r: wid_at[new.process_of(r)] for r in old.hosts[f.rank]}
+            f.t_spare, f.new_wid = t, f.moved[old.hosts[f.rank][0]]
+            f.new_node = self.workers[f.new_wid].node
+            said += [f"logical rank {r} moves to process {new.process_of(r)} (worker {w})"
+                     for r, w in f.moved.items()]
+        self.log(f"[checkpointless] no spare ready: {', '.join(said)}; {new.processes} "
+                 f"processes host {new.logical_world} logical ranks "
+                 f"(checkpointless.shrink={self.cfg.shrink})")
+        return {"kind": "shrink", "step": self._job_step(), "from_processes": old.processes,
+                "to_processes": new.processes,
+                "logical_ranks_moved": sorted(r for p in lost for r in old.hosts[p])}
+
+    def _grow_if_ready(self) -> None:
+        """While some process hosts more than one logical rank, ready healthy spares join as
+        new processes, each taking a logical rank back (Placement.grow), in a new generation:
+        the survivors abort the step in flight for it and redo it, the spares receive the
+        state from their peers as a replacement does."""
+        old = self.placement
+        if self.cfg.shrink == "off" or old.processes >= old.logical_world or \
+                self.preempted_at is not None or any(f.gen < 0 for f in self.failures):
+            return
+        # a rank's result in: the job is ending, and a new generation would only delay it
+        if any(self.store.check([protocol.result_key(r)]) for r in range(old.processes)):
+            return
+        ready = self._healthy(self.pool.spares(self.store, ready=True))
+        if not ready:
+            return
+        spares = ready[:old.logical_world - old.processes]
+        new = old.grow(len(spares))
+        said = []
+        for i, w in enumerate(spares):
+            w.rank = self.ranks[w.wid] = old.processes + i
+            said.append(f"logical rank {new.hosts[w.rank][0]} moves to process {w.rank} "
+                        f"(spare worker {w.wid})")
+        self._place(new)
+        event = {"kind": "grow", "step": self._job_step(), "from_processes": old.processes,
+                 "to_processes": new.processes,
+                 "logical_ranks_moved": sorted(new.hosts[w.rank][0] for w in spares)}
+        self._publish()
+        for w in spares:
+            w.took_over_gen = self.gen
+        self.log(f"[checkpointless] spare ready: {', '.join(said)}; {new.processes} processes "
+                 f"host {new.logical_world} logical ranks (checkpointless.shrink="
+                 f"{self.cfg.shrink})")
+        self._resized(event)
+
+    def _place(self, new: Placement) -> None:
+        """A new placement: the stragglers' figures measured under the old one compare
+        unlike loads, and a process hosting more than one logical rank is slow by design."""
+        self.placement = new
+        self.stragglers.placement_changed(max(new.loads()) > 1)
+
+    def _resized(self, event: dict) -> None:
+        """A shrink or grow, on record (the report's `shrinks` and `grows`, and the facts)."""
+        self.resizes.append(event)
+        self.ledger.record_resize(len(self.resizes) - 1, event)
+
     def _publish(self) -> None:
-        """The next generation's plan: what changed since the last one, node by node."""
+        """The next generation's plan: what changed since the last one, node by node. Its world
+        is the processes of the placement; after a shrink, each lists its logical ranks."""
         self.gen += 1
         self._issue_rewind()  # before the plan: its members read it as they restore
-        plan = membership.Plan(gen=self.gen, world_size=self.cfg.nproc, ranks=dict(self.ranks),
+        pl = self.placement
+        hosts = {} if pl.hosts == Placement.identity(pl.logical_world).hosts else \
+            {wid: list(pl.hosts[r]) for wid, r in self.ranks.items()}
+        plan = membership.Plan(gen=self.gen, world_size=pl.processes, ranks=dict(self.ranks),
                                lost=membership.counter(self.store, protocol.LOST),
-                               nodes={wid: self.workers[wid].node for wid in self.ranks})
+                               nodes={wid: self.workers[wid].node for wid in self.ranks},
+                               hosts=hosts,
+                               logical_world=pl.logical_world if self.cfg.shrink != "off" else 0)
         self.facts.record_plan(plan, plan.lost, self.pool.next_wid)  # etcd first: a takeover
         membership.publish(self.store, plan, self._plan)  # finds every published plan there
         self._plan = plan

@@ -12,7 +12,9 @@ A step counts once, in its final committed attempt: the attempt cut short by a f
 spent detecting it, regrouping, moving state and any step redone after a rollback all fall in the
 denominator only. Start-up (imports, model build) is left out on purpose: it is the same for every
 method and says nothing about fault tolerance. goodput_from_steps is the one place it is computed:
-the supervisor's report and the benchmark both call it.
+the supervisor's report and the benchmark both call it. Two kinds of time inside committed steps
+are left out of the numerator too: what stragglers cost (slow_time), and what a shrunk job lost
+(shrunk_capacity_lost: fewer processes than logical ranks do the job's work).
 """
 from __future__ import annotations
 
@@ -37,6 +39,10 @@ class Failure:
     new_wid: int = -1
     node: int = 0  # the node it was on
     new_node: int = 0  # the node of the spare that took its rank
+    # no spare was ready (checkpointless.shrink): its logical ranks moved to survivors instead,
+    # `moved` says where (logical rank -> worker id); new_wid is the host of the first of them
+    shrunk: bool = False
+    moved: dict = field(default_factory=dict)
 
 
 def goodput_from_steps(steps: dict[int, tuple[float, float]], *,
@@ -56,6 +62,26 @@ def goodput_from_steps(steps: dict[int, tuple[float, float]], *,
         start = min(start, first_start)
     end = max(t1 for _, t1 in steps.values())
     return round(useful / (end - start), 4) if end > start else 1.0
+
+
+def shrunk_capacity_lost(steps: dict[int, tuple[float, float]], resizes: list[dict],
+                         logical_world: int) -> float:
+    """Seconds of the job's capacity lost to running on fewer processes than logical ranks.
+
+    The job's capacity is L = `logical_world` processes. A committed step run on P < L
+    processes (the `to_processes` of the newest shrink or grow in `resizes` whose `step` is at
+    or before it) had (L - P) / L of that capacity missing for its whole time, so it counts
+    (end - start) * (L - P) / L lost. Steps before any resize, or after a grow back to L,
+    lose nothing."""
+    marks = sorted((e["step"], i, e["to_processes"]) for i, e in enumerate(resizes))
+    if not marks or logical_world <= 0:
+        return 0.0
+    lost = 0.0
+    for s, (t0, t1) in steps.items():
+        now = [p for step, _, p in marks if step <= s]
+        if now and now[-1] < logical_world:
+            lost += (t1 - t0) * (logical_world - now[-1]) / logical_world
+    return round(lost, 4)
 
 
 def slow_time(steps: dict[int, tuple[float, float]], stragglers: list[dict]):
@@ -82,7 +108,7 @@ def recovery_entry(store, f: Failure, nproc: int, last_gen: int) -> dict | None:
     the next one that completed."""
     recs = []
     for g in range(f.gen, last_gen + 1):
-        keys = [protocol.entered_key(g, rank) for rank in range(nproc)]
+        keys = [protocol.entered_key(g, rank) for rank in range(_processes(store, g, nproc))]
         if store.check(keys):  # every member entered: all of them in one read
             recs = list(enumerate(Entered.parse(v) for v in store.multi_get(keys)))
             break
@@ -90,7 +116,7 @@ def recovery_entry(store, f: Failure, nproc: int, last_gen: int) -> dict | None:
         return None
     firsts = []
     for g in range(f.gen, last_gen + 1):
-        keys = [protocol.first_commit_key(g, r) for r in range(nproc)]
+        keys = [protocol.first_commit_key(g, r) for r in range(_processes(store, g, nproc))]
         if store.check(keys):
             firsts += [float(v) for v in store.multi_get(keys)]
         else:  # some never committed there (lost meanwhile): the others one by one
@@ -126,11 +152,27 @@ def recovery_entry(store, f: Failure, nproc: int, last_gen: int) -> dict | None:
         "steps_redone": first.steps_redone,
         # survivors that redo the interrupted step from the gradients they kept
         "ranks_reusing_grads": sorted(rank for rank, r in recs if r.grads_kept),
+        **({"shrunk": True, "logical_ranks_moved": {str(r): w for r, w in f.moved.items()}}
+           if f.shrunk else {}),
     }
+
+
+def _processes(store, gen: int, nproc: int) -> int:
+    """Generation `gen`'s members: its plan's world size (a shrink makes it fewer than the
+    job's `nproc`); `nproc` where this store has no plan of it (one before a takeover)."""
+    head = protocol.read_json(store, protocol.plan_key(gen))
+    return head["world_size"] if head else nproc
 
 
 def recovery_line(e: dict) -> str:
     p = e["phases_s"]
+    if e.get("shrunk"):
+        return (f"[checkpointless] recovered rank {e['failed_rank']} ({e['cause']}) by a shrink: "
+                f"logical rank(s) {e['logical_ranks_moved']} (logical rank -> worker) moved "
+                f"with {e['state_bytes'] / 1e6:.1f} MB, resumed at step {e['resumed_step']}, "
+                f"{e['recovery_s']:.2f} s after the failure (detect {p['detection']:.2f}, "
+                f"regroup {p['regroup']:.2f}, transfer {p['state_transfer']:.2f}, resume "
+                f"{p['resume']:.2f})")
     return (f"[checkpointless] recovered rank {e['failed_rank']} ({e['cause']}): spare worker "
             f"{e['replacement_worker']} got {e['state_bytes'] / 1e6:.1f} MB from rank(s) "
             f"{e['source_ranks']}, resumed at step {e['resumed_step']}, {e['recovery_s']:.2f} s "
@@ -204,6 +246,9 @@ class RunFacts:
     # what coordinators before this one recorded (ledger.py): "steps", "failures",
     # "recoveries" and "stragglers", so that a report after a takeover counts from the launch
     earlier: dict = field(default_factory=dict)
+    processes: int = 0  # processes at the end (fewer than nproc while shrunk); 0: nproc
+    shrink: str = "off"  # checkpointless.shrink
+    resizes: list = field(default_factory=list)  # every shrink and grow, from the launch on
 
 
 def run_report(store, run: RunFacts) -> dict:
@@ -212,7 +257,7 @@ def run_report(store, run: RunFacts) -> dict:
     steps = {**earlier.get("steps", {}), **step_records(store)}  # this store's are the newest
     stragglers = earlier.get("stragglers", []) + run.stragglers
     slow_s, healthy_s = slow_time(steps, stragglers)
-    results = {r: v for r in range(nproc)
+    results = {r: v for r in range(run.processes or nproc)
                for v in [protocol.read_json(store, protocol.result_key(r))] if v is not None}
     recoveries = earlier.get("recoveries", []) + [
         e for f in failures if f.gen >= 0
@@ -234,7 +279,8 @@ def run_report(store, run: RunFacts) -> dict:
         "failures": [{k: v for k, v in e.items() if k != "t_fail"}
                      for e in earlier.get("failures", [])] +
                     [{"rank": f.rank, "worker": f.wid, "cause": f.cause, "step": f.step,
-                      "error": f.error} for f in failures],
+                      "error": f.error, **({"shrunk": True} if f.shrunk else {})}
+                     for f in failures],
         "results_by_rank": results,
         "pids_at_end": {w.rank: w.proc.pid for w in workers if w.rank >= 0},
         "worker_ids_at_end": {w.rank: w.wid for w in workers if w.rank >= 0},
@@ -243,4 +289,29 @@ def run_report(store, run: RunFacts) -> dict:
     }
     if run.killed_after_done:
         report["killed_after_done"] = run.killed_after_done
+    if run.shrink != "off":
+        shrink_report(report, run, steps, slow_s, store)
     return report
+
+
+# what the report says of a shrink's numerics, by checkpointless.shrink
+SHRINK_BITS = {"exact": {"mode": "exact"},
+               "fast": {"mode": "fast",
+                        "bits": "may differ from the failure-free run (summation order)"}}
+
+
+def shrink_report(report: dict, run: RunFacts, steps: dict, slow_s: float, store) -> None:
+    """The shrinks and grows, the processes at the end, and goodput less the capacity lost
+    while shrunk (`shrunk_capacity_lost_s`, shrunk_capacity_lost)."""
+    events = [{k: v for k, v in e.items() if k != "kind"} for e in run.resizes]
+    lost = shrunk_capacity_lost(steps, run.resizes, run.nproc)
+    report.update(
+        shrink=dict(SHRINK_BITS.get(run.shrink, {"mode": run.shrink})),
+        shrinks=[e for e, r in zip(events, run.resizes) if r["kind"] == "shrink"],
+        grows=[e for e, r in zip(events, run.resizes) if r["kind"] == "grow"],
+        processes_at_end=run.processes or run.nproc,
+        shrunk_capacity_lost_s=lost)
+    if lost:
+        report["goodput"] = goodput_from_steps(
+            steps, slow_s=slow_s + lost,
+            first_start=protocol.read_json(store, protocol.FIRST_T) if not run.earlier else None)

@@ -13,7 +13,10 @@ others wait for the plan that replaces it and the spare receives the state, so n
 short and the run keeps the failure-free bits (supervisor._slow); a slow node is fenced and its
 ranks move together to a spare node. With no spare ready it is reported, and evicted once one
 is. A rank slot slow again soon after an eviction is reported only (policy.straggler_action).
-`report` only says it; `off` judges nothing. Every straggler is an entry of `report.json`'s
+`report` only says it; `off` judges nothing.
+While the job is shrunk (checkpointless.shrink: some process hosts more than one logical rank,
+worker/logical.py), nothing is judged: such a process is slower by design, and no spare is
+ready to take a rank anyway (the first one to warm up grows the job back instead). Every straggler is an entry of `report.json`'s
 `stragglers`, with the step its slowness began and, once it ended, the step it ended at.
 """
 from __future__ import annotations
@@ -46,10 +49,11 @@ class Stragglers:
         # the highest slowness any worker kept up over a window (ratio to its peers' median):
         # in a failure-free run, how far noise alone goes
         self.worst_sustained = 0.0
+        self.paused = False  # the job is shrunk: see the module's docstring
 
     def note(self, beats: dict) -> None:
         """Keep the figures the newest heartbeats carry ({wid: beat or None})."""
-        if self.action == "off":
+        if self.action == "off" or self.paused:
             return
         for wid, b in beats.items():
             if not b or not b.get("pace") or wid in self._evicted:  # leaving: judged already
@@ -60,6 +64,13 @@ class Stragglers:
             if len(mine) > KEEP_STEPS:
                 for s in sorted(mine)[:-KEEP_STEPS]:
                     del mine[s]
+
+    def placement_changed(self, shrunk: bool) -> None:
+        """The processes host other logical ranks now (a shrink or a grow): the figures kept
+        were measured under other loads, so they are dropped; while `shrunk`, none are kept."""
+        self.paused = shrunk
+        self.paces.clear()
+        self._open.clear()
 
     def summary(self) -> dict:
         """The check's settings and the highest slowness a worker kept up over a window."""
@@ -115,7 +126,7 @@ class Stragglers:
         giving it: asked only when there is a straggler, so that the steady state costs the
         job's store nothing); `remote(node)`: whether a node has an agent of its own (slow nodes
         are only judged there: a coordinator's node cannot move)."""
-        if self.action == "off":
+        if self.action == "off" or self.paused:
             return [], []
         for wid in [w for w in self.paces if w not in active]:  # left the job meanwhile
             del self.paces[wid]

@@ -12,7 +12,9 @@ it survives the loss of any worker. Its loop:
      new membership generation is published; the workers regroup and move state themselves;
   5. a used spare is replaced in the background (`refill`);
   6. a rank whose own time per step stays well above its peers' (a straggler, stragglers.py) is
-     said, and evicted like a failure (cause `slow`) when a spare is ready.
+     said, and evicted like a failure (cause `slow`) when a spare is ready;
+  7. with checkpointless.shrink on and no spare ready, the lost ranks' logical ranks move to the
+     survivors (a shrink), and a spare that warms up later takes one back (a grow).
 What to make of what it sees (when to stop, which spare, who is hung) is decided in policy.py; the
 processes are its pool's (processes.py on one machine, cluster.py over many). Finding the losses
 (steps 1-3, 6) is in losses.py, acting on them (step 4) in replacing.py: halves of this class.
@@ -28,7 +30,7 @@ from . import policy
 from .. import protocol
 from .cluster import ClusterPool, pool_for
 from .losses import FindingLosses
-from .replacing import Replacing
+from .replacing import Placement, Replacing
 from .facts import Deposed, NoFacts
 from .ledger import Ledger
 from .takeover import Takeover, take_over
@@ -90,6 +92,9 @@ class Supervisor(FindingLosses, Replacing):
         self.stragglers = Stragglers(cfg, log, on_straggler)
         self._notices = 0  # notices written (protocol.notice_key)
         self._unhealthy_said: dict[int, str] = {}  # spare -> why it was last said unfit
+        # which process (by rank) hosts which logical ranks; identity until a shrink
+        self.placement = Placement.identity(cfg.nproc)
+        self.resizes: list[dict] = []  # every shrink and grow, in order (replacing.py)
 
     def active_pids(self) -> dict[int, int]:
         """rank -> pid of the worker holding it now."""
@@ -111,6 +116,7 @@ class Supervisor(FindingLosses, Replacing):
             ready = None
         nodes = getattr(self.pool, "nodes", None)
         return Snapshot(gen=self.gen, world_size=len(self.ranks), nproc=self.cfg.nproc,
+                        processes=self.placement.processes,
                         failures=list(self.failures),
                         stragglers=list(self.stragglers.entries), spares_ready=ready,
                         nodes_alive=sum(not n.lost for n in nodes.values()) if nodes else 1,
@@ -123,6 +129,9 @@ class Supervisor(FindingLosses, Replacing):
         self._notices, self.moves = t.notices, t.moves
         self.pids_at_start = {}
         self.ledger.resume(self.store, t.record)  # the record from the launch on
+        self.placement = placement_of(t.plan, self.cfg.nproc)
+        self.resizes = list(self.ledger.earlier_resizes)
+        self.stragglers.placement_changed(max(self.placement.loads()) > 1)
         if t.preempt:  # asked before the takeover: the job still stops there
             self.preempted_at, self.stop_asked = t.preempt["before_step"], t.preempt.get("why")
 
@@ -216,6 +225,7 @@ class Supervisor(FindingLosses, Replacing):
                          stragglers=self.stragglers.entries)
         self.pool.replace_dead_spares(self.store.check([protocol.SHUTDOWN]), self.log)
         self.pool.refill_due()
+        self._grow_if_ready()
         return self._finished()
 
     def _finished(self) -> bool:
@@ -280,7 +290,17 @@ class Supervisor(FindingLosses, Replacing):
             failures=self.failures, last_gen=self.gen, workers=list(self.workers.values()),
             pids_at_start=self.pids_at_start, killed_after_done=self.killed_after_done,
             stragglers=self.stragglers.entries or [], check=self.stragglers.summary(),
-            earlier=self.ledger.earlier()))
+            earlier=self.ledger.earlier(), processes=self.placement.processes,
+            shrink=self.cfg.shrink, resizes=list(self.resizes)))
+
+
+def placement_of(plan: membership.Plan, nproc: int) -> Placement:
+    """The placement a plan describes: its processes in rank order, each with its hosted
+    logical ranks (a plan without hosts: one logical rank a process, its own)."""
+    if not plan.hosts:
+        return Placement.identity(plan.world_size or nproc)
+    order = sorted(plan.ranks, key=plan.ranks.get)
+    return Placement(plan.logical_world or nproc, tuple(tuple(plan.hosts[w]) for w in order))
 
 
 __all__ = ["Supervisor", "SupervisorConfig", "JobFailed", "Failure"]

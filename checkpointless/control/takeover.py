@@ -138,6 +138,10 @@ def _hellos(store, nodes: list[int], timeout_s: float) -> dict[int, dict]:
 
 def _plan_of(gen: int, known_plan: dict, lost: int) -> membership.Plan:
     """A plan as the facts keep it, made a Plan again."""
+    # a shrunk job's placement (absent from plans recorded before it, or never shrunk)
     return membership.Plan(gen=gen, world_size=known_plan["world_size"],
                            ranks={int(w): r for w, r in known_plan["ranks"].items()}, lost=lost,
-                           nodes={int(w): k for w, k in known_plan["nodes"].items()})
+                           nodes={int(w): k for w, k in known_plan["nodes"].items()},
+                           hosts={int(w): list(h)
+                                  for w, h in known_plan.get("hosts", {}).items()},
+                           logical_world=known_plan.get("logical_world", 0))

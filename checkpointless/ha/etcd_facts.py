@@ -103,7 +103,10 @@ class JobFacts(NoFacts):
         self._write(f"plan/{plan.gen}", json.dumps(
             {"ranks": {str(w): r for w, r in plan.ranks.items()},
              "nodes": {str(w): plan.node_of(w) for w in plan.ranks},
-             "world_size": plan.world_size}))
+             "world_size": plan.world_size,
+             # a shrunk job's placement: a coordinator taking over publishes it again
+             "hosts": {str(w): list(h) for w, h in plan.hosts.items()},
+             "logical_world": plan.logical_world}))
         self._write("lost", str(lost))
         self._write("next_wid", str(next_wid))
         self._write("gen", str(plan.gen))
