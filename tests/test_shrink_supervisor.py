@@ -18,7 +18,8 @@ from checkpointless.control.facts import NoFacts
 from checkpointless.control.ledger import Ledger
 from checkpointless.control.processes import Worker
 from checkpointless.control.replacing import Placement
-from checkpointless.control.report import Failure, recovery_entry, shrunk_capacity_lost
+from checkpointless.control.report import Failure, new_recoveries, recovery_entry, \
+    shrunk_capacity_lost
 from checkpointless.control.stragglers import Stragglers
 from checkpointless.control.supervisor import JobFailed, Supervisor, SupervisorConfig, \
     placement_of
@@ -196,6 +197,9 @@ def test_a_recovery_by_shrink_counts_the_members_its_generation_had():
     f, = sup.failures
     e = recovery_entry(store, f, 4, sup.gen)
     assert e["shrunk"] and e["logical_ranks_moved"] == {"1": 0} and e["resumed_step"] == 5
+    line, = new_recoveries(store, sup.failures, set(), 4, sup.gen)
+    assert line.startswith("[checkpointless] recovered rank 1 (exit) by a shrink: logical "
+                           "rank(s) {'1': 0} (logical rank -> worker) moved")
     for r in range(3):
         store.set(protocol.result_key(r), json.dumps({"r": r}))
     assert membership.results_in(store, sup.placement.processes)
@@ -246,3 +250,16 @@ def test_a_shrunk_failure_is_on_the_ledgers_record():
     from checkpointless.control.ledger import failure_of
     f = Failure(wid=1, rank=1, cause="exit", t_fail=1.0, t_detect=1.0, step=3, shrunk=True)
     assert failure_of(f)["shrunk"] is True
+
+
+def test_a_process_lost_while_shrunk_takes_every_rank_it_hosted_along():
+    sup, store = shrinkable()
+    lose(sup, 1)
+    lose(sup, 0)  # it hosted logical ranks 0 and 1
+    assert any("rank 0 lost (exit, worker 0" in line and
+               line.endswith("; it hosted logical ranks [0, 1]") for line in sup.said)
+    assert sup.placement.hosts == ((0, 2), (1, 3)) and sup.ranks == {2: 0, 3: 1}
+    assert sup.failures[1].moved == {0: 2, 1: 3}
+    assert [e["to_processes"] for e in sup.resizes] == [3, 2]
+    assert seat(store, 3, 2, 1).logical_ranks == (1, 3)
+    assert sup.figures(store).processes == 2

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 from ..protocol import membership
 from .. import protocol
-from .report import goodput_from_steps, new_step_records, recovery_entry, slow_time
+from .report import goodput_from_steps, new_step_records, recovery_entry, \
+    shrunk_capacity_lost, slow_time
 
 RESCAN = 64  # newest step records read again at each scrape: a redone step rewrites its own
 RATE_STEPS = 20  # steps per second and tokens per second: over this many newest steps
@@ -38,6 +39,7 @@ class Snapshot:
     # the steps and goodput count from the launch, as report.json does
     earlier_steps: dict = field(default_factory=dict)
     processes: int = 0  # processes hosting the logical ranks (fewer than nproc while shrunk)
+    resizes: list = field(default_factory=list)  # the shrinks and grows so far (report.py)
 
 
 class Figures:
@@ -78,6 +80,8 @@ class Figures:
         steps = {**now.earlier_steps, **self.steps} if now.earlier_steps else self.steps
         entries = now.stragglers
         slow_s, _ = slow_time(steps, entries) if steps else (0.0, None)
+        # the capacity a shrunk job lacked counts as lost, as report.json's goodput has it
+        slow_s += shrunk_capacity_lost(steps, now.resizes, now.nproc)
 
         def gauge(name, doc, value, unit=""):
             g = GaugeMetricFamily(f"checkpointless_{name}", doc, unit=unit)
@@ -89,7 +93,8 @@ class Figures:
         yield gauge("goodput_ratio", "Time in committed steps, less what stragglers cost, over "
                     "the time since the first step began", goodput_from_steps(steps,
                                                                              slow_s=slow_s))
-        yield gauge("slow_seconds", "Time lost to steps a straggler slowed", slow_s)
+        yield gauge("slow_seconds", "Time lost to steps a straggler slowed, or run on fewer "
+                    "processes than logical ranks (the missing share)", slow_s)
         newest = sorted(steps)[-RATE_STEPS:]
         rate = None
         if len(newest) >= 2:

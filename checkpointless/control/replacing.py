@@ -136,7 +136,7 @@ class Replacing:
         self.log(f"[checkpointless] rank {w.rank} lost ({f.cause}, worker {w.wid}{where}, "
                  f"exit code {code}) at step {f.step}; detected "
                  f"{f.t_detect - f.t_fail:.2f} s after the " +
-                 ("slowdown began" if slow and fault else "failure"))
+                 ("slowdown began" if slow and fault else "failure") + self._hosted_said(w.rank))
         if f.error:
             self.log(f"[checkpointless] rank {w.rank} raised:\n{f.error.rstrip()}")
         del self.ranks[w.wid]
@@ -153,6 +153,11 @@ class Replacing:
         self._stop_if(policy.none_left(len(self.ranks),
                                        [g.error for g in self.failures if g.error]))
         return f
+
+    def _hosted_said(self, rank: int) -> str:
+        """What a lost process hosted, said when it is not just its own logical rank."""
+        hosted = self.placement.hosts[rank]
+        return "" if hosted == (rank,) else f"; it hosted logical ranks {list(hosted)}"
 
     def _job_step(self) -> int:
         """The step the job is at: the furthest of the active workers' heartbeats, or the step

@@ -13,11 +13,12 @@ others wait for the plan that replaces it and the spare receives the state, so n
 short and the run keeps the failure-free bits (supervisor._slow); a slow node is fenced and its
 ranks move together to a spare node. With no spare ready it is reported, and evicted once one
 is. A rank slot slow again soon after an eviction is reported only (policy.straggler_action).
-`report` only says it; `off` judges nothing.
+`report` only says it; `off` judges nothing. Every straggler is an entry of `report.json`'s
+`stragglers`, with the step its slowness began and, once it ended, the step it ended at.
+
 While the job is shrunk (checkpointless.shrink: some process hosts more than one logical rank,
 worker/logical.py), nothing is judged: such a process is slower by design, and no spare is
-ready to take a rank anyway (the first one to warm up grows the job back instead). Every straggler is an entry of `report.json`'s
-`stragglers`, with the step its slowness began and, once it ended, the step it ended at.
+ready to take a rank anyway (the first one to warm up grows the job back instead).
 """
 from __future__ import annotations
 

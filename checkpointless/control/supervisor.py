@@ -116,7 +116,7 @@ class Supervisor(FindingLosses, Replacing):
             ready = None
         nodes = getattr(self.pool, "nodes", None)
         return Snapshot(gen=self.gen, world_size=len(self.ranks), nproc=self.cfg.nproc,
-                        processes=self.placement.processes,
+                        processes=self.placement.processes, resizes=list(self.resizes),
                         failures=list(self.failures),
                         stragglers=list(self.stragglers.entries), spares_ready=ready,
                         nodes_alive=sum(not n.lost for n in nodes.values()) if nodes else 1,
