@@ -145,6 +145,20 @@ def test_a_spare_that_warms_up_grows_the_job_back_and_hosts_stay_published():
     assert report["failures"][0]["shrunk"] is True
 
 
+def test_no_grow_once_the_job_is_ending():
+    sup, store = shrinkable(ready_spares=(4,), spares=2)
+    lose(sup, 1)  # spare 4 takes rank 1
+    lose(sup, 2)  # none ready: a shrink
+    assert sup.placement.processes == 3
+    store.set(protocol.ready_key(5), "1")
+    store.set(protocol.result_key(0), "{}")
+    sup._grow_if_ready()
+    assert sup.gen == 2
+    store.delete_key(protocol.result_key(0))
+    sup._grow_if_ready()
+    assert sup.gen == 3 and sup.placement.processes == 4
+
+
 def test_the_ready_spares_take_what_they_cover_and_the_rest_shrinks():
     sup, store = shrinkable(nproc=4, spares=2, ready_spares=(4,), shrink="fast")
     lose(sup, 1, 2)
@@ -198,8 +212,8 @@ def test_a_recovery_by_shrink_counts_the_members_its_generation_had():
     e = recovery_entry(store, f, 4, sup.gen)
     assert e["shrunk"] and e["logical_ranks_moved"] == {"1": 0} and e["resumed_step"] == 5
     line, = new_recoveries(store, sup.failures, set(), 4, sup.gen)
-    assert line.startswith("[checkpointless] recovered rank 1 (exit) by a shrink: logical "
-                           "rank(s) {'1': 0} (logical rank -> worker) moved")
+    assert line.startswith("[checkpointless] recovered rank 1 (exit) by a shrink (logical "
+                           "rank 1 on worker 0): 0.0 MB moved, resumed at step 5, ")
     for r in range(3):
         store.set(protocol.result_key(r), json.dumps({"r": r}))
     assert membership.results_in(store, sup.placement.processes)

@@ -277,8 +277,10 @@ class Replacing:
         if self.cfg.shrink == "off" or old.processes >= old.logical_world or \
                 self.preempted_at is not None or any(f.gen < 0 for f in self.failures):
             return
-        # a rank's result in: the job is ending, and a new generation would only delay it
-        if any(self.store.check([protocol.result_key(r)]) for r in range(old.processes)):
+        # the job is ending (rank 0's result in, or a rank done): a new generation would only
+        # delay it. Two reads, not one per rank, on every turn of the loop while shrunk
+        if self.store.check([protocol.result_key(0)]) or \
+                membership.counter(self.store, protocol.DONE) > 0:
             return
         ready = self._healthy(self.pool.spares(self.store, ready=True))
         if not ready:

@@ -167,9 +167,11 @@ def _processes(store, gen: int, nproc: int) -> int:
 def recovery_line(e: dict) -> str:
     p = e["phases_s"]
     if e.get("shrunk"):
-        return (f"[checkpointless] recovered rank {e['failed_rank']} ({e['cause']}) by a shrink: "
-                f"logical rank(s) {e['logical_ranks_moved']} (logical rank -> worker) moved "
-                f"with {e['state_bytes'] / 1e6:.1f} MB, resumed at step {e['resumed_step']}, "
+        moved = ", ".join(f"logical rank {r} on worker {w}"
+                          for r, w in e["logical_ranks_moved"].items())
+        return (f"[checkpointless] recovered rank {e['failed_rank']} ({e['cause']}) by a shrink "
+                f"({moved}): {e['state_bytes'] / 1e6:.1f} MB moved, resumed at step "
+                f"{e['resumed_step']}, "
                 f"{e['recovery_s']:.2f} s after the failure (detect {p['detection']:.2f}, "
                 f"regroup {p['regroup']:.2f}, transfer {p['state_transfer']:.2f}, resume "
                 f"{p['resume']:.2f})")
