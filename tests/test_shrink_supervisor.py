@@ -5,7 +5,6 @@ fewer processes; a spare that warms up later joins as a new process and takes on
 not covered by the ready spares shrinks; a limit on the ranks a process may host stops the run
 with its key; the report counts the processes there are, the shrinks and grows, and the capacity
 lost while shrunk; a takeover keeps the placement; stragglers are not judged while shrunk."""
-import itertools
 import json
 import time
 from datetime import timedelta
@@ -17,7 +16,7 @@ from checkpointless import protocol
 from checkpointless.control.facts import NoFacts
 from checkpointless.control.ledger import Ledger
 from checkpointless.control.processes import Worker
-from checkpointless.control.replacing import Placement
+from checkpointless.protocol.placement import Placement
 from checkpointless.control.report import Failure, new_recoveries, recovery_entry, \
     shrunk_capacity_lost
 from checkpointless.control.stragglers import Stragglers
@@ -26,7 +25,6 @@ from checkpointless.control.supervisor import JobFailed, Supervisor, SupervisorC
 from checkpointless.control.takeover import _plan_of
 from checkpointless.protocol import membership
 from checkpointless.protocol.records import Entered
-from checkpointless.worker.logical import Placement as WorkerPlacement
 
 
 class FakeProc:
@@ -185,20 +183,6 @@ def test_a_shrink_over_the_hosting_limit_stops_the_run_naming_the_key():
     with pytest.raises(JobFailed, match="no process can host more logical ranks "
                                         r"\(checkpointless.shrink_max_hosted=1\)"):
         lose(sup, 1)
-
-
-def test_the_supervisors_placement_moves_ranks_as_the_workers_does():
-    for lw in (3, 4, 5):
-        for lost in itertools.chain.from_iterable(
-                itertools.combinations(range(lw), k) for k in (1, 2)):
-            mine, theirs = Placement.identity(lw), WorkerPlacement.identity(lw)
-            mine, theirs = mine.shrink(list(lost)), theirs.shrink(list(lost))
-            assert mine.hosts == theirs.hosts
-            while mine.processes < lw:
-                mine, theirs = mine.grow(1), theirs.grow(1)
-                assert mine.hosts == theirs.hosts
-    with pytest.raises(ValueError):
-        Placement.identity(3).shrink([0], 1)
 
 
 def test_a_recovery_by_shrink_counts_the_members_its_generation_had():

@@ -7,64 +7,14 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
-
 from ..protocol import membership
+from ..protocol.placement import Placement
 from . import policy
 from .. import protocol
 from .processes import Worker
 from .report import Failure
 
 D = protocol.DEFAULTS
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Which logical ranks each process hosts, `hosts[p]` sorted, processes numbered 0..P-1:
-    the supervisor's copy of worker/logical.py's Placement, with the same rules for a shrink
-    and a grow (a test holds the two to the same answers). The control plane may not import
-    the worker's side (tests/test_layers.py); once Placement lives in protocol/, this goes."""
-    logical_world: int
-    hosts: tuple
-
-    @classmethod
-    def identity(cls, logical_world: int) -> "Placement":
-        return cls(logical_world, tuple((r,) for r in range(logical_world)))
-
-    @property
-    def processes(self) -> int:
-        return len(self.hosts)
-
-    def loads(self) -> list[int]:
-        return [len(h) for h in self.hosts]
-
-    def process_of(self, logical: int) -> int:
-        return next(p for p, h in enumerate(self.hosts) if logical in h)
-
-    def shrink(self, lost, capacity: int | None = None) -> "Placement":
-        """Each lost process's logical ranks, lowest first, to the survivor hosting the fewest
-        then (ties: the lowest index); a ValueError when every survivor is at `capacity`."""
-        cap = capacity or float("inf")
-        new = [list(h) for p, h in enumerate(self.hosts) if p not in set(lost)]
-        if not new:
-            raise ValueError(f"no process survives the loss of {sorted(lost)}")
-        for logical in sorted(r for p in lost for r in self.hosts[p]):
-            free = [p for p, h in enumerate(new) if len(h) < cap]
-            if not free:
-                raise ValueError(f"cannot place logical rank {logical}: every surviving "
-                                 f"process already hosts {cap} (loads {[len(h) for h in new]})")
-            new[min(free, key=lambda p: (len(new[p]), p))].append(logical)
-        return Placement(self.logical_world, tuple(tuple(sorted(h)) for h in new))
-
-    def grow(self, n: int = 1) -> "Placement":
-        """n new processes, each taking the highest logical rank of the most loaded one."""
-        new = [list(h) for h in self.hosts]
-        for _ in range(n):
-            donor = min(range(len(new)), key=lambda p: (-len(new[p]), p))
-            if len(new[donor]) < 2:
-                raise ValueError(f"cannot grow past {len(new)} processes")
-            new.append([new[donor].pop()])
-        return Placement(self.logical_world, tuple(tuple(h) for h in new))
 
 
 def fit_spares(store, ready: list, said: dict, log=print) -> list:

@@ -15,6 +15,7 @@ from .failures import schedule
 from .modes import mode_recipe, run_supervised
 from .paired import paired_modes, run_paired, run_paired_launchers
 from .records import read_records, run_digest, summarize
+from .shrink import MODES as SHRINK_MODES
 from .report import report
 
 
@@ -47,7 +48,8 @@ def bench(args: list[str]) -> int:
             tau_steps = checkpoint_every(save_cost, cfg.mtbf_s, step_s)
         rc_cfg, out = mode_recipe(cfg, overrides, mode, tau_steps)
         print(f"[bench] mode {mode} -> {out}", flush=True)
-        killer_plan = plan if mode in ("checkpointless", "restart", "tp", "pp") else None
+        killer_plan = plan if mode in ("checkpointless", "restart", "tp", "pp", *SHRINK_MODES) \
+            else None
         if mode in ("off", "restart", "flat"):
             rc, kills, elapsed = run_torchrun(cfg, out, killer_plan, cfg.steps)
         elif mode == "plain":
@@ -85,7 +87,9 @@ def side_by_side(cfg, overrides: list[str], modes: list[str], strategy: str) -> 
               ("audits", [m for m in ("audit-off", "audit") if m in modes]),
               # pp beside the same recipe's ddp on the same workers ("ddp": on's recipe, its
               # own name so that on's figure from the off/on pair stays its own)
-              ("pipeline", ["ddp", "pp"] if "pp" in modes else [])]
+              ("pipeline", ["ddp", "pp"] if "pp" in modes else []),
+              # exact's price on a failure-free step: every reduction in logical order
+              ("shrink", ["ddp", "shrink-exact"] if "shrink-exact" in modes else [])]
     for what, group in groups:
         if len(group) >= 2 and cfg.paired_steps:
             print(f"[bench] {' and '.join(group)} side by side, taking turns every "

@@ -18,8 +18,11 @@ from ..recipes import RecipeError
 # schedule like checkpointless; its failure-free step time is taken beside fsdp-replicated's
 # pp: 2 pipeline stages x 2 replicas (distributed.pp_size=2) with spares, killed on the failure
 # schedule like checkpointless; its failure-free step time is taken beside on's (the same workers)
+# shrink-exact, shrink-fast, shrink-off: no spare at the start (refills on), killed on the failure
+# schedule; exact's failure-free step time is taken beside on's (shrink.py)
 MODES = ("off", "on", "plain", "flat", "checkpointless", "restart", "fsdp", "fsdp-replicated",
-         "hsdp", "tp", "slow-evict", "slow-report", "audit-off", "audit", "pp")
+         "hsdp", "tp", "slow-evict", "slow-report", "audit-off", "audit", "pp",
+         "shrink-exact", "shrink-fast", "shrink-off")
 
 
 @dataclass

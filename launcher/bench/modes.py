@@ -9,6 +9,7 @@ from omegaconf import OmegaConf
 
 from ..recipes import load
 from .failures import Killer
+from .shrink import overrides as shrink_overrides
 
 
 def mode_recipe(cfg, overrides: list[str], mode: str, tau_steps: int = 0,
@@ -33,6 +34,8 @@ def mode_recipe(cfg, overrides: list[str], mode: str, tau_steps: int = 0,
                   f"checkpointless.spares={cfg.spares}"]
     elif mode == "pp":  # 2 pipeline stages x 2 ddp replicas (1f1b), killed like checkpointless
         extra += ["distributed.pp_size=2", f"checkpointless.spares={cfg.spares}"]
+    elif mode.startswith("shrink-"):  # no spare ready at a kill (bench/shrink.py)
+        extra += shrink_overrides(mode)
     elif mode.startswith("audit"):  # the same job, audited every step or not at all
         extra += [f"checkpointless.spares={max(1, cfg.spares)}", "checkpoint.interval=10",
                   f"checkpointless.audit.every={1 if mode == 'audit' else 0}"]

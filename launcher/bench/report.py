@@ -13,6 +13,7 @@ from typing import Optional
 from .config import MODES
 from .model import model_rows
 from .plot import plot, plot_skipped
+from .shrink import MODES as SHRINK_MODES, shrink_line
 
 
 def table(rows: list[list], header: list[str]) -> str:
@@ -193,7 +194,7 @@ def report(cfg, results: dict, save_cost: float, out_root: Path,
 
 def _unmeasured(s: dict) -> list[str]:
     """The modes that were to meet failures and measured no recovery (said): no figure."""
-    out = [m for m in ("checkpointless", "restart", "tp", "pp")
+    out = [m for m in ("checkpointless", "restart", "tp", "pp", *SHRINK_MODES)
            if m in s and s[m].get("recovery_s_median") is None]
     if out:
         print(f"[bench] ERROR: no recovery was measured in {', '.join(out)}: no failure "
@@ -340,4 +341,4 @@ def pp_line(s: dict, paired: dict | None) -> str:
 # (mode, the mode it is read against, the line that compares them)
 COMPARED = (("fsdp", "fsdp-replicated", replication_line), ("hsdp", "fsdp-replicated", hsdp_line),
             ("tp", "fsdp-replicated", tp_line), ("audit", "audit-off", audit_line),
-            ("pp", "pp", pp_line))
+            ("pp", "pp", pp_line), ("shrink-exact", "shrink-exact", shrink_line))

@@ -1,0 +1,108 @@
+"""checkpointless.shrink in-process: the keys refused where a shrink is not built, a plan's
+placement read back by each worker, and a hosting process's step by logical rank against the
+processes it replaces (the model-level bits: the same gradients and loss)."""
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from checkpointless.protocol import membership  # noqa: E402
+from checkpointless.worker.hosting import LogicalRanks  # noqa: E402
+from checkpointless.worker.logical import Placement  # noqa: E402
+from launcher.recipes import RecipeError, load  # noqa: E402
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["checkpointless.shrink=exact", "distributed.strategy=fsdp"],
+     "checkpointless.shrink='exact': is built for distributed.strategy=ddp"),
+    (["checkpointless.shrink=fast", "distributed.pp_size=2"],
+     "checkpointless.shrink='fast': needs one process per data-parallel rank"),
+    (["checkpointless.shrink=exact", "checkpointless.enabled=false"],
+     "checkpointless.shrink='exact': needs checkpointless.enabled=true"),
+    (["checkpointless.shrink=exact", "checkpointless.audit.every=2", "checkpoint.interval=4"],
+     "checkpointless.shrink='exact': cannot run with checkpointless.audit.every"),
+    (["checkpointless.shrink_max_hosted=2"], "checkpointless.shrink_max_hosted=2: applies with"),
+    (["checkpointless.shrink=half"], "checkpointless.shrink"),
+])
+def test_shrink_keys_that_cannot_apply_are_refused_before_launch(overrides, key):
+    with pytest.raises(RecipeError) as exc:
+        load("tiny-llama", overrides)
+    assert key in str(exc.value), str(exc.value)
+
+
+def test_a_shrunk_plan_gives_each_worker_its_logical_ranks_and_the_whole_placement():
+    store = {}
+
+    class Store:  # what publish and follow call of a TCPStore
+        def multi_set(self, keys, values):
+            store.update(zip(keys, values))
+
+        def set(self, k, v):
+            store[k] = v
+
+        def compare_set(self, k, expected, new):
+            return store[k].encode() if k in store else expected.encode()
+
+    before = membership.Plan(gen=0, world_size=4, ranks={0: 0, 1: 1, 2: 2, 3: 3})
+    shrunk = Placement.identity(4).shrink(1)  # survivors 0, 2, 3 renumbered 0, 1, 2
+    plan = membership.Plan(gen=1, world_size=3, ranks={0: 0, 2: 1, 3: 2}, logical_world=4,
+                           hosts={0: [0, 1], 2: [2], 3: [3]})
+    membership.publish(Store(), plan, before)
+    seats = {w: membership.follow(Store(), w, 0, before.ranks[w], 0, 1) for w in (0, 2, 3)}
+    assert membership.follow(Store(), 1, 0, 1, 0, 1) is None  # the lost worker holds nothing
+    assert {w: s.rank for w, s in seats.items()} == {0: 0, 2: 1, 3: 2}
+    assert {w: s.logical_ranks for w, s in seats.items()} == {0: (0, 1), 2: (2,), 3: (3,)}
+    assert all(s.logical_size == 4 and s.world_size == 3 for s in seats.values())
+    assert Placement(4, seats[0].placement) == shrunk
+    # identity placements publish none: a worker's logical rank is its rank
+    plain = membership.Plan(gen=2, world_size=4, ranks={0: 0, 2: 1, 3: 2, 9: 3})
+    membership.publish(Store(), plain, plan)
+    seat = membership.follow(Store(), 9, 0, -1, 1, 2)
+    assert seat.logical_ranks == (3,) and seat.logical_size == 4 and seat.placement == ()
+
+
+class _Host(LogicalRanks):
+    """A Job's logical side on one process (no process group: it hosts every rank)."""
+
+    def __init__(self, shrink, placement):
+        self.spec, self.rank, self.world_size = SimpleNamespace(shrink=shrink), 0, 1
+        self._rec = SimpleNamespace(plan=membership.Seat(
+            gen=1, world_size=1, rank=0, node=0, members_here=1, nodes=1, lost=0,
+            t_published=0.0, logical_world=placement.logical_world,
+            placement=placement.hosts))
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def _contribution(host, model, share):
+    g = torch.Generator().manual_seed(share)
+    x, y = torch.randn(4, 8, generator=g) * 10 ** share, torch.randn(4, 1, generator=g)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    return host.flat_grads(model.parameters(), extra=loss.detach().reshape(1))
+
+
+@pytest.mark.parametrize("shrink", ["exact", "fast"])
+def test_one_process_hosting_four_logical_ranks_averages_them_in_logical_order(shrink):
+    """What four processes would average, by one process: its `.grad`s are the logical ranks'
+    gradients summed in order 0..3 and divided by 4; the extra (the loss) summed."""
+    model = _model()
+    host = _Host(shrink, Placement(4, ((0, 1, 2, 3),)))
+    assert host.logical_ranks == (0, 1, 2, 3) and host.logical_world == 4 and host.shrunk
+    contributions = {r: _contribution(host, model, r) for r in host.logical_ranks}
+    assert all(p.grad is None for p in model.parameters())  # kept apart, not accumulated
+    loss = host.reduce_logical(model.parameters(), contributions)
+    total = contributions[0].clone()
+    for r in (1, 2, 3):
+        total += contributions[r]
+    n = sum(p.numel() for p in model.parameters())
+    got = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    assert torch.equal(got, total[:n] / 4) and torch.equal(loss, total[n:])
+    reverse = contributions[3] + contributions[2] + contributions[1] + contributions[0]
+    assert not torch.equal(reverse[:n] / 4, got)  # the order shows: the check above can fail

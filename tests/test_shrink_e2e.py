@@ -1,0 +1,61 @@
+"""No spare left (checkpointless.shrink): tiny-llama on 4 workers under ddp, ranks killed with
+no spare ready; the survivors host the lost logical ranks and the run ends with the bits of the
+same recipe's failure-free run, on fewer processes, then grows back when a refill is ready.
+Real processes on gloo, killed inside their backward and from outside mid-step."""
+import pytest
+
+from tests.conftest import assert_same_bits, train
+from tests.external_kill import seeded_moments, train_killing
+
+pytestmark = pytest.mark.slow
+
+EXACT_16 = ("trainer.max_steps=16", "checkpointless.shrink=exact")
+
+
+def test_a_kill_with_no_spare_shrinks_onto_three_processes_with_the_failure_free_bits(
+        tmp_path, references):
+    """Rank 1 SIGKILLs itself inside its backward at step 5, then worker 3 is SIGKILLed from
+    outside at a seeded moment: no spare, no refill, so survivors host the lost logical ranks
+    (4 -> 3 -> 2 processes) and every step after is the failure-free run's to the bit."""
+    _, ref, _ = references.train("tiny-llama", *EXACT_16)
+    _, rep, kills, log = train_killing(
+        tmp_path, "shrink", "tiny-llama", seeded_moments(40, [9]), *EXACT_16,
+        "checkpointless.spares=0", "checkpointless.refill=false", "faults=[kill:1:5@backward]",
+        victims=[3])
+    assert rep["status"] == "ok", log[-3000:]
+    assert_same_bits(rep, ref, kills)
+    shrinks = rep["shrinks"]
+    assert [(s["from_processes"], s["to_processes"]) for s in shrinks] == [(4, 3), (3, 2)], log
+    assert shrinks[0]["logical_ranks_moved"] == [1]
+    assert rep["grows"] == [] and rep["world_size"] == 2
+    assert "no spare ready" in log
+
+
+def test_shrink_then_grow_back_when_the_refill_is_ready_with_the_same_bits(tmp_path,
+                                                                            references):
+    """One spare, two kills a step apart: the first takes the spare, the second finds none ready
+    (the refill still warming) and shrinks; the refill, once warm, takes a hosted logical rank
+    back (grow) and the run ends on 4 processes with the failure-free bits."""
+    _, ref, _ = references.train("tiny-llama", *EXACT_16)
+    _, rep, r = train(tmp_path, "grow", "tiny-llama", *EXACT_16, "checkpointless.spares=1",
+                      "faults=[kill:1:3@backward,kill:2:4@random:3]")
+    assert rep["status"] == "ok"
+    assert_same_bits(rep, ref)
+    assert [(s["from_processes"], s["to_processes"]) for s in rep["shrinks"]] == [(4, 3)], \
+        r.stdout[-3000:]
+    assert [(g["from_processes"], g["to_processes"]) for g in rep["grows"]] == [(3, 4)]
+    assert rep["world_size"] == 4
+
+
+def test_fast_keeps_the_batch_and_says_the_bits_may_differ(tmp_path, references):
+    """shrink=fast: today's collectives; after the shrink a survivor runs the lost rank's
+    micro-batch too (the same batch), the loss stays the failure-free run's to rounding, and the
+    report says the bits may differ."""
+    _, ref, _ = references.train("tiny-llama", "trainer.max_steps=16")
+    _, rep, r = train(tmp_path, "fast", "tiny-llama", "trainer.max_steps=16",
+                      "checkpointless.shrink=fast", "checkpointless.spares=0",
+                      "checkpointless.refill=false", "faults=[kill:2:6@optimizer]")
+    assert rep["status"] == "ok" and rep["world_size"] == 3
+    assert [(s["from_processes"], s["to_processes"]) for s in rep["shrinks"]] == [(4, 3)]
+    assert rep["shrink"]["mode"] == "fast" and "may differ" in rep["shrink"]["bits"]
+    assert rep["final_loss"] == pytest.approx(ref["final_loss"], abs=1e-4)
