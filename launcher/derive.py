@@ -22,6 +22,7 @@ def derive(cfg: DictConfig, given: DictConfig, overrides) -> list[str]:
     """Fill in `cfg`'s derived values in place; the notes of those worth saying."""
     world_from_nodes(cfg, overrides)
     sharding_defaults(cfg)
+    shrink_default(cfg)
     notes = [confirm_under_etcd(cfg, given)]
     return [n for n in notes if n]
 
@@ -71,6 +72,21 @@ def sharding_defaults(cfg: DictConfig) -> None:
     if rep.factor is None:
         groups = stage // d.shard_size if d.strategy == "hsdp" and d.shard_size else 1
         rep.factor = 0 if groups >= 2 else CL_DEFAULTS.replication_factor
+
+
+def shrink_default(cfg: DictConfig) -> None:
+    """checkpointless.shrink=auto: exact where a shrink is built (ddp, one process per
+    data-parallel rank, no audits, two or more processes), else off. exact's price on a
+    failure-free step measured +2.3% against ddp's buckets (bench shrink, tiny-llama, 4 workers,
+    2 cores: 290.1 vs 283.6 ms side by side), within the 3% that makes it the default. A torchrun
+    run (checkpointless.enabled=false) reduces the same way, so its bits compare with a
+    supervised run's; it never shrinks."""
+    c, d = cfg.checkpointless, cfg.distributed
+    if c.shrink != "auto":
+        return
+    built = (d.strategy == "ddp" and d.tp_size == 1 and d.pp_size == 1 and not c.audit.every
+             and d.num_processes >= 2)
+    c.shrink = "exact" if built else "off"
 
 
 def world_from_nodes(cfg: DictConfig, overrides) -> None:

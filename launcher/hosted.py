@@ -25,11 +25,17 @@ def takes_logical_step(run) -> bool:
 
 def logical_step(run, step: int) -> torch.Tensor:
     """Forward and backward for each hosted logical rank, then the gradients averaged over the
-    logical world (written into the `.grad`s); the step's loss summed over every logical rank."""
+    logical world (written into the `.grad`s); the step's loss summed over every logical rank.
+    A redone step reuses the contributions this process computed before a peer's failure cut it
+    short: only a rank new here (a replacement's, or one a shrink moved) is computed again."""
     job, accelerator, t = run.job, run.accelerator, run.cfg.trainer
     params = [p for p in run.model.parameters() if p.requires_grad]
     contributions = {}
     for share in job.logical_ranks:
+        kept = job.kept_contribution(step, share)
+        if kept is not None:
+            contributions[share] = kept
+            continue
         loss_sum = torch.zeros(1, device=accelerator.device)
         for p in params:  # a redone step (or the last hosted rank) leaves nothing behind
             p.grad = None
@@ -43,9 +49,9 @@ def logical_step(run, step: int) -> torch.Tensor:
                     loss = run.model(**batch).loss
                 loss_sum += loss.detach().float()
                 accelerator.backward(loss)  # loss / grad_accum_steps, as in the usual step
-        contributions[share] = job.flat_grads(params, extra=loss_sum)
-    return job.reduce_logical(params, contributions)
-
+        contributions[share] = job.flat_grads(params, extra=loss_sum, keep=(step, share))
+    return job.reduce_logical(params, contributions,
+                              exact=run.cfg.checkpointless.shrink == "exact")
 
 
 def eval_share(cfg, job) -> tuple[int, int]:

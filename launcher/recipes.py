@@ -330,9 +330,22 @@ def resolve(name_or_path: str, overrides: list[str] = ()) -> tuple[DictConfig, l
         raise RecipeError(f"recipe interpolation failed{where}: {str(exc).splitlines()[0]}. A "
                           "${...} reference must name another key, e.g. ${run.name}, and must "
                           "not refer to itself") from None
+    _choice_words(merged)
     notes = derive(merged, cfg, overrides)  # cfg: what the files and overrides wrote
     validate(merged)
     return merged, notes
+
+
+def _choice_words(cfg: DictConfig) -> None:
+    """YAML reads a bare off / on (no / yes) as a boolean, which a string key then holds as
+    'False' / 'True': where the key's choices include the word, it is the word that was meant
+    (checkpointless.shrink=off, checkpointless.straggler.action=off)."""
+    from .validate import get, leaves
+    for key, f in leaves():
+        allowed = f.metadata.get("choices") or ()
+        word = {"False": "off", "True": "on"}.get(str(get(cfg, key)))
+        if word in allowed:
+            OmegaConf.update(cfg, key, word)
 
 
 def _require_model(cfg: DictConfig, path: Path) -> None:

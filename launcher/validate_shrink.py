@@ -12,13 +12,11 @@ def check_shrink(cfg: DictConfig) -> None:
     a rank's work by its process (audits replay one rank's step)."""
     c, d = cfg.checkpointless, cfg.distributed
     key = "checkpointless.shrink"
-    if c.shrink == "off":
+    if c.shrink in ("off", "auto"):  # auto: derive.py chose what is built here
         need(c.shrink_max_hosted == 0, "checkpointless.shrink_max_hosted", c.shrink_max_hosted,
              "applies with checkpointless.shrink=exact or fast only. Fix: set "
              "checkpointless.shrink, or drop checkpointless.shrink_max_hosted")
         return
-    need(c.enabled, key, c.shrink, "needs checkpointless.enabled=true (with recovery off a "
-         "failure stops the run). Fix: checkpointless.shrink=off")
     need(d.strategy == "ddp", key, c.shrink,
          f"is built for distributed.strategy=ddp so far; {d.strategy} would reshard its state "
          "onto fewer processes. Fix: checkpointless.shrink=off (a lost rank then waits for a "

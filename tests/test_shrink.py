@@ -20,17 +20,28 @@ from launcher.recipes import RecipeError, load  # noqa: E402
      "checkpointless.shrink='exact': is built for distributed.strategy=ddp"),
     (["checkpointless.shrink=fast", "distributed.pp_size=2"],
      "checkpointless.shrink='fast': needs one process per data-parallel rank"),
-    (["checkpointless.shrink=exact", "checkpointless.enabled=false"],
-     "checkpointless.shrink='exact': needs checkpointless.enabled=true"),
     (["checkpointless.shrink=exact", "checkpointless.audit.every=2", "checkpoint.interval=4"],
      "checkpointless.shrink='exact': cannot run with checkpointless.audit.every"),
-    (["checkpointless.shrink_max_hosted=2"], "checkpointless.shrink_max_hosted=2: applies with"),
+    (["checkpointless.shrink=off", "checkpointless.shrink_max_hosted=2"],
+     "checkpointless.shrink_max_hosted=2: applies with"),
     (["checkpointless.shrink=half"], "checkpointless.shrink"),
 ])
 def test_shrink_keys_that_cannot_apply_are_refused_before_launch(overrides, key):
     with pytest.raises(RecipeError) as exc:
         load("tiny-llama", overrides)
     assert key in str(exc.value), str(exc.value)
+
+
+def test_auto_is_exact_where_a_shrink_is_built_else_off():
+    assert load("tiny-llama").checkpointless.shrink == "exact"
+    assert load("tiny-llama", ["checkpointless.enabled=false"]).checkpointless.shrink == "exact"
+    for other in (["distributed.strategy=fsdp"], ["distributed.pp_size=2"],
+                  ["checkpointless.audit.every=2", "checkpoint.interval=4"]):
+        assert load("tiny-llama", other).checkpointless.shrink == "off", other
+    assert load("tiny-llama", ["checkpointless.shrink=fast"]).checkpointless.shrink == "fast"
+    # a bare `off` is a YAML boolean: the word is what a choice key means by it
+    off = load("tiny-llama", ["checkpointless.shrink=off", "checkpointless.straggler.action=off"])
+    assert off.checkpointless.shrink == "off" and off.checkpointless.straggler.action == "off"
 
 
 def test_a_shrunk_plan_gives_each_worker_its_logical_ranks_and_the_whole_placement():
@@ -67,8 +78,8 @@ def test_a_shrunk_plan_gives_each_worker_its_logical_ranks_and_the_whole_placeme
 class _Host(LogicalRanks):
     """A Job's logical side on one process (no process group: it hosts every rank)."""
 
-    def __init__(self, shrink, placement):
-        self.spec, self.rank, self.world_size = SimpleNamespace(shrink=shrink), 0, 1
+    def __init__(self, placement):
+        self.rank, self.world_size = 0, 1
         self._rec = SimpleNamespace(plan=membership.Seat(
             gen=1, world_size=1, rank=0, node=0, members_here=1, nodes=1, lost=0,
             t_published=0.0, logical_world=placement.logical_world,
@@ -93,11 +104,11 @@ def test_one_process_hosting_four_logical_ranks_averages_them_in_logical_order(s
     """What four processes would average, by one process: its `.grad`s are the logical ranks'
     gradients summed in order 0..3 and divided by 4; the extra (the loss) summed."""
     model = _model()
-    host = _Host(shrink, Placement(4, ((0, 1, 2, 3),)))
+    host = _Host(Placement(4, ((0, 1, 2, 3),)))
     assert host.logical_ranks == (0, 1, 2, 3) and host.logical_world == 4 and host.shrunk
     contributions = {r: _contribution(host, model, r) for r in host.logical_ranks}
     assert all(p.grad is None for p in model.parameters())  # kept apart, not accumulated
-    loss = host.reduce_logical(model.parameters(), contributions)
+    loss = host.reduce_logical(model.parameters(), contributions, exact=shrink == "exact")
     total = contributions[0].clone()
     for r in (1, 2, 3):
         total += contributions[r]
@@ -106,3 +117,17 @@ def test_one_process_hosting_four_logical_ranks_averages_them_in_logical_order(s
     assert torch.equal(got, total[:n] / 4) and torch.equal(loss, total[n:])
     reverse = contributions[3] + contributions[2] + contributions[1] + contributions[0]
     assert not torch.equal(reverse[:n] / 4, got)  # the order shows: the check above can fail
+
+
+def test_a_redone_step_reuses_the_contributions_kept_until_the_state_moves():
+    """A step a peer's failure cut short is redone on the same state: each hosted rank's
+    contribution computed before is reused; a commit or a restore (drop) ends that."""
+    from checkpointless.worker.grads import KeptGrads
+    model, host = _model(), _Host(Placement.identity(4).shrink(3))
+    host._kept = KeptGrads()
+    model(torch.ones(2, 8)).sum().backward()
+    flat = host.flat_grads(model.parameters(), keep=(5, 2))
+    assert host.kept_contribution(5, 2) is flat
+    assert host.kept_contribution(5, 1) is None and host.kept_contribution(6, 2) is None
+    host._kept.drop()  # committed, or the state restored: nothing is reused
+    assert host.kept_contribution(5, 2) is None

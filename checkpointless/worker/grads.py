@@ -66,6 +66,19 @@ class KeptGrads:
 
     def __init__(self):
         self._kept: dict | None = None
+        # checkpointless.shrink=exact: each hosted logical rank's contribution (hosting.py), by
+        # logical rank, of the step in `_logical_step`; valid while the state is that step's
+        self._logical: dict = {}
+        self._logical_step = -1
+
+    def contribution(self, step: int, logical: int):
+        """The kept contribution of `logical` to `step`, or None."""
+        return self._logical.get(logical) if step == self._logical_step else None
+
+    def keep_contribution(self, step: int, logical: int, flat) -> None:
+        if step != self._logical_step:
+            self._logical, self._logical_step = {}, step
+        self._logical[logical] = flat
 
     def usable(self, step: int, rank: int, world: int) -> bool:
         k = self._kept
@@ -73,6 +86,7 @@ class KeptGrads:
 
     def drop(self) -> None:
         self._kept = None
+        self._logical, self._logical_step = {}, -1
 
     def remember(self, step: int, rank: int, world: int, grads, extra=None) -> None:
         """Keep references to this rank's own gradients of `step` and its `extra` (the bucketed

@@ -9,7 +9,7 @@ reduction of the hosted contributions:
     for r in job.logical_ranks:                         # (r,) = (job.rank,) until a shrink
         job.seed_step(step, micro, share=r)
         ...forward and backward on batch(step, r, job.logical_world, micro)...
-        contributions[r] = job.flat_grads(params, extra=loss_sum)   # the grads are zeroed
+        contributions[r] = job.flat_grads(params, extra=loss_sum)   # the grads are cleared
     loss_total = job.reduce_logical(params, contributions)         # averaged into the .grads
 
 `shrink=exact`: every process sums the L contributions in logical order (logical.py), the
@@ -27,37 +27,50 @@ from .logical import Placement, logical_all_reduce
 
 
 class LogicalRanks:
-    """Mixed into `Job`: reads the generation's seat (`self._rec.plan`)."""
+    """Mixed into `Job` (and torchrun's `PlainJob`, which never shrinks): reads the generation's
+    seat (`_seat()`), and keeps each contribution until the step commits (`_kept`)."""
+
+    def _seat(self):
+        rec = getattr(self, "_rec", None)
+        return rec.plan if rec is not None else None
 
     @property
     def logical_ranks(self) -> tuple[int, ...]:
         """The logical ranks this process runs this generation, lowest first."""
-        plan = self._rec.plan
-        return plan.logical_ranks if plan is not None else (self.rank,)
+        seat = self._seat()
+        return seat.logical_ranks if seat is not None else (self.rank,)
 
     @property
     def logical_world(self) -> int:
         """The job's logical world: the ranks it was launched with, whoever runs them now."""
-        plan = self._rec.plan
-        return plan.logical_size if plan is not None else self.world_size
+        seat = self._seat()
+        return seat.logical_size if seat is not None else self.world_size
 
     @property
     def placement(self) -> Placement:
-        plan = self._rec.plan
-        if plan is None or not plan.placement:
+        seat = self._seat()
+        if seat is None or not seat.placement:
             return Placement.identity(self.world_size)
-        return Placement(self.logical_world, plan.placement)
+        return Placement(self.logical_world, seat.placement)
 
     @property
     def shrunk(self) -> bool:
         """Fewer processes than logical ranks run this generation."""
         return self.world_size < self.logical_world
 
-    @staticmethod
-    def flat_grads(params, extra: torch.Tensor | None = None) -> torch.Tensor:
+    def kept_contribution(self, step: int, logical: int) -> torch.Tensor | None:
+        """`logical`'s contribution to `step` computed before a peer's failure cut the step
+        short, while the state is still that step's: a redo computes only the ranks it lacks
+        (a replacement's, or those a shrink moved here)."""
+        kept = getattr(self, "_kept", None)
+        return kept.contribution(step, logical) if kept is not None else None
+
+    def flat_grads(self, params, extra: torch.Tensor | None = None,
+                   keep: tuple[int, int] | None = None) -> torch.Tensor:
         """One hosted rank's contribution: its gradients in parameter order (zeros for a
         parameter it left without one) and `extra` after them, as one float32 buffer; the
-        `.grad`s are cleared for the next hosted rank's backward."""
+        `.grad`s are cleared for the next hosted rank's backward. `keep`: (step, logical rank)
+        to keep it under until the step commits (kept_contribution)."""
         params = [p for p in params if p.requires_grad]
         parts = [p.grad.reshape(-1).float() if p.grad is not None else
                  torch.zeros(p.numel(), device=p.device) for p in params]
@@ -66,17 +79,21 @@ class LogicalRanks:
         flat = torch.cat(parts)
         for p in params:
             p.grad = None
+        kept = getattr(self, "_kept", None)
+        if keep is not None and kept is not None:
+            kept.keep_contribution(*keep, flat)
         return flat
 
-    def reduce_logical(self, params, contributions: dict[int, torch.Tensor],
+    def reduce_logical(self, params, contributions: dict[int, torch.Tensor], exact: bool = True,
                        extra_numel: int = 1) -> torch.Tensor:
         """Sum the hosted ranks' `contributions` over the whole logical world (exact: in
-        logical order; fast: hosted ones in logical order, then over the processes), write the
+        logical order; else: hosted ones in logical order, then over the processes), write the
         gradients' average into the `.grad`s, and return the summed extra (the last
-        `extra_numel` values). The `.grad`s are written only once the collective succeeded."""
+        `extra_numel` values). The `.grad`s are written only once the collective succeeded, and
+        the contributions are left as they were (kept for a redo)."""
         params = [p for p in params if p.requires_grad]
-        total = (logical_all_reduce(contributions, self.placement)
-                 if self.spec.shrink == "exact" else self._fast_sum(contributions))
+        total = (logical_all_reduce(contributions, self.placement) if exact
+                 else self._fast_sum(contributions))
         extra = total[total.numel() - extra_numel:].clone()
         grads = total[:total.numel() - extra_numel].div_(self.logical_world)
         offset = 0

@@ -19,6 +19,7 @@ from .data import check_loader
 from .. import protocol
 from .ddp import DistributedDataParallel
 from .grads import all_reduce_grads, summed_extra
+from .hosting import LogicalRanks
 from .seeding import seed_all, step_seed
 
 
@@ -74,8 +75,9 @@ class PlainStepLoop:
         return True
 
 
-class PlainJob:
-    """Owns a torchrun worker's process group and step count; recovers nothing."""
+class PlainJob(LogicalRanks):
+    """Owns a torchrun worker's process group and step count; recovers nothing (and never
+    shrinks: its one logical rank a process reduces as `Job` does, hosting.py)."""
 
     grads_kept = False  # a failure ends the job: no step is ever redone in-process
     preempted = False  # torchrun handles its own signals
@@ -138,8 +140,8 @@ class PlainJob:
     def set_fallback(self, newest_step, load_step, drop_after=None) -> None:
         pass  # torchrun restarts the job, which loads the newest checkpoint itself
 
-    def seed_step(self, step: int, micro: int = 0) -> int:
-        return seed_all(step_seed(self.seed, step, self.rank, micro))
+    def seed_step(self, step: int, micro: int = 0, share: int | None = None) -> int:
+        return seed_all(step_seed(self.seed, step, self.rank if share is None else share, micro))
 
     def all_reduce_grads(self, params, extra: torch.Tensor | None = None):
         if self._ddp:  # the wrapper averaged the gradients (and extra) during backward
