@@ -287,6 +287,8 @@ def train(run: Run) -> None:
             run.tokens = job.completed_steps * (t.micro_batch_size * t.grad_accum_steps *
                                                 run.cfg.distributed.pp_size *
                                                 run.cfg.data.seq_len * job.data_world)
+            if metrics is None and job.rank == 0:  # a shrink made this survivor process 0
+                metrics = run.metrics = Metrics(run.cfg, run.out_dir, step, None, True)
             if metrics:
                 metrics.step(step, run.loss_value, lr, float(grad_norm), job.step_started_at,
                              time.time())

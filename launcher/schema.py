@@ -132,7 +132,7 @@ class DistributedConfig:
     master_port: int = ranged(0, "[0, 65535]", fix="0..65535")  # port of the coordination store (0: any free port)
     threads_per_worker: int = ranged(0, ">= 0", " (0 picks cores / processes)")  # torch CPU threads per worker (0: cores / processes)
     bucket_cap_mb: float = ranged(25.0, "> 0", " MB")  # ddp: gradient bucket size; a bucket's all-reduce starts as soon as it is full
-    grad_sync: str = one_of("buckets", "flat")  # ddp: buckets (all-reduces overlapped with backward) or flat (one after backward)
+    grad_sync: str = one_of("buckets", "flat")  # ddp with checkpointless.shrink=fast or off: buckets (all-reduces overlapped with backward) or flat (one after backward); under shrink=exact (the ddp default) the reduction is by logical rank after backward
     num_nodes: int = ranged(1, ">= 1")  # active nodes; run the same command on each, with its own node_rank
     nproc_per_node: int = 0  # workers per node (0: num_processes / num_nodes); num_processes must equal num_nodes x nproc_per_node
     node_rank: int = 0  # this node: 0 hosts the coordinator, 1..num_nodes-1 active, num_nodes.. spare nodes

@@ -129,7 +129,7 @@ class Trackers:
             return
         self.gen_seen = job.gen
         info = job.last_recovery or {}
-        values = {"recovery/generation": job.gen,
+        values = {"recovery/generation": job.gen, "recovery/processes": job.world_size,
                   "recovery/resumed_step": info.get("resumed_step", step)}
         if "t_group" in info and "t_plan" in info:
             values["recovery/regroup_s"] = info["t_group"] - info["t_plan"]

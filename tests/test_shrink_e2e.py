@@ -2,6 +2,8 @@
 no spare ready; the survivors host the lost logical ranks and the run ends with the bits of the
 same recipe's failure-free run, on fewer processes, then grows back when a refill is ready.
 Real processes on gloo, killed inside their backward and from outside mid-step."""
+import json
+
 import pytest
 
 from tests.conftest import assert_same_bits, train
@@ -14,19 +16,22 @@ EXACT_16 = ("trainer.max_steps=16", "checkpointless.shrink=exact")
 
 def test_a_kill_with_no_spare_shrinks_onto_three_processes_with_the_failure_free_bits(
         tmp_path, references):
-    """Rank 1 SIGKILLs itself inside its backward at step 5, then worker 3 is SIGKILLed from
+    """Rank 0 SIGKILLs itself inside its backward at step 5, then worker 3 is SIGKILLed from
     outside at a seeded moment: no spare, no refill, so survivors host the lost logical ranks
-    (4 -> 3 -> 2 processes) and every step after is the failure-free run's to the bit."""
+    (4 -> 3 -> 2 processes) and every step after is the failure-free run's to the bit. The
+    survivor numbered process 0 from then on writes the metrics."""
     _, ref, _ = references.train("tiny-llama", *EXACT_16)
-    _, rep, kills, log = train_killing(
+    out, rep, kills, log = train_killing(
         tmp_path, "shrink", "tiny-llama", seeded_moments(40, [9]), *EXACT_16,
-        "checkpointless.spares=0", "checkpointless.refill=false", "faults=[kill:1:5@backward]",
+        "checkpointless.spares=0", "checkpointless.refill=false", "faults=[kill:0:5@backward]",
         victims=[3])
     assert rep["status"] == "ok", log[-3000:]
     assert_same_bits(rep, ref, kills)
     shrinks = rep["shrinks"]
     assert [(s["from_processes"], s["to_processes"]) for s in shrinks] == [(4, 3), (3, 2)], log
-    assert shrinks[0]["logical_ranks_moved"] == [1]
+    assert shrinks[0]["logical_ranks_moved"] == [0]
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()
+            if '"step"' in x][-1] == 15
     assert rep["grows"] == [] and rep["processes_at_end"] == 2
     assert "no spare ready" in log
 
@@ -62,3 +67,19 @@ def test_fast_keeps_the_batch_and_says_the_bits_may_differ(tmp_path, references)
     assert [(s["from_processes"], s["to_processes"]) for s in rep["shrinks"]] == [(4, 3)]
     assert rep["shrink"]["mode"] == "fast" and "may differ" in rep["shrink"]["bits"]
     assert rep["final_loss"] == pytest.approx(ref["final_loss"], abs=1e-4)
+
+
+@pytest.mark.extended
+def test_a_second_loss_inside_the_shrinks_regroup_shrinks_again_with_the_same_bits(
+        tmp_path, references):
+    """Rank 2 killed at step 5 with no spare; while the survivors form the shrunk generation's
+    group, the new process 0 is killed too: its logical ranks move again (4 -> 3 -> 2), and the
+    run ends with the failure-free bits."""
+    _, ref, _ = references.train("tiny-llama", *EXACT_16)
+    _, rep, r = train(tmp_path, "regroup", "tiny-llama", *EXACT_16, "checkpointless.spares=0",
+                      "checkpointless.refill=false", "faults=[kill:2:5,kill:0:5@regroup]")
+    assert rep["status"] == "ok", r.stdout[-3000:]
+    assert_same_bits(rep, ref)
+    assert rep["processes_at_end"] == 2
+    moved = sorted(x for s in rep["shrinks"] for x in s["logical_ranks_moved"])
+    assert moved == [0, 2] or moved == [0, 1, 2], rep["shrinks"]

@@ -20,8 +20,10 @@ def mode_recipe(cfg, overrides: list[str], mode: str, tau_steps: int = 0,
              f"distributed.num_processes={cfg.workers}", "trainer.progress_bar=false",
              "trainer.save_model=false", "~faults", "trainer.log_every=50"]
     if mode in ("off", "restart", "plain", "flat"):  # torchrun runs: no supervisor, no spare
+        # flat: one all-reduce after backward, against buckets (shrink=exact reduces by logical
+        # rank, which would make both the same)
         extra += ["checkpointless.enabled=false", "checkpointless.spares=0"] + (
-            ["distributed.grad_sync=flat"] if mode == "flat" else [])
+            ["distributed.grad_sync=flat", "checkpointless.shrink=off"] if mode == "flat" else [])
     elif mode.startswith("fsdp"):  # sharded: replication off (factor 1) against the recipe's
         extra += ["distributed.strategy=fsdp", "checkpointless.spares=0"]
         if mode == "fsdp":
@@ -39,6 +41,8 @@ def mode_recipe(cfg, overrides: list[str], mode: str, tau_steps: int = 0,
     elif mode.startswith("audit"):  # the same job, audited every step or not at all
         extra += [f"checkpointless.spares={max(1, cfg.spares)}", "checkpoint.interval=10",
                   f"checkpointless.audit.every={1 if mode == 'audit' else 0}"]
+    elif mode == "ddp":  # today's buckets, beside pp and shrink-exact (no shrink: the numbers
+        extra += [f"checkpointless.spares={cfg.spares}", "checkpointless.shrink=off"]  # before)
     else:
         extra += [f"checkpointless.spares={cfg.spares}"]
     if mode.startswith("slow-"):  # a straggler (in place of any other fault), evicted or not
