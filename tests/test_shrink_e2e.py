@@ -81,5 +81,5 @@ def test_a_second_loss_inside_the_shrinks_regroup_shrinks_again_with_the_same_bi
     assert rep["status"] == "ok", r.stdout[-3000:]
     assert_same_bits(rep, ref)
     assert rep["processes_at_end"] == 2
-    moved = sorted(x for s in rep["shrinks"] for x in s["logical_ranks_moved"])
-    assert moved == [0, 2] or moved == [0, 1, 2], rep["shrinks"]
+    # logical rank 2 went to process 0 (the least loaded, lowest index), which then was lost
+    assert [s["logical_ranks_moved"] for s in rep["shrinks"]] == [[2], [0, 2]], rep["shrinks"]
