@@ -14,6 +14,7 @@ from contextlib import nullcontext
 import torch
 
 from .data import to_device
+from .model_setup import cpu_threads
 
 
 def takes_logical_step(run) -> bool:
@@ -31,6 +32,9 @@ def logical_step(run, step: int) -> torch.Tensor:
     job, accelerator, t = run.job, run.accelerator, run.cfg.trainer
     params = [p for p in run.model.parameters() if p.requires_grad]
     contributions = {}
+    # a replacement the survivors wait on (they redo the step from what they kept) may use
+    # their idle cores, as in the usual step
+    threads = run.catch_up_threads // job.catching_up if job.catching_up else None
     for share in job.logical_ranks:
         kept = job.kept_contribution(step, share)
         if kept is not None:
@@ -40,7 +44,8 @@ def logical_step(run, step: int) -> torch.Tensor:
         for p in params:  # a redone step (or the last hosted rank) leaves nothing behind
             p.grad = None
         # no reduction inside backward: the buckets would sum this rank's gradients alone
-        with accelerator.no_sync(run.wrapped) if run.overlapped else nullcontext():
+        with accelerator.no_sync(run.wrapped) if run.overlapped else nullcontext(), \
+                cpu_threads(threads):
             for micro in range(t.grad_accum_steps):
                 job.seed_step(step, micro, share=share)
                 batch = to_device(run.sampler.batch(step, share, job.logical_world, micro),

@@ -8,8 +8,9 @@ from .validate import need
 
 def check_shrink(cfg: DictConfig) -> None:
     """A shrink moves a lost rank's logical rank onto a survivor: under ddp only for now (a
-    sharded or split model would be resharded onto fewer processes), and not with what reads
-    a rank's work by its process (audits replay one rank's step)."""
+    sharded or split model would be resharded onto fewer processes). Under audits the
+    supervisor does not shrink (an audit replays one process's step), but the reduction is
+    the logical one all the same."""
     c, d = cfg.checkpointless, cfg.distributed
     key = "checkpointless.shrink"
     if c.shrink in ("off", "auto"):  # auto: derive.py chose what is built here
@@ -27,7 +28,3 @@ def check_shrink(cfg: DictConfig) -> None:
     need(d.num_processes >= 2, key, c.shrink,
          "needs distributed.num_processes >= 2: one process has no survivor to host it. Fix: "
          "checkpointless.shrink=off")
-    need(not c.audit.every, key, c.shrink,
-         "cannot run with checkpointless.audit.every > 0 yet (an audit replays one process's "
-         "step; a shrunk process runs several logical ranks). Fix: checkpointless.shrink=off, "
-         "or checkpointless.audit.every=0")

@@ -172,7 +172,7 @@ def test_the_jobs_facts_round_trip_and_a_deposed_holder_records_none(cluster):
                                                                      None)
     assert sorted(k.plans) == [1, 2]  # the newest two
     assert k.plans[2] == {"ranks": {"12": 0, "1": 1}, "nodes": {"12": 2, "1": 0},
-                          "world_size": 2}
+                          "world_size": 2, "hosts": {}, "logical_world": 0}  # no shrink
     assert k.fenced == {0: "fenced: silent"} and k.moves == [{"token": role.token, "node": 1}]
     facts.record("steps/0", '{"0": [1.0, 1.5]}')  # the run's record (control/ledger.py)
     facts.record("recovery/7", '{"generation": 1}')

@@ -47,7 +47,8 @@ def test_tiny_gpt2_with_dropout_is_deterministic_and_flat_sync_and_kills_mid_ste
     """Dropout's randomness is a function of (step, rank); with 2 ranks a sum of two gradients
     has one order, so the flat all-reduce after backward (distributed.grad_sync=flat), even
     across a kill, ends with the overlapped buckets' bits."""
-    args = ("distributed.num_processes=2", "trainer.max_steps=25")
+    # today's collectives (shrink=exact, the ddp default, reduces by logical rank instead)
+    args = ("distributed.num_processes=2", "trainer.max_steps=25", "checkpointless.shrink=off")
     out_a, a, _ = references.train("tiny-gpt2", *args)
     _, b, _ = train(tmp_path, "b", "tiny-gpt2", *args, "distributed.grad_sync=flat",
                     "checkpointless.spares=1", "faults=[kill:1:10]")
@@ -105,7 +106,9 @@ def test_kill_hang_and_raise_in_one_run_end_with_the_failure_free_bits(tmp_path,
     assert last['checkpointless_failures_total{cause="exit"}'] == 1
     assert 0 < last['checkpointless_last_recovery_seconds{phase="total"}'] < 30
     assert 18 < last["checkpointless_steps_completed"] <= 30
-    assert last["checkpointless_generation"] == 3 and 0 < last["checkpointless_goodput_ratio"] < 1
+    # one generation a recovery; a failure that found no spare ready shrank, and a grow followed
+    assert last["checkpointless_generation"] == 3 + len(rep["grows"])
+    assert 0 < last["checkpointless_goodput_ratio"] < 1
     assert last["checkpointless_tokens_per_second"] > 0
     assert any(s['checkpointless_recoveries_total{cause="exit"}'] == 0 for s in scrapes)  # before
     assert rep["final_loss"] == ref["final_loss"]

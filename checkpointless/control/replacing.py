@@ -126,7 +126,9 @@ class Replacing:
             later = len(self.pool.spares(self.store, ready=True)) >= len(pending)
             for f in pending:
                 self.pool.refill(self.workers[f.wid], later)
-        if cfg.shrink != "off":  # no waiting: what no ready spare takes moves to the survivors
+        # no waiting: what no ready spare takes moves to the survivors. Not under audits: an
+        # audit replays one process's step, and a process hosting two would not match it
+        if cfg.shrink != "off" and not cfg.audit_every:
             self._replace_or_shrink(pending)
             return
         t0, said = time.time(), False

@@ -71,6 +71,13 @@ class KeptGrads:
         self._logical: dict = {}
         self._logical_step = -1
 
+    def reusable(self, step: int, rank: int, world: int) -> bool:
+        """This rank redoes `step` from what it kept: its gradients, or (shrink=exact) the
+        contributions of its logical ranks. Said in the recovery's record and counted by the
+        restore (a replacement the others wait on may take their idle cores)."""
+        return self.usable(step, rank, world) or (step == self._logical_step
+                                                  and bool(self._logical))
+
     def contribution(self, step: int, logical: int):
         """The kept contribution of `logical` to `step`, or None."""
         return self._logical.get(logical) if step == self._logical_step else None

@@ -223,7 +223,7 @@ class Recovery:
             raise MembershipMoved(f"generation {self.watch.latest_gen} replaced generation "
                                   f"{self.gen} before its state was agreed")
         me = restore.Position(self.rank, self.world_size, self.completed, self.holds_state,
-                              self.kept.usable(self.completed, self.rank, self.world_size),
+                              self.kept.reusable(self.completed, self.rank, self.world_size),
                               agreed=self.agreed, built=self.own_build)
         rewind = protocol.read_json(self.store, protocol.rewind_key(plan.gen))
         out = restore.restore(self.state, me,
@@ -237,7 +237,8 @@ class Recovery:
         self.catching_up = out.catching_up
         entered = Entered(**out.info, t_plan=plan.t_published, t_group=self.t_group,
                           t_ready=time.time(), worker_id=self.worker_id,
-                          grads_kept=self.kept.usable(self.completed, self.rank, self.world_size))
+                          grads_kept=self.kept.reusable(self.completed, self.rank,
+                                                        self.world_size))
         self.store.set(protocol.entered_key(plan.gen, self.rank), entered.to_json())
         self.last = asdict(entered)
         self.awaiting_first = awaiting
