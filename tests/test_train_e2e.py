@@ -115,9 +115,11 @@ def test_kill_hang_and_raise_in_one_run_end_with_the_failure_free_bits(tmp_path,
     causes = [(x["failed_rank"], x["cause"], x["resumed_step"]) for x in rep["recoveries"]]
     assert causes == [(1, "exit", 6), (2, "hang", 12), (0, "error", 18)]
     # the survivors redo each interrupted step from the gradients they kept: only the
-    # replacement computes, and the bits still match the failure-free run
-    assert [x["ranks_reusing_grads"] for x in rep["recoveries"]] == [[0, 2, 3], [0, 1, 3],
-                                                                     [1, 2, 3]]
+    # replacement computes, and the bits still match the failure-free run. A failure that found
+    # no spare ready (still warming) shrank instead: every process of it then reuses its own
+    for x in rep["recoveries"]:
+        new = set() if x.get("shrunk") else {x["failed_rank"]}  # the replacement computes
+        assert x["ranks_reusing_grads"] == sorted(set(range(x["processes"])) - new), x
     assert rep["pids_at_start"]["3"] == rep["pids_at_end"]["3"]  # the survivor never restarted
     assert 0 < rep["goodput"] < ref["goodput"] <= 1
     steps = [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()]

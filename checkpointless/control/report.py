@@ -152,6 +152,7 @@ def recovery_entry(store, f: Failure, nproc: int, last_gen: int) -> dict | None:
         "steps_redone": first.steps_redone,
         # survivors that redo the interrupted step from the gradients they kept
         "ranks_reusing_grads": sorted(rank for rank, r in recs if r.grads_kept),
+        "processes": len(recs),  # the generation's (fewer than the job's after a shrink)
         **({"shrunk": True, "logical_ranks_moved": {str(r): w for r, w in f.moved.items()}}
            if f.shrunk else {}),
     }
