@@ -15,7 +15,6 @@ import time
 from dataclasses import dataclass, field
 
 from ..protocol import membership
-from .. import protocol
 from .report import goodput_from_steps, new_step_records, recovery_entry, \
     shrunk_capacity_lost, slow_time
 
