@@ -44,6 +44,16 @@ def check_node_health(cfg) -> None:
                           "settings) and launch again")
 
 
+def shrink_max_hosted(cfg) -> int:
+    """checkpointless.shrink_max_hosted, or where unset on a device, what the memory plan leaves
+    room for (plan/fit.py: max_hosted); 0 (no limit) on CPU, where the plan is not made."""
+    c, d = cfg.checkpointless, cfg.distributed
+    if c.shrink_max_hosted or c.shrink == "off" or d.device == "cpu":
+        return c.shrink_max_hosted
+    from .plan.fit import check_fits, max_hosted
+    return max_hosted(check_fits(cfg))
+
+
 def supervisor_config(cfg) -> SupervisorConfig:
     d, c = cfg.distributed, cfg.checkpointless
     backend = d.backend
@@ -81,6 +91,7 @@ def supervisor_config(cfg) -> SupervisorConfig:
         tp_size=d.tp_size, pp_size=d.pp_size,
         straggler_factor=c.straggler.factor, straggler_window=c.straggler.window,
         audit_every=c.audit.every if c.enabled else 0,
+        shrink_max_hosted=shrink_max_hosted(cfg),
         health=health_settings(cfg),
         tokens_per_step=cfg.trainer.micro_batch_size * cfg.trainer.grad_accum_steps *
         cfg.data.seq_len * (d.num_processes // d.tp_size),  # pp keeps the batch (pipeline.py)

@@ -130,3 +130,22 @@ def test_a_redone_step_reuses_the_contributions_kept_until_the_state_moves():
     assert host.kept_contribution(5, 1) is None and host.kept_contribution(6, 2) is None
     host._kept.drop()  # committed, or the state restored: nothing is reused
     assert host.kept_contribution(5, 2) is None
+
+
+def test_the_memory_plan_counts_the_logical_reduction_and_bounds_the_hosted_ranks():
+    """Under shrink=exact a ddp rank keeps its contribution and the sum (fp32) to the step's
+    end; each logical rank hosted after a shrink keeps one more: the launcher bounds them by
+    what the plan leaves free on the device (checkpointless.shrink_max_hosted unset)."""
+    from launcher.launch import shrink_max_hosted
+    from launcher.plan.fit import max_hosted, plan
+    exact, off = plan(load("gpt2")), plan(load("gpt2", ["checkpointless.shrink=off"]))
+    row = [i for i in exact.items if i.name == "logical reduction"]
+    assert row and row[0].device["optimizer step"] == 2 * exact.trainable * 4
+    assert not [i for i in off.items if i.name == "logical reduction"]
+    room = max_hosted(exact)
+    assert room == 1 + (exact.budget - exact.peak) // (exact.trainable * 4) and room >= 2
+    tight = plan(load("gpt2", [f"distributed.device_memory_gb={exact.peak / 1e9 * 1.001}"]))
+    assert max_hosted(tight) == 1  # no room for a second: a shrink onto it is refused
+    assert shrink_max_hosted(load("gpt2")) == room
+    assert shrink_max_hosted(load("gpt2", ["checkpointless.shrink_max_hosted=3"])) == 3
+    assert shrink_max_hosted(load("tiny-llama")) == 0  # cpu: no plan, no limit

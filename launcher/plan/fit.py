@@ -126,6 +126,15 @@ def check_fits(cfg, loop: LoopFacts = CURRENT_LOOP) -> Plan:
     raise RecipeError("\n    ".join(lines))
 
 
+def max_hosted(result: Plan) -> int:
+    """The most logical ranks one process may host after a shrink (checkpointless.shrink) that
+    this plan leaves room for: each beyond the first keeps one more fp32 contribution to the
+    step's end, at every phase."""
+    from .items import HOSTED_BYTES
+    per = max(1, result.trainable * HOSTED_BYTES)
+    return max(1, 1 + (result.budget - result.peak) // per)
+
+
 def main(args: list[str]) -> int:
     """`python -m launcher plan RECIPE [key=value ...]`: print the plan and the start-up
     estimate; exit 1 if it does not fit or startup_timeout_s is below the estimate (2 for a

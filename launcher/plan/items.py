@@ -11,13 +11,14 @@ from checkpointless.worker import ROLLBACK_KEEP as ROLLBACK_VERSIONS  # hsdp's o
 
 from .budget import device_budget, host_budget, ranks_per_node
 from .model import ModelFacts, lora_targets
-from .report import PHASES, Item, Plan
+from .report import PHASES, Item, Plan, fmt_gb
 from ..schema import SHARDED
 from ..tensor_parallel import mesh_sizes
 
 CUDA_RUNTIME = 2 * 10 ** 9  # CUDA context, NCCL buffers, allocator slack: an allowance
 CPU_RUNTIME = 10 ** 9 // 2  # Python, torch, transformers and datasets in one worker process
 ADAPTER_BYTES = 4  # peft keeps adapters in fp32 (autocast_adapter_dtype) over any base
+HOSTED_BYTES = 4  # a hosted logical rank's contribution: fp32 (worker/hosting.py)
 # attention implementations with a kernel that keeps no s^2 matrix
 _MEMORY_EFFICIENT = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 
@@ -59,6 +60,7 @@ class _Setup:
     tb: int  # bytes of a trained parameter, its gradient and each AdamW moment
     n_params: int
     grad_sync_buckets: bool  # ddp's all-reduce starts in backward, bucket by bucket
+    logical: bool = False  # ddp under checkpointless.shrink=exact: reduced by logical rank
 
     def shard(self, n: int) -> int:
         """A rank's part of `n` parameters: the split share over every rank of a replica group,
@@ -105,7 +107,8 @@ def _setup(cfg, facts: ModelFacts) -> _Setup:
         masked=cfg.data.format in ("chat", "instruction"),
         targets=targets, adapters=adapters, trainable=trainable,
         tb=ADAPTER_BYTES if lora else pb, n_params=facts.n_params,
-        grad_sync_buckets=d.grad_sync == "buckets")
+        grad_sync_buckets=d.grad_sync == "buckets" and cfg.checkpointless.shrink != "exact",
+        logical=not fsdp and cfg.checkpointless.shrink == "exact")
 
 
 def _at(nbytes: int, *phases) -> dict:
@@ -137,6 +140,11 @@ def _state_items(s: _Setup) -> list:
             else ("optimizer step",)
         items.append(Item("gradient all-reduce copy", _at(s.trainable * s.tb, *copy_phases),
                           note="ddp: summed in a copy, local kept for a redo"))
+    if s.logical:  # each hosted rank's contribution, kept to the commit, and the sum's buffers
+        items.append(Item("logical reduction", _at(2 * s.trainable * HOSTED_BYTES,
+                                                   "optimizer step"),
+                          note="shrink=exact: contribution kept + the sum, fp32; + "
+                          f"{fmt_gb(s.trainable * HOSTED_BYTES)} per logical rank hosted"))
     return items
 
 
