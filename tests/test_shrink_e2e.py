@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.conftest import assert_same_bits, train
+from tests.conftest import TINY_30, assert_same_bits, train
 from tests.external_kill import seeded_moments, train_killing
 
 pytestmark = pytest.mark.slow
@@ -36,16 +36,17 @@ def test_a_kill_with_no_spare_shrinks_onto_three_processes_with_the_failure_free
     assert "no spare ready" in log
 
 
-def test_shrink_then_grow_back_when_the_refill_is_ready_with_the_same_bits(tmp_path,
-                                                                            references):
-    """One spare, two kills a step apart: a kill that finds no spare ready (the first one's
-    refill, or the launch's spare, still warming) shrinks the job; each refill, once warm, takes
-    a hosted logical rank back (a grow), and the run ends on 4 processes with the failure-free
-    bits."""
-    _, ref, _ = references.train("tiny-llama", *EXACT_16)
-    _, rep, r = train(tmp_path, "grow", "tiny-llama", *EXACT_16, "checkpointless.spares=1",
+def test_shrink_then_grow_back_when_the_refill_is_ready_with_the_same_bits(
+        tmp_path, tiny_llama_30_steps):
+    """The default (shrink=auto, exact under ddp), one spare, two kills a step apart: a kill
+    that finds no spare ready (the first one's refill, or the launch's spare, still warming)
+    shrinks the job; each refill, once warm, takes a hosted logical rank back (a grow), and the
+    run ends on 4 processes with the failure-free bits. 30 steps: the refills have about 8 s
+    to warm up after the kills (16 steps left them about 4, short on a loaded machine)."""
+    _, ref, _ = tiny_llama_30_steps  # the session's 30-step reference, under the same default
+    _, rep, r = train(tmp_path, "grow", "tiny-llama", *TINY_30, "checkpointless.spares=1",
                       "faults=[kill:1:3@backward,kill:2:4@random:3]")
-    assert rep["status"] == "ok"
+    assert rep["status"] == "ok" and rep["shrink"] == {"mode": "exact"}
     assert_same_bits(rep, ref)
     shrinks, grows = rep["shrinks"], rep["grows"]
     assert shrinks and grows, r.stdout[-3000:]

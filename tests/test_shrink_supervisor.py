@@ -25,23 +25,7 @@ from checkpointless.control.supervisor import JobFailed, Supervisor, SupervisorC
 from checkpointless.control.takeover import _plan_of
 from checkpointless.protocol import membership
 from checkpointless.protocol.records import Entered
-
-
-class FakeProc:
-    """A worker's process as the supervisor sees one (as in test_supervisor.py)."""
-
-    def __init__(self, wid: int):
-        self.pid, self.returncode = 2 ** 22 + wid, None
-
-    def poll(self):
-        return self.returncode
-
-    def wait(self, timeout=None):
-        return self.returncode
-
-    def signal_tree(self, sig):
-        if self.returncode is None:
-            self.returncode = -int(sig)
+from tests.test_supervisor import FakeProc  # a process as the supervisor sees one
 
 
 class Facts(NoFacts):
@@ -245,7 +229,7 @@ def test_stragglers_are_not_judged_while_shrunk():
 
 
 def test_a_shrunk_failure_is_on_the_ledgers_record():
-    from checkpointless.control.ledger import failure_of
+    from checkpointless.control.report import failure_of
     f = Failure(wid=1, rank=1, cause="exit", t_fail=1.0, t_detect=1.0, step=3, shrunk=True)
     assert failure_of(f)["shrunk"] is True
 

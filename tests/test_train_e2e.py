@@ -120,7 +120,10 @@ def test_kill_hang_and_raise_in_one_run_end_with_the_failure_free_bits(tmp_path,
     for x in rep["recoveries"]:
         new = set() if x.get("shrunk") else {x["failed_rank"]}  # the replacement computes
         assert x["ranks_reusing_grads"] == sorted(set(range(x["processes"])) - new), x
-    assert rep["pids_at_start"]["3"] == rep["pids_at_end"]["3"]  # the survivor never restarted
+    # three workers of the launch were hit, each once; the fourth never restarted: its process
+    # still holds a rank at the end (rank 3 when spares took each rank; after a shrink, whose
+    # renumbering moves the later faults' ranks onto other workers, another one)
+    assert len(set(rep["pids_at_start"].values()) & set(rep["pids_at_end"].values())) == 1
     assert 0 < rep["goodput"] < ref["goodput"] <= 1
     steps = [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(30))  # every step trained and logged exactly once

@@ -26,7 +26,7 @@ import json
 import time
 
 from .. import protocol
-from .report import Failure, new_step_records, recovery_entry
+from .report import Failure, failure_of, new_step_records, recovery_entry
 
 # steps per key: about 2.5 KB of JSON, the most rewritten at once (the open chunk, up to once
 # every `every_s`), so that etcd's history grows slowly between its compactions
@@ -138,12 +138,3 @@ class Ledger:
         return {"steps": dict(self.steps), "failures": list(self.earlier_failures),
                 "recoveries": list(self.earlier_recoveries),
                 "stragglers": list(self.earlier_stragglers)}
-
-
-def failure_of(f: Failure) -> dict:
-    """A failure as the report lists it, with when it happened (the record's order)."""
-    out = {"rank": f.rank, "worker": f.wid, "cause": f.cause, "step": f.step,
-           "error": f.error, "t_fail": round(f.t_fail, 6)}
-    if f.shrunk:  # no spare took it: its logical ranks moved to survivors
-        out["shrunk"] = True
-    return out

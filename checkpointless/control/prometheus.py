@@ -89,8 +89,8 @@ class Figures:
             return g
 
         yield gauge("steps_completed", "Steps committed in this launch", len(steps))
-        yield gauge("goodput_ratio", "Time in committed steps, less what stragglers cost, over "
-                    "the time since the first step began", goodput_from_steps(steps,
+        yield gauge("goodput_ratio", "Time in committed steps, less what stragglers and a "
+                    "shrink cost, over the time since the first step began", goodput_from_steps(steps,
                                                                              slow_s=slow_s))
         yield gauge("slow_seconds", "Time lost to steps a straggler slowed, or run on fewer "
                     "processes than logical ranks (the missing share)", slow_s)

@@ -45,6 +45,16 @@ class Failure:
     moved: dict = field(default_factory=dict)
 
 
+def failure_of(f: Failure) -> dict:
+    """A failure as the report lists it, with when it happened (the record's order: ledger.py
+    keeps it so; the report leaves `t_fail` out)."""
+    out = {"rank": f.rank, "worker": f.wid, "cause": f.cause, "step": f.step,
+           "error": f.error, "t_fail": round(f.t_fail, 6)}
+    if f.shrunk:  # no spare took it: its logical ranks moved to survivors
+        out["shrunk"] = True
+    return out
+
+
 def goodput_from_steps(steps: dict[int, tuple[float, float]], *,
                        first_start: float | None = None, slow_s: float = 0.0) -> float | None:
     """`steps`: step -> (start, end) of its final attempt.
@@ -260,6 +270,7 @@ def run_report(store, run: RunFacts) -> dict:
     steps = {**earlier.get("steps", {}), **step_records(store)}  # this store's are the newest
     stragglers = earlier.get("stragglers", []) + run.stragglers
     slow_s, healthy_s = slow_time(steps, stragglers)
+    lost = shrunk_capacity_lost(steps, run.resizes, nproc)  # 0 unless the job shrank
     results = {r: v for r in range(run.processes or nproc)
                for v in [protocol.read_json(store, protocol.result_key(r))] if v is not None}
     recoveries = earlier.get("recoveries", []) + [
@@ -271,7 +282,7 @@ def run_report(store, run: RunFacts) -> dict:
         "steps_completed": len(steps),
         "wall_s": round(run.wall_s, 3),
         # from the first step's first attempt: a rewind to it rewrites its record (audits)
-        "goodput": goodput_from_steps(steps, slow_s=slow_s, first_start=protocol.read_json(
+        "goodput": goodput_from_steps(steps, slow_s=slow_s + lost, first_start=protocol.read_json(
             store, protocol.FIRST_T) if not earlier else None),
         # the time stragglers cost, against the healthy step time; goodput leaves it out
         "slow_s": slow_s,
@@ -280,10 +291,7 @@ def run_report(store, run: RunFacts) -> dict:
         "straggler_check": run.check or {},
         "recoveries": recoveries,
         "failures": [{k: v for k, v in e.items() if k != "t_fail"}
-                     for e in earlier.get("failures", [])] +
-                    [{"rank": f.rank, "worker": f.wid, "cause": f.cause, "step": f.step,
-                      "error": f.error, **({"shrunk": True} if f.shrunk else {})}
-                     for f in failures],
+                     for e in earlier.get("failures", []) + [failure_of(f) for f in failures]],
         "results_by_rank": results,
         "pids_at_end": {w.rank: w.proc.pid for w in workers if w.rank >= 0},
         "worker_ids_at_end": {w.rank: w.wid for w in workers if w.rank >= 0},
@@ -293,7 +301,7 @@ def run_report(store, run: RunFacts) -> dict:
     if run.killed_after_done:
         report["killed_after_done"] = run.killed_after_done
     if run.shrink != "off":
-        shrink_report(report, run, steps, slow_s, store)
+        report.update(shrink_report(run, lost))
     return report
 
 
@@ -303,18 +311,11 @@ SHRINK_BITS = {"exact": {"mode": "exact"},
                         "bits": "may differ from the failure-free run (summation order)"}}
 
 
-def shrink_report(report: dict, run: RunFacts, steps: dict, slow_s: float, store) -> None:
-    """The shrinks and grows, the processes at the end, and goodput less the capacity lost
-    while shrunk (`shrunk_capacity_lost_s`, shrunk_capacity_lost)."""
+def shrink_report(run: RunFacts, lost: float) -> dict:
+    """The shrinks and grows, the processes at the end, and the capacity lost while shrunk
+    (`shrunk_capacity_lost_s`, left out of goodput: shrunk_capacity_lost)."""
     events = [{k: v for k, v in e.items() if k != "kind"} for e in run.resizes]
-    lost = shrunk_capacity_lost(steps, run.resizes, run.nproc)
-    report.update(
-        shrink=dict(SHRINK_BITS.get(run.shrink, {"mode": run.shrink})),
-        shrinks=[e for e, r in zip(events, run.resizes) if r["kind"] == "shrink"],
-        grows=[e for e, r in zip(events, run.resizes) if r["kind"] == "grow"],
-        processes_at_end=run.processes or run.nproc,
-        shrunk_capacity_lost_s=lost)
-    if lost:
-        report["goodput"] = goodput_from_steps(
-            steps, slow_s=slow_s + lost,
-            first_start=protocol.read_json(store, protocol.FIRST_T) if not run.earlier else None)
+    return dict(shrink=dict(SHRINK_BITS.get(run.shrink, {"mode": run.shrink})),
+                shrinks=[e for e, r in zip(events, run.resizes) if r["kind"] == "shrink"],
+                grows=[e for e, r in zip(events, run.resizes) if r["kind"] == "grow"],
+                processes_at_end=run.processes or run.nproc, shrunk_capacity_lost_s=lost)

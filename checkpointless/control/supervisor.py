@@ -28,9 +28,10 @@ import time
 from ..protocol import membership
 from . import policy
 from .. import protocol
+from ..protocol.placement import Placement
 from .cluster import ClusterPool, pool_for
 from .losses import FindingLosses
-from .replacing import Placement, Replacing
+from .replacing import Replacing
 from .facts import Deposed, NoFacts
 from .ledger import Ledger
 from .takeover import Takeover, take_over

@@ -97,9 +97,9 @@ class LogicalRanks:
         extra = total[total.numel() - extra_numel:].clone()
         grads = total[:total.numel() - extra_numel].div_(self.logical_world)
         offset = 0
-        for p in params:
-            n = p.numel()
-            p.grad = grads[offset:offset + n].view_as(p).to(p.dtype).clone()
+        for p in params:  # views of the one sum, as the ddp buckets' (a copy where the dtype
+            n = p.numel()  # differs)
+            p.grad = grads[offset:offset + n].view_as(p).to(p.dtype)
             offset += n
         return extra
 
