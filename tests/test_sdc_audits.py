@@ -15,7 +15,10 @@ import pytest
 from checkpointless.worker.audit import audited
 from tests.conftest import FSDP_12, TINY_30, assert_same_bits, train
 
-AUDITS = ("checkpointless.audit.every=1", "checkpointless.spares=1")
+# stragglers only reported: on a loaded machine a slow rank evicted beside the sdc one would add
+# a second, unrelated recovery to the report (seen once in CI, 2026-12-06)
+AUDITS = ("checkpointless.audit.every=1", "checkpointless.spares=1",
+          "checkpointless.straggler.action=report")
 
 
 def _found(rep, out: str, rank: int, wrong_from: int, interval: int) -> None:
@@ -23,6 +26,7 @@ def _found(rep, out: str, rank: int, wrong_from: int, interval: int) -> None:
     checkpoint from before that step."""
     found_at = next(s for s in range(wrong_from, 1000) if audited(s, 1, 4)[0] == rank)
     assert f"computed a wrong gradient at step {found_at}" in out
+    assert len(rep["failures"]) == 1, (rep["failures"], rep["recoveries"])
     (failure,) = rep["failures"]
     assert failure["cause"] == "sdc" and failure["rank"] == rank, rep["failures"]
     assert "silent data corruption" in failure["error"]
