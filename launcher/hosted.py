@@ -1,17 +1,21 @@
-"""A ddp step by logical ranks (checkpointless.shrink; the library's side is
-checkpointless/worker/hosting.py).
+"""A step by logical ranks (checkpointless.shrink; the library's side is
+checkpointless/worker/hosting.py, and fsdp_logical.py under fsdp).
 
 Under `shrink=exact` every step takes this path, the failure-free one too: each logical rank's
 micro-batches run with its data share and its random streams, its gradients are kept apart, and
 the reduction sums the job's logical ranks in one fixed order, so a process hosting two of them
 after a shrink computes what two processes did. Under `shrink=fast` only a shrunk generation
-takes it (with today's collective); the others run the usual step.
+takes it (with today's collective); the others run the usual step. Under fsdp (`exact` only)
+FSDP2's reduce-scatter is the logical one: each logical rank's gradients reach it whole, once
+its micro-batches are done.
 """
 from __future__ import annotations
 
 from contextlib import nullcontext
 
 import torch
+
+from checkpointless.worker.logical import logical_all_reduce
 
 from .data import to_device
 from .model_setup import cpu_threads
@@ -20,6 +24,8 @@ from .model_setup import cpu_threads
 def takes_logical_step(run) -> bool:
     """This generation's steps go by logical rank: the same answer on every process."""
     d, shrink = run.cfg.distributed, run.cfg.checkpointless.shrink
+    if d.strategy == "fsdp":
+        return shrink == "exact"
     return d.strategy == "ddp" and not run.pipe and (
         shrink == "exact" or (shrink == "fast" and run.job.shrunk))
 
@@ -30,6 +36,8 @@ def logical_step(run, step: int) -> torch.Tensor:
     A redone step reuses the contributions this process computed before a peer's failure cut it
     short: only a rank new here (a replacement's, or one a shrink moved) is computed again."""
     job, accelerator, t = run.job, run.accelerator, run.cfg.trainer
+    if run.logical_fsdp is not None:
+        return _fsdp_step(run, step)
     params = [p for p in run.model.parameters() if p.requires_grad]
     contributions = {}
     # a replacement the survivors wait on (they redo the step from what they kept) may use
@@ -59,9 +67,44 @@ def logical_step(run, step: int) -> torch.Tensor:
                               exact=run.cfg.checkpointless.shrink == "exact")
 
 
+def _fsdp_step(run, step: int) -> torch.Tensor:
+    """Each hosted logical rank's micro-batches, its gradients reduced in logical order by the
+    reduce-scatter of its last backward (fsdp_logical.py); the loss summed the same way."""
+    job, accelerator, t, lf = run.job, run.accelerator, run.cfg.trainer, run.logical_fsdp
+    hosted = job.logical_ranks
+    losses = {}
+    lf.begin_step(job.placement, job.shrunk)
+    for i, share in enumerate(hosted):
+        lf.begin_pass(share, last_share=i == len(hosted) - 1)
+        losses[share] = torch.zeros(1, device=accelerator.device)
+        for micro in range(t.grad_accum_steps):
+            lf.sync(micro == t.grad_accum_steps - 1)
+            job.seed_step(step, micro, share=share)
+            batch = to_device(run.sampler.batch(step, share, job.logical_world, micro),
+                              accelerator.device)
+            with accelerator.autocast():
+                loss = run.model(**batch).loss
+            losses[share] += loss.detach().float()
+            accelerator.backward(loss)  # loss / grad_accum_steps, as in the usual step
+    lf.end_step()
+    return logical_all_reduce(losses, job.placement)
+
+
+def install(run) -> None:
+    """Under fsdp with shrink=exact: the logical reduce-scatter on the model, and the rebuild a
+    shrink or grow calls (launcher/rebuild.py)."""
+    if run.cfg.distributed.strategy != "fsdp" or run.cfg.checkpointless.shrink != "exact":
+        return
+    from checkpointless.worker.fsdp_logical import LogicalFSDP
+
+    from .rebuild import rebuild
+    run.logical_fsdp = LogicalFSDP(run.model, run.job.logical_world)
+    run.job.protect(rebuild=lambda: rebuild(run))
+
+
 def eval_share(cfg, job) -> tuple[int, int]:
     """(share, shares) of the validation rows this process computes: by process where the job
     may shrink (each row is summed once, whoever computes it), else by data-parallel rank."""
-    if cfg.checkpointless.shrink != "off" and cfg.distributed.strategy == "ddp":
+    if cfg.checkpointless.shrink != "off" and cfg.distributed.strategy in ("ddp", "fsdp"):
         return job.rank, job.world_size
     return job.data_rank, job.data_world

@@ -30,12 +30,13 @@ from omegaconf import OmegaConf
 
 import checkpointless
 from checkpointless.worker import full_tensor, local_tensor
+from checkpointless.worker.fsdp_logical import exact_clip_grad_norm_
 
 from .audit_replay import LoopReplay
 from .checkpoints import durable_checkpoints
 from .data import to_device
 from .evaluate import evaluate
-from .hosted import eval_share, logical_step, takes_logical_step
+from .hosted import eval_share, install, logical_step, takes_logical_step
 from .export import digest_and_export, export_lora
 from .memory import held
 from .metrics import Metrics
@@ -87,6 +88,7 @@ class Run:
     catch_up_threads: int
     overlapped: bool
     pipe: object = None  # pipeline.Pipeline under distributed.pp_size > 1
+    logical_fsdp: object = None  # fsdp_logical.LogicalFSDP under fsdp with shrink=exact
     loss_value: float = float("nan")
     tokens: int = 0
     last_eval: dict | None = None
@@ -186,13 +188,14 @@ def join(cfg, out_dir: Path) -> Run:
                if accelerator.is_main_process else None)
     device = accelerator.device
     # a tp group's ranks evaluate the same rows together; its first rank's figures count
-    validate = (lambda: evaluate(model, *evalset, *eval_share(cfg, job),
+    validate = (lambda: evaluate(run.model, *evalset, *eval_share(cfg, job),
                                  t.micro_batch_size, device, Autocast(accelerator),
                                  adds=job.rank % d.tp_size == 0)) if evalset else None
-    return Run(cfg, out_dir, job, accelerator, model, wrapped, optimizer, opt, ckpt, metrics,
-               tokenizer, sampler, validate, catch_up_threads,
-               overlapped=isinstance(wrapped, checkpointless.DistributedDataParallel),
-               pipe=pipe)
+    run = Run(cfg, out_dir, job, accelerator, model, wrapped, optimizer, opt, ckpt, metrics,
+              tokenizer, sampler, validate, catch_up_threads,
+              overlapped=isinstance(wrapped, checkpointless.DistributedDataParallel), pipe=pipe)
+    install(run)  # fsdp under shrink=exact: the logical reduce-scatter, the rebuild (hosted.py)
+    return run
 
 
 def forward_backward(run: Run, step: int) -> torch.Tensor:
@@ -260,7 +263,9 @@ def train_step(run: Run, step: int):
         dist.all_reduce(loss_total)
     # unscaled first under fp16; torch's clip_grad_norm_ otherwise (the same bits); under
     # tensor parallel over gradients on two meshes (tensor_parallel.py)
-    if not run.pipe:
+    if run.logical_fsdp:  # the norm of each gradient gathered whole: the same for any P
+        grad_norm = exact_clip_grad_norm_(model.parameters(), clip)
+    elif not run.pipe:
         grad_norm = clip_grad_norm_(model.parameters(), clip) if cfg.distributed.tp_size > 1 \
             else accelerator.clip_grad_norm_(model.parameters(), clip)
         grad_norm = full_tensor(grad_norm)

@@ -55,7 +55,7 @@ def build(cfg, device, sharded: bool | None = None):
     transformers.utils.logging.disable_progress_bar()  # save_pretrained's, at the end
     # peft asks transformers a question transformers now words differently: not the user's concern
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
-    from models import build_model, build_tokenizer
+    from models import build_tokenizer
 
     from .data import StepSampler, prepare
     from .memory import mark_baseline
@@ -63,41 +63,7 @@ def build(cfg, device, sharded: bool | None = None):
 
     tokenizer = build_tokenizer(cfg.tokenizer.kind, cfg.tokenizer.id or cfg.model.id,
                                 cfg.tokenizer.chat_template)
-    from models.init import EmptyBuild, materialize
-    if sharded is None:
-        sharded = cfg.distributed.strategy in SHARDED
-    torch.manual_seed(cfg.run.seed)
-    random = cfg.model.init != "pretrained"
-    # pretrained under fsdp: built on the meta device too, each rank then reads its shard only
-    on_meta = random or sharded
-    with EmptyBuild() if on_meta else nullcontext() as empty:
-        model = build_model(cfg.model.name, cfg.model.init, cfg.model.id,
-                            OmegaConf.to_container(cfg.model.config), vocab_size=len(tokenizer),
-                            token_ids={"eos_token_id": tokenizer.eos_token_id,
-                                       "bos_token_id": tokenizer.bos_token_id,
-                                       "pad_token_id": tokenizer.pad_token_id},
-                            dtype=master_dtype(cfg), load_weights=not on_meta)
-        if cfg.model.gradient_checkpointing:
-            # transformers checkpoints each decoder block (its GradientCheckpointingLayer), not
-            # reentrant: under fsdp a block's recompute runs inside its own FSDP unit's hooks
-            enable = getattr(model, "activation_checkpointing_enable", None) or \
-                model.gradient_checkpointing_enable
-            enable({"use_reentrant": False})
-        if cfg.peft.method == "lora":  # adapters initialized (and recorded) like the base
-            from models.lora import apply_lora
-            if cfg.model.gradient_checkpointing:  # frozen inputs would give checkpointing no grads
-                model.enable_input_require_grads()
-            p = cfg.peft
-            model = apply_lora(model, p.r, p.alpha, p.dropout, list(p.target_modules))
-    if on_meta:
-        rules = empty.rules(model)
-        if sharded:
-            _UNFILLED[model] = (rules, cfg.run.seed)
-        else:
-            materialize(model, rules, cfg.run.seed, device)
-    else:
-        model.to(device)
-    model.train()
+    model = model_for(cfg, tokenizer, device, sharded)
     t = cfg.trainer
     sampler = StepSampler(prepare(cfg, tokenizer), cfg.run.seed, t.micro_batch_size,
                           t.grad_accum_steps)
@@ -193,6 +159,48 @@ def shard_mesh():
     from torch.distributed.device_mesh import DeviceMesh
     return DeviceMesh.from_group(dist.group.WORLD,
                                  "cuda" if dist.get_backend() == "nccl" else "cpu")
+
+
+def model_for(cfg, tokenizer, device, sharded: bool | None = None):
+    """The recipe's model, in train mode (build()'s, alone: a shrink under fsdp builds one anew
+    for the new number of processes, launcher/rebuild.py)."""
+    from models import build_model
+    from models.init import EmptyBuild, materialize
+    if sharded is None:
+        sharded = cfg.distributed.strategy in SHARDED
+    torch.manual_seed(cfg.run.seed)
+    random = cfg.model.init != "pretrained"
+    # pretrained under fsdp: built on the meta device too, each rank then reads its shard only
+    on_meta = random or sharded
+    with EmptyBuild() if on_meta else nullcontext() as empty:
+        model = build_model(cfg.model.name, cfg.model.init, cfg.model.id,
+                            OmegaConf.to_container(cfg.model.config), vocab_size=len(tokenizer),
+                            token_ids={"eos_token_id": tokenizer.eos_token_id,
+                                       "bos_token_id": tokenizer.bos_token_id,
+                                       "pad_token_id": tokenizer.pad_token_id},
+                            dtype=master_dtype(cfg), load_weights=not on_meta)
+        if cfg.model.gradient_checkpointing:
+            # transformers checkpoints each decoder block (its GradientCheckpointingLayer), not
+            # reentrant: under fsdp a block's recompute runs inside its own FSDP unit's hooks
+            enable = getattr(model, "activation_checkpointing_enable", None) or \
+                model.gradient_checkpointing_enable
+            enable({"use_reentrant": False})
+        if cfg.peft.method == "lora":  # adapters initialized (and recorded) like the base
+            from models.lora import apply_lora
+            if cfg.model.gradient_checkpointing:  # frozen inputs would give checkpointing no grads
+                model.enable_input_require_grads()
+            p = cfg.peft
+            model = apply_lora(model, p.r, p.alpha, p.dropout, list(p.target_modules))
+    if on_meta:
+        rules = empty.rules(model)
+        if sharded:
+            _UNFILLED[model] = (rules, cfg.run.seed)
+        else:
+            materialize(model, rules, cfg.run.seed, device)
+    else:
+        model.to(device)
+    model.train()
+    return model
 
 
 def _fill_shards(model, cfg, rules, seed, receives_state: bool):

@@ -7,8 +7,8 @@ from .validate import need
 
 
 def check_shrink(cfg: DictConfig) -> None:
-    """A shrink moves a lost rank's logical rank onto a survivor: under ddp only for now (a
-    sharded or split model would be resharded onto fewer processes). Under audits the
+    """A shrink moves a lost rank's logical rank onto a survivor: under ddp, and under fsdp
+    with exact (its slices cut anew for the processes left); not hsdp, tp or pp yet. Under audits the
     supervisor does not shrink (an audit replays one process's step), but the reduction is
     the logical one all the same."""
     c, d = cfg.checkpointless, cfg.distributed
@@ -18,10 +18,25 @@ def check_shrink(cfg: DictConfig) -> None:
              "applies with checkpointless.shrink=exact or fast only. Fix: set "
              "checkpointless.shrink, or drop checkpointless.shrink_max_hosted")
         return
-    need(d.strategy == "ddp", key, c.shrink,
-         f"is built for distributed.strategy=ddp so far; {d.strategy} would reshard its state "
-         "onto fewer processes. Fix: checkpointless.shrink=off (a lost rank then waits for a "
-         "spare), or distributed.strategy=ddp")
+    need(d.strategy in ("ddp", "fsdp"), key, c.shrink,
+         f"is built for distributed.strategy=ddp and fsdp so far; under {d.strategy} a lost "
+         "rank's twins would be resharded too. Fix: checkpointless.shrink=off (a lost rank then "
+         "waits for a spare), or distributed.strategy=ddp or fsdp")
+    if d.strategy == "fsdp":
+        need(c.shrink == "exact", key, c.shrink,
+             "under fsdp is built as exact only (FSDP's reduce-scatter in logical order). Fix: "
+             "checkpointless.shrink=exact, or off")
+        need(cfg.trainer.precision != "fp16", key, c.shrink,
+             "under fsdp is not built with trainer.precision=fp16 (its GradScaler unscales "
+             "before the exact clipping). Fix: trainer.precision=bf16 or fp32, or "
+             "checkpointless.shrink=off")
+        need(cfg.peft.method == "none", key, c.shrink,
+             "under fsdp is built for full training (a LoRA model's frozen base would be "
+             "rebuilt at a shrink, untested so far). Fix: checkpointless.shrink=off, or "
+             "distributed.strategy=ddp")
+        need(d.num_processes >= 3, key, c.shrink,
+             "under fsdp needs distributed.num_processes >= 3: it shrinks to 2 processes at "
+             "the least (one process would not reduce-scatter). Fix: checkpointless.shrink=off")
     need(d.tp_size == 1 and d.pp_size == 1, key, c.shrink,
          f"needs one process per data-parallel rank (distributed.tp_size={d.tp_size}, "
          f"pp_size={d.pp_size}). Fix: checkpointless.shrink=off, or tp_size=1 and pp_size=1")

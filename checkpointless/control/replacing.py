@@ -128,7 +128,9 @@ class Replacing:
                 self.pool.refill(self.workers[f.wid], later)
         # no waiting: what no ready spare takes moves to the survivors. Not under audits: an
         # audit replays one process's step, and a process hosting two would not match it
-        if cfg.shrink != "off" and not cfg.audit_every:
+        # (and not below shrink_min_processes: the lost ranks then wait for spares, as with off)
+        if cfg.shrink != "off" and not cfg.audit_every and \
+                self.placement.processes - len(pending) >= cfg.shrink_min_processes:
             self._replace_or_shrink(pending)
             return
         t0, said = time.time(), False

@@ -135,18 +135,19 @@ class Job(LogicalRanks):
         """Host bytes of peers' shard copies ("held"), own rollback snapshots ("own"), or "all"."""
         return self._state.replicas.host_bytes(part) if self._state.replicas else None
 
-    def replica_timing(self) -> dict | None:
-        """The replica exchanges' count and training-thread seconds (snapshot copy, waits)."""
+    def replica_timing(self) -> dict | None:  # exchanges, training-thread seconds (copy, waits)
         return dict(self._state.replicas.timing) if self._state.replicas is not None else None
 
     # ---- state ---------------------------------------------------------------------------------
-    def protect(self, send_frozen: bool = True, **objects) -> None:
+    def protect(self, send_frozen: bool = True, rebuild=None, **objects) -> None:
         """Register what a replacement needs: anything with state_dict() / load_state_dict(),
         and a DataLoader (its position, see data.py). send_frozen=False: parameters with
         requires_grad=False (a frozen base under LoRA) are not sent to a replacement, which
         builds them itself as every worker did (the same pretrained files or seeded init): a
-        recovery moves the adapters and their optimizer state only; replicas are compared whole."""
-        self._state.send_frozen = send_frozen
+        recovery moves the adapters and their optimizer state only; replicas are compared whole.
+        `rebuild()`: under fsdp, builds and protects them for a new number of processes."""
+        self._state.send_frozen, self._state.layout = send_frozen, (self.world_size, self.rank)
+        self._state.rebuild = rebuild or self._state.rebuild
         self._state.protect(**objects)
         self._audits.install(objects.values(), self._injector.faults)  # taps the model's grads
         for obj in objects.values():
@@ -172,8 +173,7 @@ class Job(LogicalRanks):
         the live objects, `drop_after(step)` to remove the ones written after `step`."""
         self._state.fallback = tuple(f for f in (newest_step, load_step, drop_after) if f)
 
-    def resume_at(self, step: int) -> None:
-        """Start counting from `step` (after loading a checkpoint), before the first steps()."""
+    def resume_at(self, step: int) -> None:  # counting from `step` (a checkpoint was loaded)
         self._rec.resume_at(step)
 
     def process_env(self) -> dict[str, str]:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ..protocol.placement import Placement
 from .failures import communicating
 
-__all__ = ["Placement", "logical_all_reduce", "logical_all_reduce_grads"]
+__all__ = ["Placement", "logical_all_reduce", "logical_all_reduce_grads", "logical_reduce_scatter"]
 
 
 def _group_shape(placement: Placement, group) -> tuple[int, int]:
@@ -73,12 +73,38 @@ def logical_all_reduce(contribs: dict[int, torch.Tensor], placement: Placement,
     if size == 1:  # one process hosts every rank, in sorted order
         return _sum_in_order(flats).reshape(shape)
     chunk = -(-n // size)  # ceil: every process owns the same number of (possibly pad) elements
-    if n == chunk * size:
-        mine = flats[0].view(1, -1) if len(flats) == 1 else torch.stack(flats)
-    else:
-        mine = flats[0].new_zeros(len(flats), chunk * size)
-        for i, f in enumerate(flats):
-            mine[i, :n] = f
+    if n != chunk * size:
+        flats = [torch.cat([f, f.new_zeros(chunk * size - n)]) for f in flats]
+    part = _scatter_in_order(flats, placement, me, size, group)
+    out = torch.empty(size * chunk, dtype=part.dtype, device=part.device)
+    with communicating("logical all-gather"):
+        dist.all_gather_single(out, part, group=group)
+    return out[:n].reshape(shape)
+
+
+def logical_reduce_scatter(contribs: dict[int, torch.Tensor], placement: Placement,
+                           group=None) -> torch.Tensor:
+    """This process's chunk of the sum over all L logical ranks, summed in logical order.
+
+    Each hosted rank's contribution is P equal chunks laid end to end, chunk q for process q
+    (FSDP2's reduce-scatter input: fsdp_logical.py); the result is chunk `me` of
+    ((c0 + c1) + c2) + ... + c(L-1), with the same bits whatever P is and whoever hosts whom."""
+    me, size = _group_shape(placement, group)
+    flats = _flat_contributions(contribs, placement.hosted(me))
+    if flats[0].numel() % size:
+        raise ValueError(f"a contribution of {flats[0].numel()} elements is not {size} equal "
+                         "chunks")
+    if size == 1:
+        return _sum_in_order(flats)
+    return _scatter_in_order(flats, placement, me, size, group)
+
+
+def _scatter_in_order(flats: list[torch.Tensor], placement: Placement, me: int, size: int,
+                      group) -> torch.Tensor:
+    """One all_to_all_single sends each hosted rank's chunk q to process q; this process sums
+    its chunk over the L logical ranks in logical order."""
+    chunk = flats[0].numel() // size
+    mine = flats[0].view(1, -1) if len(flats) == 1 else torch.stack(flats)
     # to process q: each hosted rank's chunk q, hosted ranks in sorted order (with one hosted
     # rank, the usual case, this is the contribution itself: no copy)
     send = mine.view(len(flats), size, chunk).transpose(0, 1).contiguous().view(-1)
@@ -89,11 +115,7 @@ def logical_all_reduce(contribs: dict[int, torch.Tensor], placement: Placement,
                                input_split_sizes=[len(flats) * chunk] * size, group=group)
     rows = recv.view(-1, chunk)  # rows from process 0's hosted ranks first, then process 1's...
     row_of = {r: i for i, r in enumerate(r for h in placement.hosts for r in h)}
-    part = _sum_in_order([rows[row_of[r]] for r in range(placement.logical_world)])
-    out = torch.empty(size * chunk, dtype=part.dtype, device=part.device)
-    with communicating("logical all-gather"):
-        dist.all_gather_single(out, part, group=group)
-    return out[:n].reshape(shape)
+    return _sum_in_order([rows[row_of[r]] for r in range(placement.logical_world)])
 
 
 def _sum_in_order(parts: list[torch.Tensor]) -> torch.Tensor:

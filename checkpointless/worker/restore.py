@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from . import transfer
+from . import reshard, transfer
 from .agreement import (assign_sources, pick_holders, pick_senders,  # noqa: F401
                         replicated_step, restorable_step, stage_ranks)
 from .failures import communicating
@@ -154,10 +154,15 @@ def _restore_shards(state: ProtectedState, me: Position, hook, send_hook, loaded
     reshard_all(state.modules())
     has_state = me.holds_state or me.built
     mine = {"completed": me.completed if has_state else -1,
-            "built": me.built and not me.holds_state, **replicas.summary()}
+            "built": me.built and not me.holds_state, **replicas.summary(),
+            "layout": state.layout if has_state else None}
     infos = [None] * me.world_size
     with communicating("exchanging which shard copies each member holds"):
         dist.all_gather_object(infos, mine)
+    if reshard.needed(infos, me.world_size):  # a shrink or grow: every slice cut anew
+        step, info = reshard.restore_resharded(state, me, infos, loaded)
+        info["steps_redone"] = max(0, max(i["completed"] for i in infos) - step)
+        return Outcome(resumed_step=step, drop_kept_grads=True, info=info)
     newest = max(i["completed"] for i in infos)
     twins = state.twins(me.world_size)
     step = restorable_step(infos, twins)

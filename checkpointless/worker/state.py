@@ -26,6 +26,10 @@ class ProtectedState:
         self.fallback = None  # (newest_step(), load_step(step)) of durable checkpoints
         self.update_applied = False  # an optimizer step ran in the step in flight
         self.send_frozen = True  # False: frozen parameters are rebuilt by each worker, not sent
+        # sharded: (processes, rank) the live slices are cut for; `rebuild()` makes a model
+        # sharded for this generation's processes and protects it (reshard.py)
+        self.layout: tuple[int, int] | None = None
+        self.rebuild = None
 
     def protect(self, **objects) -> None:
         for name, obj in list(objects.items()):

@@ -1,0 +1,121 @@
+"""Logical ranks under FSDP2 (checkpointless.shrink=exact with distributed.strategy=fsdp).
+
+FSDP2 reduce-scatters each unit's gradients over the processes, in an order that follows them,
+so a job on 3 processes would not sum what the same job summed on 4. Under `exact` each unit's
+reduce-scatter is this module's (FSDP2's own hook for a custom one, `set_custom_reduce_scatter`):
+every process sends each hosted logical rank's chunk q to process q, and q sums its chunk over
+the L logical ranks in logical order (logical.py), then FSDP divides by L. The bits of every
+sharded gradient then depend on the logical ranks' contributions only, however many processes
+hold the shards.
+
+A logical rank's micro-batches accumulate in FSDP's unsharded gradients (sync only on its last
+micro-batch), so its contribution reaches the hook whole. A process hosting several logical
+ranks after a shrink runs them one after the other; the hook keeps the earlier ones' inputs and
+communicates once, on the last hosted rank's call, so every process calls the collective once
+per unit. While shrunk, a process keeps the gathered parameters for the whole step (no reshard
+between its hosted ranks' passes): each process then all-gathers each unit once per step, as
+its peers do, whatever it hosts.
+
+Clipping: the gradient norm of sharded gradients is summed over the shards, whose number
+changes with a shrink; here each gradient is gathered whole, one at a time, and its norm taken
+on the whole tensor, as ddp's ranks take it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+from .logical import Placement, logical_reduce_scatter
+from .tensors import full_tensor, local_tensor
+
+
+class HostedPass:
+    """What the hooks need to know about the pass in flight, set by the loop (`LogicalFSDP`)."""
+
+    def __init__(self):
+        self.placement: Placement | None = None
+        self.share = 0  # the logical rank whose backward runs
+        self.last = True  # it is this process's last hosted logical rank of the step
+        self.kept: dict[tuple[int, int], torch.Tensor] = {}  # (unit, share) -> its input
+
+
+class _LogicalReduceScatter(ReduceScatter):
+    """One FSDP unit's reduce-scatter, in logical order (see above)."""
+
+    def __init__(self, hosted: HostedPass, unit: int):
+        self.hosted, self.unit = hosted, unit
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        h = self.hosted
+        if not h.last:  # an earlier hosted rank: kept until the last one's call
+            h.kept[(self.unit, h.share)] = input_tensor.clone()
+            output_tensor.zero_()  # cleared before the last pass (LogicalFSDP.before_last)
+            return None
+        contribs = {s: h.kept.pop((self.unit, s))
+                    for s in h.placement.hosted(dist.get_rank(group)) if s != h.share}
+        contribs[h.share] = input_tensor
+        output_tensor.copy_(logical_reduce_scatter(contribs, h.placement, group))
+        return None
+
+
+def fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The FSDP2 units of `model`, in module order (the same on every process)."""
+    return [m for m in model.modules() if hasattr(m, "_get_fsdp_state")]
+
+
+class LogicalFSDP:
+    """The logical-order reduction installed on every FSDP2 unit of a model."""
+
+    def __init__(self, model: torch.nn.Module, logical_world: int):
+        self.model, self.hosted = model, HostedPass()
+        self.units = fsdp_units(model)
+        if not self.units:
+            raise ValueError("shrink=exact under fsdp needs a model sharded with fully_shard")
+        for i, unit in enumerate(self.units):
+            unit.set_custom_reduce_scatter(_LogicalReduceScatter(self.hosted, i))
+            # a plain sum in the hook, then one division by L after it: the same ops whatever P
+            unit.set_force_sum_reduction_for_comms(True)
+            unit.set_gradient_divide_factor(float(logical_world))
+
+    def begin_step(self, placement: Placement, shrunk: bool) -> None:
+        """Before a step's first pass. Shrunk, the gathered parameters stay for the step; else
+        FSDP's defaults (the root keeps its parameters gathered after forward, as fully_shard
+        sets it)."""
+        self.hosted.placement, self.hosted.kept = placement, {}
+        for unit in self.units:
+            unit.set_reshard_after_forward(not shrunk and unit is not self.model, recurse=False)
+            unit.set_reshard_after_backward(not shrunk, recurse=False)
+
+    def begin_pass(self, share: int, last_share: bool) -> None:
+        """Before logical rank `share`'s micro-batches; `last_share`: no hosted rank after it."""
+        self.hosted.share, self.hosted.last = share, last_share
+        if last_share:  # FSDP assigns the last call's output: nothing from earlier passes adds
+            for p in self.model.parameters():
+                p.grad = None
+
+    def sync(self, on: bool) -> None:
+        """Reduce at the end of this backward (a logical rank's last micro-batch) or not."""
+        self.model.set_requires_gradient_sync(on)
+
+    def end_step(self) -> None:
+        """After the step's last backward: the parameters back to their shards."""
+        self.hosted.kept = {}
+        for unit in self.units:
+            unit.reshard()
+
+
+def exact_clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
+    """torch's clip_grad_norm_ on sharded gradients, with the norm taken on each gradient
+    gathered whole (one at a time): the same bits however many shards there are. Every process
+    calls it for the same parameters."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norms = [torch.linalg.vector_norm(full_tensor(g).float(), 2) for g in grads]
+    total = torch.linalg.vector_norm(torch.stack(norms), 2) if norms else torch.zeros(())
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        local_tensor(g).mul_(coef.to(local_tensor(g).dtype))
+    return total
