@@ -19,7 +19,7 @@ def rebuild(run) -> None:
     from .model_setup import model_for, shard
     cfg, job, accelerator = run.cfg, run.job, run.accelerator
     model = model_for(cfg, run.tokenizer, accelerator.device, sharded=True)
-    shard(model, cfg, job.device_mesh(), receives_state=True)
+    shard(model, cfg, _fresh_mesh(job), receives_state=True)
     optimizer = build_optimizer(model, cfg)
     old = getattr(accelerator, "_optimizers", None)
     if old is not None and run.opt in old:  # accelerate would keep the old one alive
@@ -37,3 +37,15 @@ def rebuild(run) -> None:
     run.model = run.wrapped = model
     run.optimizer, run.opt, run.ckpt = optimizer, opt, ckpt
     run.logical_fsdp = LogicalFSDP(model, job.logical_world)
+
+
+def _fresh_mesh(job):
+    """The default group's mesh, named for this generation. DeviceMesh compares equal to any
+    mesh of the same ranks (whatever this process's rank was then), and DTensor's sharding
+    cache hands back a spec built on an equal one: after a shrink and a grow back to 4, a
+    survivor renumbered from 3 to 2 got the launch's mesh again, with its old coordinate (seen:
+    its checkpoint wrote the chunk of rank 3). A name no earlier mesh had rules that out."""
+    from torch.distributed.device_mesh import DeviceMesh
+    import torch.distributed as dist
+    return DeviceMesh.from_group(dist.group.WORLD, job.device_mesh().device_type,
+                                 mesh_dim_names=(f"dp_shard_gen{job.gen}",))

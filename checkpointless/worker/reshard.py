@@ -31,8 +31,9 @@ _NONE = {"completed": -1, "own": [], "held": {}}
 
 
 def needed(infos: list[dict], world: int) -> bool:
-    """Some member holds a slice cut for another number of processes."""
-    return any(i.get("layout") and i["layout"][0] != world for i in infos)
+    """Some member holds a slice cut for another number of processes, or another slice than
+    its rank's (a shrink renumbered it, and a grow came before it restored)."""
+    return any(i.get("layout") and tuple(i["layout"]) != (world, r) for r, i in enumerate(infos))
 
 
 def restore_resharded(state, me, infos: list[dict], loaded) -> tuple[int, dict]:
@@ -62,7 +63,7 @@ def restore_resharded(state, me, infos: list[dict], loaded) -> tuple[int, dict]:
         moved += n
     with communicating("agreeing that every member has every slice"):
         dist.all_reduce(torch.ones(1))  # nobody cuts anew unless everyone can
-    if (state.layout or (None,))[0] != me.world_size:
+    if tuple(state.layout or ()) != (me.world_size, me.rank):  # its mesh is another's
         if state.rebuild is None:
             raise RuntimeError("a shrink under fsdp needs a model sharded anew: give "
                                "Job.protect(rebuild=...) a function that builds one")
