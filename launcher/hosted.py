@@ -15,7 +15,7 @@ from contextlib import nullcontext
 
 import torch
 
-from checkpointless.worker.logical import logical_all_reduce
+from checkpointless.worker import logical_all_reduce
 
 from .data import to_device
 from .model_setup import cpu_threads
@@ -95,7 +95,7 @@ def install(run) -> None:
     shrink or grow calls (launcher/rebuild.py)."""
     if run.cfg.distributed.strategy != "fsdp" or run.cfg.checkpointless.shrink != "exact":
         return
-    from checkpointless.worker.fsdp_logical import LogicalFSDP
+    from checkpointless.worker import LogicalFSDP
 
     from .rebuild import rebuild
     run.logical_fsdp = LogicalFSDP(run.model, run.job.logical_world)

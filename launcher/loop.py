@@ -29,8 +29,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 import checkpointless
-from checkpointless.worker import full_tensor, local_tensor
-from checkpointless.worker.fsdp_logical import exact_clip_grad_norm_
+from checkpointless.worker import exact_clip_grad_norm_, full_tensor, local_tensor
 
 from .audit_replay import LoopReplay
 from .checkpoints import durable_checkpoints

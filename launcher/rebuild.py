@@ -12,7 +12,7 @@ from __future__ import annotations
 def rebuild(run) -> None:
     """Build the model, optimizer and checkpoints for this generation's processes, protect them,
     and put them in `run` for the steps that follow."""
-    from checkpointless.worker.fsdp_logical import LogicalFSDP
+    from checkpointless.worker import LogicalFSDP
 
     from .checkpoints import DurableCheckpoints
     from .loop import build_optimizer

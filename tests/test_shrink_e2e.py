@@ -84,3 +84,41 @@ def test_a_second_loss_inside_the_shrinks_regroup_shrinks_again_with_the_same_bi
     assert rep["processes_at_end"] == 2
     # logical rank 2 went to process 0 (the least loaded, lowest index), which then was lost
     assert [s["logical_ranks_moved"] for s in rep["shrinks"]] == [[2], [0, 2]], rep["shrinks"]
+
+
+FSDP_EXACT = ("distributed.strategy=fsdp", "trainer.max_steps=12", "checkpoint.interval=4",
+              "checkpoint.keep=3", "checkpointless.shrink=exact")
+
+
+def test_fsdp_kills_with_no_spare_cut_the_slices_anew_and_keep_the_failure_free_bits(
+        tmp_path, references):
+    """fsdp, no spare: rank 0 SIGKILLs itself inside its backward at step 3, then rank 2 inside
+    its optimizer step at step 10. Each shrink cuts every parameter's and optimizer state's
+    slices anew for the processes left (the lost slice from its peer copy) on a model rebuilt
+    for them, FSDP's reduce-scatter sums the logical ranks in order, and the run ends on 2
+    processes with the bits of the failure-free fsdp run on 4."""
+    _, ref, _ = references.train("tiny-llama", *FSDP_EXACT)
+    _, rep, r = train(tmp_path, "fsdp", "tiny-llama", *FSDP_EXACT, "checkpointless.spares=0",
+                      "checkpointless.refill=false",
+                      "faults=[kill:0:3@backward,kill:2:10@optimizer]")
+    assert rep["status"] == "ok", r.stdout[-3000:]
+    assert_same_bits(rep, ref)
+    assert [(s["from_processes"], s["to_processes"]) for s in rep["shrinks"]] == \
+        [(4, 3), (3, 2)], r.stdout[-3000:]
+    assert rep["processes_at_end"] == 2 and rep["shrink"] == {"mode": "exact"}
+    assert [x["restored_from"] for x in rep["recoveries"]] == ["peer_memory"] * 2
+
+
+@pytest.mark.extended
+def test_fsdp_shrinks_and_grows_back_with_the_failure_free_bits(tmp_path, references):
+    """fsdp, one spare, two kills a step apart: the second finds no spare ready and the job
+    shrinks to 3 processes; the refill, once warm, takes the logical rank back (a grow: every
+    slice cut again for 4, the spare's included), with the failure-free bits."""
+    steps = ("trainer.max_steps=30",)
+    _, ref, _ = references.train("tiny-llama", *FSDP_EXACT, *steps)
+    _, rep, r = train(tmp_path, "fsdp-grow", "tiny-llama", *FSDP_EXACT, *steps,
+                      "checkpointless.spares=1", "faults=[kill:1:3@backward,kill:2:4@random:3]")
+    assert rep["status"] == "ok", r.stdout[-3000:]
+    assert_same_bits(rep, ref)
+    assert rep["shrinks"] and rep["grows"], r.stdout[-3000:]
+    assert rep["processes_at_end"] == 4

@@ -22,3 +22,8 @@ __all__ = ["durable", "health", "params_checksum", "StateDigest", "model_sha256"
 from .logical import Placement, logical_all_reduce, logical_all_reduce_grads  # noqa: E402
 
 __all__ += ["Placement", "logical_all_reduce", "logical_all_reduce_grads"]
+
+# under fsdp: FSDP2's reduce-scatter in logical order, and clipping on whole gradients
+from .fsdp_logical import LogicalFSDP, exact_clip_grad_norm_  # noqa: E402
+
+__all__ += ["LogicalFSDP", "exact_clip_grad_norm_"]
