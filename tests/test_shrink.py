@@ -153,3 +153,22 @@ def test_the_memory_plan_counts_the_logical_reduction_and_bounds_the_hosted_rank
     assert shrink_max_hosted(load("gpt2")) == room
     assert shrink_max_hosted(load("gpt2", ["checkpointless.shrink_max_hosted=3"])) == 3
     assert shrink_max_hosted(load("tiny-llama")) == 0  # cpu: no plan, no limit
+
+
+def test_under_fsdp_the_plan_counts_the_gathered_model_of_a_shrunk_step():
+    """Under fsdp with shrink=exact a shrunk process keeps the whole model gathered for the
+    step, then one fp32 contribution per extra hosted rank; with accumulation a logical rank's
+    micro-batches sum in unsharded gradients. The hosted ranks are bounded by both."""
+    from launcher.plan.fit import max_hosted, plan
+    over = ["distributed.strategy=fsdp", "checkpointless.shrink=exact", "distributed.device=cuda"]
+    cfg = load("llama3.2-1b", over + ["trainer.grad_accum_steps=2"])
+    exact = plan(cfg)
+    (row,) = [i for i in exact.items if i.name == "logical reduction"]
+    assert row.device["layer backward"] == exact.trainable * 4
+    gathered = 2 if cfg.trainer.precision == "bf16" else 4  # fsdp gathers in bf16 under bf16
+    assert exact.hosted_base == exact.facts.n_params * gathered
+    room = exact.budget - exact.peak - exact.hosted_base
+    assert max_hosted(exact) == (1 + room // (exact.trainable * 4) if room > 0 else 1)
+    one = plan(load("llama3.2-1b", over + ["trainer.grad_accum_steps=1"]))  # no sum to keep
+    assert not [i for i in one.items if i.name == "logical reduction"]
+    assert plan(load("llama3.2-1b", over[:1] + over[2:])).hosted_base == 0  # shrink off

@@ -129,10 +129,12 @@ def check_fits(cfg, loop: LoopFacts = CURRENT_LOOP) -> Plan:
 def max_hosted(result: Plan) -> int:
     """The most logical ranks one process may host after a shrink (checkpointless.shrink) that
     this plan leaves room for: each beyond the first keeps one more fp32 contribution to the
-    step's end, at every phase."""
+    step's end, at every phase; under fsdp the process also holds the whole model gathered
+    for a shrunk step (hosted_base)."""
     from .items import HOSTED_BYTES
     per = max(1, result.trainable * HOSTED_BYTES)
-    return max(1, 1 + (result.budget - result.peak) // per)
+    room = result.budget - result.peak - result.hosted_base
+    return max(1, 1 + room // per) if room > 0 else 1
 
 
 def main(args: list[str]) -> int:

@@ -61,6 +61,7 @@ class _Setup:
     n_params: int
     grad_sync_buckets: bool  # ddp's all-reduce starts in backward, bucket by bucket
     logical: bool = False  # ddp under checkpointless.shrink=exact: reduced by logical rank
+    fsdp_logical: bool = False  # fsdp under shrink=exact: FSDP's reduce-scatter by logical rank
 
     def shard(self, n: int) -> int:
         """A rank's part of `n` parameters: the split share over every rank of a replica group,
@@ -108,7 +109,8 @@ def _setup(cfg, facts: ModelFacts) -> _Setup:
         targets=targets, adapters=adapters, trainable=trainable,
         tb=ADAPTER_BYTES if lora else pb, n_params=facts.n_params,
         grad_sync_buckets=d.grad_sync == "buckets" and cfg.checkpointless.shrink != "exact",
-        logical=not fsdp and cfg.checkpointless.shrink == "exact")
+        logical=not fsdp and cfg.checkpointless.shrink == "exact",
+        fsdp_logical=fsdp and cfg.checkpointless.shrink == "exact")
 
 
 def _at(nbytes: int, *phases) -> dict:
@@ -145,7 +147,18 @@ def _state_items(s: _Setup) -> list:
                                                    "optimizer step"),
                           note="shrink=exact: contribution kept + the sum, fp32; + "
                           f"{fmt_gb(s.trainable * HOSTED_BYTES)} per logical rank hosted"))
+    if s.fsdp_logical and s.accum > 1:  # a logical rank's micro-batches sum unsharded
+        items.append(Item("logical reduction", _at(s.trainable * HOSTED_BYTES, "forward",
+                                                   "loss backward", "layer backward"),
+                          note="fsdp shrink=exact: unsharded fp32 gradients until a logical "
+                          "rank's last micro-batch"))
     return items
+
+
+def hosted_base(s: _Setup) -> int:
+    """What a process hosting a second logical rank needs before that rank's contribution:
+    under fsdp, the whole model gathered for the step (fsdp_logical.py)."""
+    return s.n_params * s.cb if s.fsdp_logical else 0
 
 
 def _fsdp_items(s: _Setup, facts: ModelFacts) -> list:
@@ -295,7 +308,7 @@ def build_plan(cfg, facts: ModelFacts, loop: LoopFacts, device: str) -> Plan:
     host, host_source = host_budget(cfg, device)
     return Plan(recipe=cfg.run.name, facts=facts, overrides=[], device_type=device,
                 budget=budget, budget_source=budget_source, items=items,
-                trainable=s.trainable,
+                trainable=s.trainable, hosted_base=hosted_base(s),
                 phases={ph: sum(i.device.get(ph, 0) for i in items) for ph in PHASES},
                 summary=_summary(s, cfg, facts, device, quadratic),
                 host_budget=host, host_source=host_source, ranks_per_node=ranks_per_node(cfg))

@@ -45,6 +45,7 @@ class Plan:
     closest: tuple | None = None  # (overrides, Plan) needing the least, when none fits
     stages: list = field(default_factory=list)  # pipelined: each worker stage's need, in order
     heaviest: int = 0  # pipelined: the stage whose rows these are
+    hosted_base: int = 0  # a shrunk process's need before its hosted ranks' (fsdp: gathered)
 
     @property
     def peak_phase(self) -> str:
