@@ -377,3 +377,19 @@ def test_a_schedule_whose_failures_fall_after_the_training_gets_one_in_its_middl
     assert killer.inside_training(killer.plan, t0) == [(pytest.approx(1.0, abs=1e-3), 0.25)]  # 20 x 0.1 / 2
     early = [(0.5, 0.1), (1.5, 0.2), (100.0, 0.3)]
     assert killer.inside_training(early, t0) == early[:2]  # those inside stay where they were
+
+
+def test_fsdp_exact_is_fsdp_replicated_reducing_by_logical_rank_and_read_beside_it(tmp_path):
+    """bench.modes=fsdp-replicated,fsdp-exact: the same fsdp recipe with peer copies, one under
+    shrink=exact; its failure-free step is read against fsdp-replicated's, side by side."""
+    from launcher.bench.report import fsdp_exact_line
+    cfg = parse([f"bench.output_dir={tmp_path}", "bench.steps=5"])[0]
+    exact, rep = (mode_recipe(cfg, [], m)[0] for m in ("fsdp-exact", "fsdp-replicated"))
+    assert exact.distributed.strategy == rep.distributed.strategy == "fsdp"
+    assert exact.checkpointless.shrink == "exact" and rep.checkpointless.shrink == "off"
+    assert exact.checkpointless.replication.factor == rep.checkpointless.replication.factor > 1
+    s = {"fsdp-exact": {"goodput": 0.98}, "fsdp-replicated": {}}
+    line = fsdp_exact_line(s, {"step_s_median_fsdp-exact": 0.515,
+                               "step_s_median_fsdp-replicated": 0.500})
+    assert "515.0 ms vs fsdp-replicated 500.0 ms (+3.0%, the runs taking turns" in line
+    assert s["fsdp-exact"]["step_vs_fsdp_replicated"] == 0.03 and "98.0%" in line

@@ -20,9 +20,11 @@ from ..recipes import RecipeError
 # schedule like checkpointless; its failure-free step time is taken beside on's (the same workers)
 # shrink-exact, shrink-fast, shrink-off: no spare at the start (refills on), killed on the failure
 # schedule; exact's failure-free step time is taken beside on's (shrink.py)
+# fsdp-exact: fsdp-replicated under checkpointless.shrink=exact (FSDP's reduce-scatter in logical
+# order), killed like fsdp-replicated; its failure-free step is taken beside fsdp-replicated's
 MODES = ("off", "on", "plain", "flat", "checkpointless", "restart", "fsdp", "fsdp-replicated",
          "hsdp", "tp", "slow-evict", "slow-report", "audit-off", "audit", "pp",
-         "shrink-exact", "shrink-fast", "shrink-off")
+         "shrink-exact", "shrink-fast", "shrink-off", "fsdp-exact")
 
 
 @dataclass

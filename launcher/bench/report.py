@@ -266,6 +266,16 @@ def tp_line(s: dict, paired: dict) -> str:
             f"{'-' if t.get('goodput') is None else format(t['goodput'], '.1%')}")
 
 
+def fsdp_exact_line(s: dict, paired: dict) -> str:
+    """fsdp under shrink=exact against fsdp-replicated (the same recipe and copies): what the
+    logical-order reduce-scatter costs a failure-free step, and its goodput."""
+    a, b, how = _against_replicated(s, paired, "fsdp-exact")
+    g = s["fsdp-exact"].get("goodput")
+    return (f"fsdp-exact (reduce-scatter in logical order) median step {a * 1000:.1f} ms vs "
+            f"fsdp-replicated {b * 1000:.1f} ms ({a / b - 1:+.1%}, {how}); goodput "
+            f"{'-' if g is None else format(g, '.1%')}")
+
+
 def hsdp_line(s: dict, paired: dict) -> str:
     """hsdp (two replica groups, no peer copies) against fsdp with peer replication: step time
     and host memory held."""
@@ -341,4 +351,5 @@ def pp_line(s: dict, paired: dict | None) -> str:
 # (mode, the mode it is read against, the line that compares them)
 COMPARED = (("fsdp", "fsdp-replicated", replication_line), ("hsdp", "fsdp-replicated", hsdp_line),
             ("tp", "fsdp-replicated", tp_line), ("audit", "audit-off", audit_line),
-            ("pp", "pp", pp_line), ("shrink-exact", "shrink-exact", shrink_line))
+            ("pp", "pp", pp_line), ("shrink-exact", "shrink-exact", shrink_line),
+            ("fsdp-exact", "fsdp-replicated", fsdp_exact_line))
