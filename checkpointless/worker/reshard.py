@@ -36,38 +36,39 @@ def needed(infos: list[dict], world: int) -> bool:
     return any(i.get("layout") and tuple(i["layout"]) != (world, r) for r, i in enumerate(infos))
 
 
-def restore_resharded(state, me, infos: list[dict], loaded) -> tuple[int, dict]:
+def restore_resharded(state, me, infos: list[dict], loaded, hook=lambda rank, step: None,
+                      send_hook=lambda rank, step: None) -> tuple[int, dict] | None:
     """Bring every member to one step in the layout of `me.world_size` processes; returns
-    (the step, what happened for the report)."""
+    (the step, what happened for the report), or None when peer memory cannot: some old slice
+    has no copy left, or the members hold slices of two layouts (a failure inside an earlier
+    reshard). The caller then loads a durable checkpoint, which DCP cuts for any number of
+    processes. `hook(rank, step)`: before this member receives the first slice;
+    `send_hook(rank, step)`: before it broadcasts one (faults)."""
     t0 = time.time()
     worlds = {i["layout"][0] for i in infos if i.get("layout") and i["completed"] >= 0}
     if len(worlds) != 1:
-        raise RuntimeError(f"the members hold slices cut for {sorted(worlds)} processes: no one "
-                           "layout to cut anew from (resume from a durable checkpoint)")
+        return None
     (old_world,) = worlds
     member_of = {i["layout"][1]: r for r, i in enumerate(infos)
                  if i.get("layout") and i["completed"] >= 0}
     old = [infos[member_of[s]] if s in member_of else _NONE for s in range(old_world)]
     step = restorable_step(old)
     if step is None:
-        raise RuntimeError("a lost slice has no copy in any survivor's memory: the job cannot "
-                           "be cut anew for fewer processes (resume from a durable checkpoint)")
+        return None
     senders = pick_senders(old, step)
     slices, moved = [], 0
     for s in range(old_world):
         h, how = senders.get(s, (s, "own"))
         src = member_of[h]
+        (send_hook if me.rank == src else hook)(me.rank, step)
         payload = _slice_at(state, s, step, how) if me.rank == src else None
         got, n = transfer.broadcast_state(payload, src, me.rank)
         slices.append(_local(payload) if me.rank == src else got)
         moved += n
+        hook = lambda rank, step: None  # noqa: E731  (once, before the first receive)
     with communicating("agreeing that every member has every slice"):
         dist.all_reduce(torch.ones(1))  # nobody cuts anew unless everyone can
-    if tuple(state.layout or ()) != (me.world_size, me.rank):  # its mesh is another's
-        if state.rebuild is None:
-            raise RuntimeError("a shrink under fsdp needs a model sharded anew: give "
-                               "Job.protect(rebuild=...) a function that builds one")
-        state.rebuild()  # a model sharded for the new number of processes (Job.protect)
+    rebuild_for(state, me)
     state.load(cut(slices, state.objects, me.world_size, me.rank))
     state.layout = (me.world_size, me.rank)
     loaded(step)
@@ -78,6 +79,17 @@ def restore_resharded(state, me, infos: list[dict], loaded) -> tuple[int, dict]:
             "sent_from": {s: how for s, (_, how) in senders.items()},
             "transfer_s": time.time() - t0}
     return step, info
+
+
+def rebuild_for(state, me) -> None:
+    """A model, optimizer and checkpoints sharded for this generation (the loop's `rebuild`,
+    given to Job.protect), unless this member's already are."""
+    if tuple(state.layout or ()) == (me.world_size, me.rank):
+        return
+    if state.rebuild is None:
+        raise RuntimeError("a shrink under fsdp needs a model sharded anew: give "
+                           "Job.protect(rebuild=...) a function that builds one")
+    state.rebuild()  # protects the new objects: state.layout is this generation's now
 
 
 def _slice_at(state, s: int, step: int, how: str):

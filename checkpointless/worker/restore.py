@@ -160,9 +160,7 @@ def _restore_shards(state: ProtectedState, me: Position, hook, send_hook, loaded
     with communicating("exchanging which shard copies each member holds"):
         dist.all_gather_object(infos, mine)
     if reshard.needed(infos, me.world_size):  # a shrink or grow: every slice cut anew
-        step, info = reshard.restore_resharded(state, me, infos, loaded)
-        info["steps_redone"] = max(0, max(i["completed"] for i in infos) - step)
-        return Outcome(resumed_step=step, drop_kept_grads=True, info=info)
+        return _reshard(state, me, infos, hook, send_hook, loaded, t0)
     newest = max(i["completed"] for i in infos)
     twins = state.twins(me.world_size)
     step = restorable_step(infos, twins)
@@ -211,6 +209,23 @@ def _restore_shards(state: ProtectedState, me: Position, hook, send_hook, loaded
                 restored_from="build" if built else "peer_memory",
                 steps_redone=max(0, newest - step),
                 transfer_s=time.time() - t0)
+    return Outcome(resumed_step=step, drop_kept_grads=True, info=info)
+
+
+def _reshard(state: ProtectedState, me: Position, infos: list[dict], hook, send_hook, loaded,
+             t0: float) -> Outcome:
+    """From peer memory when every old slice has a copy (reshard.py); else every member builds
+    its objects for this generation and loads the newest durable checkpoint, cut for it."""
+    newest = max(i["completed"] for i in infos)
+    got = reshard.restore_resharded(state, me, infos, loaded, hook, send_hook)
+    if got is None:
+        reshard.rebuild_for(state, me)
+        info = {"steps_by_rank": [i["completed"] for i in infos], "bytes_sent": 0,
+                "bytes_received": 0, "pairs": {}, "source": None,
+                "resharded": [None, me.world_size]}
+        return _restore_from_disk(state, me, info, newest, t0)
+    step, info = got
+    info["steps_redone"] = max(0, newest - step)
     return Outcome(resumed_step=step, drop_kept_grads=True, info=info)
 
 
