@@ -122,3 +122,19 @@ def test_fsdp_shrinks_and_grows_back_with_the_failure_free_bits(tmp_path, refere
     assert_same_bits(rep, ref)
     assert rep["shrinks"] and rep["grows"], r.stdout[-3000:]
     assert rep["processes_at_end"] == 4
+
+
+@pytest.mark.extended
+def test_fsdp_a_slice_lost_with_its_holder_is_cut_anew_from_the_durable_checkpoint(
+        tmp_path, references):
+    """fsdp, no spare: ranks 1 and 2 SIGKILL themselves in the same backward (rank 1's copy
+    lived on rank 2): no peer holds slice 1, so both survivors build their objects for 2
+    processes and load the step-4 checkpoint, which DCP cuts for them; the failure-free bits."""
+    _, ref, _ = references.train("tiny-llama", *FSDP_EXACT)
+    _, rep, r = train(tmp_path, "fsdp-disk", "tiny-llama", *FSDP_EXACT, "checkpointless.spares=0",
+                      "checkpointless.refill=false", "faults=[kill:1:6@backward,kill:2:6@backward]")
+    assert rep["status"] == "ok", r.stdout[-3000:]
+    assert_same_bits(rep, ref)
+    assert rep["processes_at_end"] == 2
+    assert "durable_checkpoint" in [x["restored_from"] for x in rep["recoveries"]]
+    assert "no peer holds every lost slice" in r.stdout + r.stderr
