@@ -125,9 +125,10 @@ def _connect(store):
                                  timeout=timedelta(seconds=30))
 
 
-def _run_audit(store, step, sdc_rank=None, bad_auditor=False, last_pass=None):
-    """Ranks 0..3 of a job at `step` (their audited rank and witness tap, publish, ship), and a
-    spare's server judging; returns once it judged."""
+def _run_audit(store, step, sdc_rank=None, bad_auditor=False, last_pass=None, gen=0,
+               order=range(4), late=None):
+    """Ranks 0..3 of a job at `step` (their audited rank and witness tap, publish, ship, in
+    `order`), and a spare's server judging; returns once it judged."""
     store.set(protocol.FIRST_STEP, "5")  # a launch resumed at step 5: no burn-in
     server = AuditServer(_connect(store), "127.0.0.1", store.port, 9, _Replay(bad_auditor))
     server.start()
@@ -135,14 +136,16 @@ def _run_audit(store, step, sdc_rank=None, bad_auditor=False, last_pass=None):
         store.set(protocol.audit_pass_key(audited(step, 1, 4)[0]), str(last_pass))
     try:
         state = _model().state_dict()
-        for rank in range(4):
+        for rank in order:
             model = _model()
             model.load_state_dict(state)
             ranks = RankAudits(store, 100 + rank, 1, _connect(store), log=lambda *a, **k: None)
             ranks.install([model], protocol.parse_faults([] if sdc_rank is None else ["sdc:0:0"]))
             ranks.open(step, rank, 4, sdc=rank == sdc_rank)
             _step(model, step, rank)
-            ranks.close(step, rank, 4, gen=0, committed=True)
+            if rank == late:
+                time.sleep(1.0)
+            ranks.close(step, rank, 4, gen=gen, committed=True)
         deadline = time.time() + 30
         while not store.check([protocol.AUDIT_DONE]) or \
                 int(store.get(protocol.AUDIT_DONE)) < step:
@@ -168,6 +171,19 @@ def test_a_wrong_gradient_is_found_and_judged_by_the_witness(store):
     finding = json.loads(store.get(protocol.sdc_key(100 + RANK)))
     assert finding["rank"] == RANK and finding["step"] == STEP
     assert finding["last_passed"] == 2 and finding["rewind_to"] == 3
+
+
+def test_a_step_redone_after_a_rewind_is_judged_against_its_own_digest(store):
+    """After a rewind the job redoes steps: the audited rank's key still holds its digest of
+    the step from before the rewind (other parameters, other gradients) when the witness ships
+    the redone step. The spare waits for the redone step's digest and passes it; judged against
+    the old one, a healthy rank was accused (seen in CI)."""
+    old = {"grads": 1, "params": 2, "wid": 100 + RANK, "gen": 0, "world": 4}  # other state
+    store.set(protocol.audit_digest_key(STEP, RANK), json.dumps(old))
+    witness_first = [r for r in range(4) if r != RANK] + [RANK]  # it publishes a second late
+    _run_audit(store, STEP, gen=1, order=witness_first, late=RANK)
+    assert int(store.get(protocol.audit_pass_key(RANK))) == STEP
+    assert store.add(protocol.SDC, 0) == 0
 
 
 def test_an_auditor_agreeing_with_nobody_accuses_nobody(store):

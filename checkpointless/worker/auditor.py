@@ -202,10 +202,21 @@ class AuditServer:
                 finally:  # judged or not, the ranks waiting at the end need not wait for it
                     store.set(protocol.AUDIT_DONE, str(header.get("step", -1)))
 
-    def _published(self, store, step: int, rank: int) -> dict:
+    def _published(self, store, step: int, rank: int, gen: int | None = None) -> dict:
+        """`rank`'s digest of `step`; with `gen`, one published in that generation or later.
+        After a rewind the job redoes steps it had done: until the rank publishes the redone
+        step, the key still holds the older timeline's digest, of other parameters (seen in
+        CI: a healthy rank accused, its redone step judged against its digest from before the
+        rewind). Past WAIT_S the newest digest is returned, and the caller sees its other
+        parameters."""
         key = protocol.audit_digest_key(step, rank)
         store.wait([key], timedelta(seconds=WAIT_S))
-        return json.loads(store.get(key))
+        deadline = time.time() + WAIT_S
+        while True:
+            got = json.loads(store.get(key))
+            if gen is None or got.get("gen", gen) >= gen or time.time() > deadline:
+                return got
+            time.sleep(0.05)
 
     def _burn_in(self, store) -> bool:
         """Before its first audit, a known step: rank 0's step 0 of the launch, replayed on this
@@ -268,12 +279,14 @@ class AuditServer:
 
     def _audit(self, store, h: dict, params: dict) -> None:
         step, rank, witness, world = h["step"], h["rank"], h["witness"], h["world"]
-        theirs = self._published(store, step, rank)
-        theirs_w = self._published(store, step, witness)
+        theirs = self._published(store, step, rank, h.get("gen"))
+        theirs_w = self._published(store, step, witness, h.get("gen"))
         shipped = self._load(params)
-        if shipped != theirs_w["params"]:
+        # both ranks' forwards used the same parameters, the ones shipped: a digest of others is
+        # of another computation (an older timeline's step), never evidence against a rank
+        if shipped != theirs_w["params"] or shipped != theirs["params"]:
             self._log(f"[checkpointless] audit of step {step}: the parameters arrived other "
-                      "than the witness used them; not judged")
+                      f"than rank {rank} and its witness used them; not judged")
             return
         t0 = time.time()
         mine = self._run_replay(step, rank, world)

@@ -155,7 +155,7 @@ def _restore_shards(state: ProtectedState, me: Position, hook, send_hook, loaded
     has_state = me.holds_state or me.built
     mine = {"completed": me.completed if has_state else -1,
             "built": me.built and not me.holds_state, **replicas.summary(),
-            "layout": state.layout if has_state else None}
+            "layout": getattr(state, "layout", None) if has_state else None}
     infos = [None] * me.world_size
     with communicating("exchanging which shard copies each member holds"):
         dist.all_gather_object(infos, mine)
