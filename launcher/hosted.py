@@ -68,17 +68,16 @@ def logical_step(run, step: int) -> torch.Tensor:
 
 
 def _fsdp_step(run, step: int) -> torch.Tensor:
-    """Each hosted logical rank's micro-batches, its gradients reduced in logical order by the
-    reduce-scatter of its last backward (fsdp_logical.py); the loss summed the same way."""
+    """Micro-batch by micro-batch, each hosted logical rank's forward and backward; the last
+    one's reduce-scatter sums the micro-batch over the logical ranks in logical order
+    (fsdp_logical.py). The loss summed the same way."""
     job, accelerator, t, lf = run.job, run.accelerator, run.cfg.trainer, run.logical_fsdp
     hosted = job.logical_ranks
-    losses = {}
+    losses = {share: torch.zeros(1, device=accelerator.device) for share in hosted}
     lf.begin_step(job.placement, job.shrunk)
-    for i, share in enumerate(hosted):
-        lf.begin_pass(share, last_share=i == len(hosted) - 1)
-        losses[share] = torch.zeros(1, device=accelerator.device)
-        for micro in range(t.grad_accum_steps):
-            lf.sync(micro == t.grad_accum_steps - 1)
+    for micro in range(t.grad_accum_steps):
+        for i, share in enumerate(hosted):
+            lf.begin_pass(share, last_share=i == len(hosted) - 1)
             job.seed_step(step, micro, share=share)
             batch = to_device(run.sampler.batch(step, share, job.logical_world, micro),
                               accelerator.device)

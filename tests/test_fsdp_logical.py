@@ -61,10 +61,9 @@ def _job(group, placement: Placement) -> dict:
     for step in range(STEPS):
         lf.begin_step(placement, placement.processes < L)
         hosted = placement.hosted(me)
-        for i, share in enumerate(hosted):
-            lf.begin_pass(share, i == len(hosted) - 1)
-            for micro in range(MICRO):
-                lf.sync(micro == MICRO - 1)  # a logical rank's micro-batches accumulate
+        for micro in range(MICRO):  # each micro-batch reduced, the sharded gradients add them
+            for i, share in enumerate(hosted):
+                lf.begin_pass(share, i == len(hosted) - 1)
                 _loss(model, step, share, micro).backward()
         lf.end_step()
         grads = [p.grad.full_tensor() for p in params]
@@ -76,21 +75,25 @@ def _job(group, placement: Placement) -> dict:
 
 
 def _by_hand() -> list:
-    """The same training in one process on an unsharded model: each logical rank's micro-batches
-    accumulated in .grad (backward twice), then ((g0 + g1) + g2) + g3, divided by L."""
+    """The same training in one process on an unsharded model: each micro-batch's gradients
+    summed ((g0 + g1) + g2) + g3 and divided by L, the first micro-batch's sum then the second's
+    added (as FSDP accumulates the sharded gradients)."""
     from checkpointless.worker.fsdp_logical import exact_clip_grad_norm_
     model = _model()
     params = list(model.parameters())
     opt, steps = torch.optim.AdamW(params, lr=1e-2), []
     for step in range(STEPS):
-        per_rank = []
-        for share in range(L):
-            model.zero_grad(set_to_none=True)
-            for micro in range(MICRO):
+        total = None
+        for micro in range(MICRO):
+            per_rank = []
+            for share in range(L):
+                model.zero_grad(set_to_none=True)
                 _loss(model, step, share, micro).backward()
-            per_rank.append([p.grad.clone() for p in params])
-        for i, p in enumerate(params):
-            p.grad = _in_order([g[i] for g in per_rank]) / L
+                per_rank.append([p.grad.clone() for p in params])
+            summed = [_in_order([g[i] for g in per_rank]) / L for i in range(len(params))]
+            total = summed if total is None else [a + b for a, b in zip(total, summed)]
+        for p, g in zip(params, total):
+            p.grad = g
         grads = [p.grad.clone() for p in params]
         norm = exact_clip_grad_norm_(params, CLIP)
         opt.step()

@@ -8,13 +8,14 @@ the L logical ranks in logical order (logical.py), then FSDP divides by L. The b
 sharded gradient then depend on the logical ranks' contributions only, however many processes
 hold the shards.
 
-A logical rank's micro-batches accumulate in FSDP's unsharded gradients (sync only on its last
-micro-batch), so its contribution reaches the hook whole. A process hosting several logical
-ranks after a shrink runs them one after the other; the hook keeps the earlier ones' inputs and
+Each micro-batch is reduced as FSDP reduces it (into the sharded gradients, which accumulate the
+micro-batches): a micro-batch's sum over the L logical ranks in logical order, then the next's
+added. A process hosting several logical ranks after a shrink runs micro-batch m of each in
+turn; the hook keeps the earlier ones' inputs (their output is zeros, adding nothing) and
 communicates once, on the last hosted rank's call, so every process calls the collective once
-per unit. While shrunk, a process keeps the gathered parameters for the whole step (no reshard
-between its hosted ranks' passes): each process then all-gathers each unit once per step, as
-its peers do, whatever it hosts.
+per unit and micro-batch. While shrunk, a process keeps the gathered parameters for the whole
+step (no reshard between its hosted ranks' passes): each process then all-gathers each unit
+once per step, as its peers do, whatever it hosts.
 
 Clipping: the gradient norm of sharded gradients is summed over the shards, whose number
 changes with a shrink; here each gradient is gathered whole, one at a time, and its norm taken
@@ -55,7 +56,9 @@ class _LogicalReduceScatter(ReduceScatter):
         h = self.hosted
         if not h.last:  # an earlier hosted rank: kept until the last one's call
             h.kept[(self.unit, h.share)] = input_tensor.clone()
-            output_tensor.zero_()  # cleared before the last pass (LogicalFSDP.before_last)
+            # FSDP adds the output to the sharded gradient: zeros add nothing (an exact zero
+            # of either sign may come out +0, which changes no later value of the step)
+            output_tensor.zero_()
             return None
         contribs = {s: h.kept.pop((self.unit, s))
                     for s in h.placement.hosted(dist.get_rank(group)) if s != h.share}
@@ -93,15 +96,9 @@ class LogicalFSDP:
             unit.set_reshard_after_backward(not shrunk, recurse=False)
 
     def begin_pass(self, share: int, last_share: bool) -> None:
-        """Before logical rank `share`'s micro-batches; `last_share`: no hosted rank after it."""
+        """Before logical rank `share`'s backward of a micro-batch; `last_share`: no hosted
+        rank after it for this micro-batch."""
         self.hosted.share, self.hosted.last = share, last_share
-        if last_share:  # FSDP assigns the last call's output: nothing from earlier passes adds
-            for p in self.model.parameters():
-                p.grad = None
-
-    def sync(self, on: bool) -> None:
-        """Reduce at the end of this backward (a logical rank's last micro-batch) or not."""
-        self.model.set_requires_gradient_sync(on)
 
     def end_step(self) -> None:
         """After the step's last backward: the parameters back to their shards."""
@@ -123,24 +120,41 @@ def exact_clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
     return total
 
 
+BUCKET_NUMEL = 1 << 25  # whole gradients gathered at a time: 128 MB in fp32, or the largest one
+
+
 def _rows(dim0: int, world: int, rank: int) -> int:
     """Rows of FSDP2's chunk `rank` of a first dimension `dim0` cut for `world` processes."""
     per = -(-dim0 // world)
     return max(0, min(per, dim0 - rank * per))
 
 
-def _whole(grads: list) -> list[torch.Tensor]:
-    """The sharded gradients gathered whole, in one all-gather for them all (one per gradient
-    cost +31% on a tiny-llama step here); each process's part padded to the longest."""
+def _whole(grads: list):
+    """The sharded gradients, each gathered whole, in order: a bucket of them per all-gather
+    (one all-gather per gradient cost a tiny-llama step +31% here; all of them at once would
+    hold the whole model's gradients on every process). Each process's part is padded to the
+    longest."""
     if not grads or not all(is_dtensor(g) and g.dim() for g in grads) or \
             len({g.dtype for g in grads}) != 1:
-        return [full_tensor(g) for g in grads]
+        yield from (full_tensor(g) for g in grads)
+        return
+    bucket = []
+    for g in grads:
+        if bucket and sum(b.numel() for b in bucket) + g.numel() > BUCKET_NUMEL:
+            yield from _gathered(bucket)
+            bucket = []
+        bucket.append(g)
+    yield from _gathered(bucket)
+
+
+def _gathered(grads: list) -> list[torch.Tensor]:
+    """`grads` (DTensors cut on dim 0 by FSDP2) gathered whole in one all-gather."""
     group = grads[0].device_mesh.get_group()
     world, me = dist.get_world_size(group), dist.get_rank(group)
     row = [math.prod(g.shape[1:]) for g in grads]  # elements per row of the first dimension
     sizes = [[_rows(g.shape[0], world, q) * r for g, r in zip(grads, row)] for q in range(world)]
     mine = [local_tensor(g).reshape(-1) for g in grads]
-    if [t.numel() for t in mine] != sizes[me]:  # not FSDP2's dim-0 chunks: gathered one by one
+    if [t.numel() for t in mine] != sizes[me]:  # not FSDP2's dim-0 chunks: one by one
         return [full_tensor(g) for g in grads]
     width = max(sum(s) for s in sizes)
     send = torch.zeros(width, dtype=mine[0].dtype, device=mine[0].device)

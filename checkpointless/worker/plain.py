@@ -148,7 +148,7 @@ class PlainJob(LogicalRanks):
             return summed_extra(self._ddp, extra)
         return all_reduce_grads(params, self.world_size, extra)
 
-    def protect(self, send_frozen: bool = True, **objects) -> None:
+    def protect(self, send_frozen: bool = True, rebuild=None, **objects) -> None:
         # nothing to protect (a failure ends the job); note a gradient-averaging wrapper, and
         # refuse a loader the supervised run would refuse
         found = [o for o in objects.values() if isinstance(o, DistributedDataParallel)]

@@ -147,11 +147,6 @@ def _state_items(s: _Setup) -> list:
                                                    "optimizer step"),
                           note="shrink=exact: contribution kept + the sum, fp32; + "
                           f"{fmt_gb(s.trainable * HOSTED_BYTES)} per logical rank hosted"))
-    if s.fsdp_logical and s.accum > 1:  # a logical rank's micro-batches sum unsharded
-        items.append(Item("logical reduction", _at(s.trainable * HOSTED_BYTES, "forward",
-                                                   "loss backward", "layer backward"),
-                          note="fsdp shrink=exact: unsharded fp32 gradients until a logical "
-                          "rank's last micro-batch"))
     return items
 
 
