@@ -91,7 +91,10 @@ def test_a_wide_llama_with_replication_survives_a_kill_with_the_failure_free_bit
     (rec,) = rep["recoveries"]
     assert rec["failed_rank"] == 3 and rec["restored_from"] == "peer_memory"
     mem = rep["memory"]
+    version = 3 * params_of(4) * 4 / 8  # one slice: params + 2 moments, fp32, 1/8 each
     for r, held in mem["replica_bytes_by_rank"].items():
-        # own slice and one peer's, two versions each: about 4 x (params + 2 moments) / 8
-        held += mem["snapshot_bytes_by_rank"][r]
-        assert held == pytest.approx(4 * 3 * params_of(4) * 4 / 8, rel=0.05), r
+        # own slice and one peer's, two or three versions each (redundancy.py keeps three; the
+        # newest is there once its exchange finished before the end, a matter of timing)
+        own = mem["snapshot_bytes_by_rank"][r]
+        for got in (held, own):
+            assert any(got == pytest.approx(k * version, rel=0.05) for k in (2, 3)), (r, got)
