@@ -128,9 +128,9 @@ class Replacing:
                 self.pool.refill(self.workers[f.wid], later)
         # no waiting: what no ready spare takes moves to the survivors. Not under audits: an
         # audit replays one process's step, and a process hosting two would not match it
-        # (and not below shrink_min_processes: the lost ranks then wait for spares, as with off)
-        if cfg.shrink != "off" and not cfg.audit_every and \
-                self.placement.processes - len(pending) >= cfg.shrink_min_processes:
+        # (not below shrink_min_processes, nor over shrink_max_hosted: the lost ranks then wait
+        # for spares, as with off)
+        if cfg.shrink != "off" and not cfg.audit_every and self._can_shrink(pending):
             self._replace_or_shrink(pending)
             return
         t0, said = time.time(), False
@@ -159,6 +159,23 @@ class Replacing:
         self._publish()
         for f, spare in zip(pending, spares):
             f.gen = spare.took_over_gen = self.gen
+
+    def _can_shrink(self, pending: list[Failure]) -> bool:
+        """The survivors could host every lost rank (no spare counted): enough processes left,
+        none over checkpointless.shrink_max_hosted (on a device, what the memory plan leaves).
+        Else said, and the lost ranks wait for a spare."""
+        left = self.placement.processes - len(pending)
+        try:
+            if left < self.cfg.shrink_min_processes:
+                raise ValueError(f"{left} processes would be left, fewer than the "
+                                 f"{self.cfg.shrink_min_processes} this strategy needs")
+            self.placement.shrink(sorted(f.rank for f in pending),
+                                  self.cfg.shrink_max_hosted or None)
+            return True
+        except ValueError as exc:
+            self.log(f"[checkpointless] no shrink ({exc}; checkpointless.shrink_max_hosted="
+                     f"{self.cfg.shrink_max_hosted}): the lost ranks wait for a spare")
+            return False
 
     def _choose_spares(self, pending: list[Failure]) -> list[Worker] | None:
         lost = [self.workers[f.wid] for f in pending]
