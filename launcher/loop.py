@@ -282,9 +282,12 @@ def train(run: Run) -> None:
     """The loop: each step committed, or redone after a recovery; figures for committed ones."""
     job, t, metrics = run.job, run.cfg.trainer, run.metrics
     for step in job.steps(t.max_steps):
+        loss_total = None
         with job.step():
             loss_total, grad_norm, lr, pending = train_step(run, step)
-        if job.completed_steps == step + 1:  # committed (not rolled into a recovery)
+        # committed (not rolled into a recovery); a recovery may also have brought this rank
+        # the state after `step` from its peers (a member behind them): nothing of its own
+        if loss_total is not None and job.completed_steps == step + 1:
             # every rank's loss counted (a tp group's alike); under pp the last stage's
             run.loss_value = loss_total.item() / (
                 job.logical_world // run.cfg.distributed.pp_size * t.grad_accum_steps)
