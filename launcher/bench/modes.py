@@ -28,8 +28,9 @@ def mode_recipe(cfg, overrides: list[str], mode: str, tau_steps: int = 0,
         extra += ["distributed.strategy=fsdp", "checkpointless.spares=0"]
         if mode == "fsdp":
             extra += ["checkpointless.replication.factor=1"]
-        elif mode == "fsdp-exact":  # its reduce-scatter by logical rank (fsdp_logical.py)
-            extra += ["checkpointless.shrink=exact"]
+        # fsdp-exact: its reduce-scatter by logical rank (fsdp_logical.py), beside the others'
+        # FSDP collectives (shrink=off: the numbers before exact became fsdp's default)
+        extra += [f"checkpointless.shrink={'exact' if mode == 'fsdp-exact' else 'off'}"]
     elif mode == "hsdp":  # two replica groups: they are the copies, nothing kept for peers
         extra += ["distributed.strategy=hsdp", f"distributed.shard_size={max(1, cfg.workers // 2)}",
                   "checkpointless.spares=0", "~checkpointless.replication.factor"]
