@@ -103,8 +103,12 @@ def test_sbatch_survives_a_nodes_tasks_killed_with_the_failure_free_bits(
     rep = json.loads((out / "report.json").read_text())
     assert rep["status"] == "ok", log[-3000:]
     assert rep["params_sha256"] == tiny_llama_30_steps_digest, log[-3000:]  # = 1 node x 4
-    assert {(r["cause"], r["failed_node"], r["replacement_node"]) for r in rep["recoveries"]} \
-        == {("node_lost", 1, 2)}
+    # the spare node takes node 1's ranks; or, not ready yet at the kill, the survivors host
+    # them (a shrink, shrink=exact being ddp's default) until it is: the same bits either way
+    recs = rep["recoveries"]
+    assert {(r["cause"], r["failed_node"]) for r in recs} == {("node_lost", 1)}, recs
+    assert all(r["replacement_node"] == 2 or r.get("shrunk") for r in recs), recs
+    assert bool(rep.get("shrinks")) == any(r.get("shrunk") for r in recs), rep.get("shrinks")
     assert "Slurm (SLURM_NNODES - 1 spare node(s))" in log  # its place, read from srun's env
 
 
