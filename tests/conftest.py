@@ -194,3 +194,16 @@ def fsdp_12_steps(references):
     out, rep, _ = references.train("tiny-llama", *FSDP_12)
     assert rep["steps_completed"] == 12
     return out, rep
+
+
+def assert_moved_or_hosted(rep, moved: set, processes: int) -> None:
+    """The lost ranks went to the spare node (`moved`: cause, failed node, replacement node); or,
+    when no spare was warm yet at the decision (the spare node's workers still importing on a
+    loaded machine), ddp's default shrink (exact: the same bits) hosted them on the survivors
+    and the job grew back to `processes` when the spare was ready."""
+    recs = rep["recoveries"]
+    if not any(r.get("shrunk") for r in recs):
+        assert {(r["cause"], r["failed_node"], r["replacement_node"]) for r in recs} == moved
+        return
+    assert {(r["cause"], r["failed_node"]) for r in recs} == {m[:2] for m in moved}, recs
+    assert rep["shrinks"] and rep["grows"][-1]["to_processes"] == processes, rep["grows"]

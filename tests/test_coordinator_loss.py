@@ -15,14 +15,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
 from checkpointless.ha import member as etcd_member
 from tests import netns
-from tests.conftest import ROOT, launcher_cmd
+from tests.conftest import ROOT, assert_moved_or_hosted, launcher_cmd
 
 # `make test-scale` (extended), not `make test`: about 5 min each on 2 cores (8 workers, 4
 # launchers, 4 candidates and 3 etcd members), past make test's time budget
@@ -107,8 +106,7 @@ def _check_moved_run(tmp_path, digest):
     assert moves[1]["token"] > moves[0]["token"]
     recs = rep["recoveries"]
     assert sorted(r["failed_rank"] for r in recs) == [0, 1]
-    assert {(r["cause"], r["failed_node"], r["replacement_node"]) for r in recs} == {
-        ("node_lost", 0, 3)}
+    assert_moved_or_hosted(rep, {("node_lost", 0, 3)}, 6)
     # the record counts from the launch, not from the takeover (control/ledger.py): the steps
     # node 0's coordinator recorded before the kill are in (less its last second's at most)
     assert rep["steps_completed"] == STEPS and rep["steps_this_launch"] >= STEPS - 5, (

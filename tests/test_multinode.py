@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.conftest import FSDP_12, ROOT, launcher_cmd
+from tests.conftest import FSDP_12, ROOT, assert_moved_or_hosted, launcher_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -63,8 +63,7 @@ def assert_node_1_moved_to_the_spare_node(tmp_path, rep) -> None:
     wait is its own phase, said in the log, not recovery work); nothing of the job is left."""
     recs = rep["recoveries"]
     assert sorted(r["failed_rank"] for r in recs) == [2, 3]
-    assert {(r["cause"], r["failed_node"], r["replacement_node"]) for r in recs} == {
-        ("node_lost", 1, 2)}
+    assert_moved_or_hosted(rep, {("node_lost", 1, 2)}, 4)
     assert len({r["generation"] for r in recs}) == 1  # failed together, one new generation
     log = (tmp_path / "node0.log").read_text()
     assert "node 1 lost" in log
@@ -221,7 +220,9 @@ def test_a_node_lost_while_another_nodes_ranks_move_ends_with_the_one_node_bits(
     assert rep["status"] == "ok" and rep["params_sha256"] == one_node_digest
     recs = rep["recoveries"]
     assert {r["failed_node"] for r in recs} >= {1}, recs
-    assert all(r["replacement_node"] in (2, 3) for r in recs), recs
+    assert all(r["replacement_node"] in (2, 3) or r.get("shrunk") for r in recs), recs
+    if any(r.get("shrunk") for r in recs):  # see assert_moved_or_hosted
+        assert rep["grows"][-1]["to_processes"] == 4, rep["grows"]
     assert not _job_processes(tmp_path)
 
 

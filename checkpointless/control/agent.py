@@ -49,6 +49,9 @@ class NodeAgent:
         self.store, self.node, self.cmd, self.env = store, node, cmd, env
         self.host, self.port = store_host, store_port
         self.node_timeout_s = node_timeout_s
+        # a record every node_beat_s, or six per node timeout when that is longer: a job that
+        # gives its nodes more time to be silent (thousands of nodes) sends fewer records
+        self.beat_s = max(D.node_beat_s, node_timeout_s / 6)
         self.log = log
         self.starter, self.connect = starter, connect
         self.workers: dict[int, Worker] = {}
@@ -146,7 +149,7 @@ class NodeAgent:
                 news = self.new_exits()
                 if news or time.time() >= next_health:
                     state = self.health(news=bool(news))
-                    next_health = time.time() + D.node_beat_s
+                    next_health = time.time() + self.beat_s
                     if state.kind is Word.FENCED:
                         self.log(f"[node {self.node}] fenced by the coordinator ({state}): "
                                  "stopping this node's workers")

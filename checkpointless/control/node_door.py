@@ -1,19 +1,19 @@
 """A node's door to the coordinator's store: every process of the node reaches the coordinator
-through it, over two connections per node whatever the ranks per node.
+through it, over one connection per node whatever the ranks per node.
 
-The coordinator's connections, and its store server's per-connection work, must grow with nodes,
-not ranks. The node agent hosts the door on 127.0.0.1 and gives its workers (and its own threads)
-the door's port as the coordinator's. Calls from every local client go down one connection in
-the order they arrive (torch's server answers a connection's calls in order: the n-th answer is
-the n-th call's), what arrives in one turn of the loop leaving in one write. Waits go down a
-second connection; clients waiting for the same keys share one upstream wait (see `_wait`).
+The coordinator's connections must grow with nodes, not ranks. The node agent hosts the door on
+127.0.0.1 and gives its workers (and its own threads) its port as the coordinator's. Every local
+client's calls go up one connection in the order they arrive (torch's server answers a
+connection's calls in order), a turn of the loop's in one write. Waits go up the same connection,
+one per key however many clients wait for it (`_wait`). A wait's wake-up byte may come between any
+two answers, so calls that expect one go up behind a CANCEL_WAIT (whose answer follows every
+wake-up sent before it), and the waits are armed again behind them: no byte is ever in doubt.
 
 When the coordinator moves (`retarget`, coordinator=etcd), the calls not yet answered and the
-waits go to the new one: a worker blocked in a call is answered there, as if it had been made
-there. It does not replay to the *same* coordinator (a call it may have carried out, an add, is
-not sent twice), nor carry the old store's keys over. With `hold=False` (one coordinator for the
-job's life) a broken connection closes every client's, so their calls fail at once, as a direct
-connection's would.
+waits go to the new one, as if made there. Nothing is replayed to the *same* coordinator (an add
+it may have carried out is not sent twice), nor are the old store's keys carried over. With
+`hold=False` (one coordinator for the job's life) a broken connection closes every client's, so
+their calls fail at once, as a direct connection's would.
 """
 from __future__ import annotations
 
@@ -46,20 +46,20 @@ class StoreDoor:
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._clients: set[_Client] = set()
         self._outq: set[_Client] = set()  # clients with answers to send this turn
-        # upstream: the calls' connection and the waits', made and lost together
+        # upstream: one connection to the coordinator's store, for the calls and the waits
         self._up: socket.socket | None = None
-        self._wup: socket.socket | None = None
         self._up_epoch = -1
         self._broken_epoch = -1  # the epoch whose target broke (not dialled again when holding)
         self._upbuf = bytearray()
         self._unsent: deque = deque()  # (owner, call, shape): a _Client, or a _Wait's check
         self._pending: deque = deque()  # (owner, call, shape, when) sent, in order
-        self._out = bytearray()  # to the calls' connection, at the end of the turn
-        self._wout = bytearray()  # to the waits'
+        self._out = bytearray()  # upstream, at the end of the turn
         self._waits: dict[bytes, _Wait] = {}  # by keys; those not over
         self._checking = 0  # checks out for the waits
         self._present: dict[bytes, bool] = {}  # their answers
-        self._woke = False  # a byte came on the waits' connection while checks were out
+        self._woke = False  # a wake-up byte came while checks were out
+        self._armed: set[bytes] = set()  # keys waited for upstream since the last CANCEL_WAIT
+        self._to_arm: set[bytes] = set()  # keys to wait for upstream at the end of the turn
         self._stop = False
         self.thread = threading.Thread(target=self._run, daemon=True, name="store-door")
         self.thread.start()
@@ -97,8 +97,6 @@ class StoreDoor:
                     w.recv_pipe(self._wake_r)
                 elif key.data == "up" and key.fileobj is self._up:  # not lost this turn
                     self._from_up()
-                elif key.data == "wup" and key.fileobj is self._wup:
-                    self._from_waits()
                 elif key.data in self._clients:
                     self._from_client(key.data)
             if self._up is not None and self._up_epoch != self.epoch:
@@ -176,10 +174,10 @@ class StoreDoor:
 
     # ---- waits -------------------------------------------------------------------------------
     # torch's server keeps one count of awaited keys per connection, set by its newest wait, and
-    # answers a wait when the count reaches 0. So the waits' connection waits for each missing
-    # key alone: the newest leaves the count at 1, and a byte comes as soon as any of the keys
-    # appears. Which one, `check`s on the calls' connection say (one per key); then each key
-    # still missing is waited for again, a key that appeared meanwhile answering at once.
+    # answers a wait when the count reaches 0. So the door waits for each missing key alone: the
+    # newest leaves the count at 1, and a byte comes as soon as any of the keys appears. Which
+    # one, `check`s say (one per key); then each key still missing is waited for again, a key
+    # that appeared meanwhile answering at once.
     def _wait(self, c: _Client, call: bytes) -> None:
         key = call[1:]
         wt = self._waits.get(key)
@@ -200,9 +198,7 @@ class StoreDoor:
                 self._waits.pop(wt.call[1:], None)
 
     def _arm(self, keys) -> None:
-        if self._wup is not None:
-            for k in keys:
-                self._wout += w.one_key(w.WAIT, k)
+        self._to_arm.update(keys)
 
     def _check(self, keys) -> None:
         for k in keys:
@@ -231,17 +227,13 @@ class StoreDoor:
             self._from_waits(again=True)
 
     def _from_waits(self, again: bool = False) -> None:
-        if not again:
-            data = w.recv(self._wup)
-            if not data:
-                return None if data is None else self._up_lost(broke=True)
+        """A wake-up came (`again`: while checks were out): the checks say which keys are in."""
         self._woke = self._checking > 0
         if not self._woke:
-            self._check({k for wt in self._waits.values() for k in wt.keys})
+            self._check(self._waited())
 
-    def _waits_connected(self) -> None:
-        self._sel.register(self._wup, selectors.EVENT_READ, "wup")
-        self._arm({k for wt in self._waits.values() for k in wt.keys})
+    def _waited(self) -> set[bytes]:
+        return {k for wt in self._waits.values() for k in wt.keys}
 
     # ---- the coordinator's side --------------------------------------------------------------
     def _connect_up(self) -> None:
@@ -251,29 +243,23 @@ class StoreDoor:
             return  # never again to the one that broke (see the module's docstring)
         try:
             up = w.dial(self._target)
-            try:
-                self._wup = w.dial(self._target)
-            except OSError:
-                up.close()
-                raise
         except OSError:
             return  # tried again on the next turn (every 0.2 s at most)
         self.stats["upstream_connects"] += 1
         self._up, self._up_epoch = up, self.epoch
         self._upbuf.clear()
         self._sel.register(up, selectors.EVENT_READ, "up")
-        self._waits_connected()
         self._woke = False
-        self._check({k for wt in self._waits.values() for k in wt.keys})
+        self._check(self._waited())  # the keys still missing are armed once answered
 
     def _up_lost(self, broke: bool) -> None:
-        for s in (self._up, self._wup):
-            if s is not None:
-                self._forget(s)
+        if self._up is not None:
+            self._forget(self._up)
         was_up = self._up is not None
-        self._up = self._wup = None
+        self._up = None
         self._out.clear()
-        self._wout.clear()
+        self._armed.clear()
+        self._to_arm.clear()
         # the calls not answered go first next time, in their order; checks are asked again
         back = [(o, c, shape) for o, c, shape, _ in self._pending if isinstance(o, _Client)]
         self._unsent = deque(back + [e for e in self._unsent if isinstance(e[0], _Client)])
@@ -296,7 +282,20 @@ class StoreDoor:
         if not data:  # nothing after all, or the coordinator is gone
             return None if data is None else self._up_lost(broke=True)
         self._upbuf += data
-        while self._pending:
+        woke = False
+        while self._upbuf:
+            if not self._pending or self._pending[0][2] == "c":
+                # between answers only a wait's wake-up byte may come; a CANCEL_WAIT's own
+                # answer follows every one sent before it
+                byte = self._upbuf.pop(0)
+                if byte == w.STOP_WAITING:
+                    woke = True
+                elif self._pending and byte == w.WAIT_CANCELED:
+                    self._pending.popleft()
+                else:
+                    self.log(f"[store door] byte {byte} where a wake-up was due: reconnecting")
+                    return self._up_lost(broke=True)
+                continue
             owner, _, shape, _ = self._pending[0]
             try:
                 end = w.answer_end(self._upbuf, shape)
@@ -310,24 +309,36 @@ class StoreDoor:
             elif owner in self._clients:
                 owner.out += answer
                 self._outq.add(owner)
+        if woke:
+            self._from_waits()
 
     def _flush(self) -> None:
-        """What this turn gathered leaves in one write per connection."""
+        """What this turn gathered leaves in one write."""
         if self._up is not None:
             now = time.monotonic()
+            if self._armed and any(shape for _, _, shape in self._unsent):
+                # an answer is due: no wake-up byte may come among the answers, so the waits
+                # armed so far end first (their bytes, if any, come before the cancel's own)
+                self._out.append(w.CANCEL_WAIT)
+                self._pending.append((None, b"", "c", now))
+                checked = {o for o, _, _ in self._unsent if isinstance(o, bytes)}  # keys
+                self._to_arm |= (self._armed & self._waited()) - checked
+                self._armed = set()
             while self._unsent:
                 owner, call, shape = self._unsent.popleft()
                 self._out += call
                 if shape:
                     self._pending.append((owner, call, shape, now))
-            for sock, buf in ((self._up, self._out), (self._wup, self._wout)):
-                if buf:
-                    try:
-                        sock.sendall(buf)
-                    except OSError:
-                        self._up_lost(broke=True)
-                        break
-                    buf.clear()
+            for k in self._to_arm:  # behind the calls: their answers come first
+                self._out += w.one_key(w.WAIT, k)
+            self._armed |= self._to_arm
+            self._to_arm = set()
+            if self._out:
+                try:
+                    self._up.sendall(self._out)
+                    self._out.clear()
+                except OSError:
+                    self._up_lost(broke=True)
         outq, self._outq = self._outq, set()
         for c in outq:
             if c not in self._clients:

@@ -30,7 +30,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import socket
 import sys
 import threading
 import time
@@ -247,9 +246,10 @@ def measure(nodes: int, per_node: int, spare_nodes: int = 2, step_s: float = 1.0
         if not h.wait_gen(0, start_timeout_s):
             raise RuntimeError(h.why_not_started(start_timeout_s))
         started_s = time.time() - t0
-        time.sleep(2 * max(step_s, protocol.DEFAULTS.node_beat_s))  # every node reporting
+        time.sleep(2 * max(step_s, protocol.DEFAULTS.node_beat_s, node_timeout_s / 6))  # all report
         out = {"nodes": nodes, "ranks_per_node": per_node, "ranks": ranks,
                "spare_nodes": spare_nodes, "step_s": step_s, "start_s": round(started_s, 2),
+               "node_timeout_s": node_timeout_s,
                "shards": len(h.shards),
                "steady": h.steady(steady_s)}
         # the coordinator's connections, as its process holds them (its own and the harness's
@@ -268,6 +268,17 @@ def measure(nodes: int, per_node: int, spare_nodes: int = 2, step_s: float = 1.0
         h.close()
 
 
+def node_timeout_for(nodes: int) -> float:
+    """The node timeout the harness gives a size by default. Every simulated node's real agent
+    runs on this machine's two cores: at 2,048 nodes their records at the product's default
+    (3 s, a record every 0.5 s) alone took more CPU than the machine has, and agents starved of
+    it went silent for 3 s and were fenced (2026-12-06). A node's record comes six times per node
+    timeout (agent.py), so 3 s per 512 nodes keeps their load at 512 nodes' on any size; a
+    cluster, whose nodes each have their own cores, needs no such thing. Detection then takes
+    longer; decision to barrier, which the harness reports apart, does not depend on it."""
+    return protocol.DEFAULTS.node_timeout_s * max(1.0, nodes / 512)
+
+
 def _print(row: dict) -> None:
     st = row["steady"]
     print(f"{row['nodes']:>6} nodes x {row['ranks_per_node']} = {row['ranks']:>6} ranks: "
@@ -275,7 +286,7 @@ def _print(row: dict) -> None:
           f"{100 * st['coordinator_cpu_share']:.1f}% of a core, simulated side "
           f"{100 * st['simulated_cpu_share']:.0f}% (started in {row['start_s']} s); the "
           f"coordinator holds {row['coordinator_connections']['store']} store connections "
-          f"({row['nodes'] + row['spare_nodes']} nodes)")
+          f"({row['nodes'] + row['spare_nodes']} nodes); node timeout {row['node_timeout_s']:g} s")
     for key in ("rank_failure", "node_failure"):
         f = row[key]
         if "error" in f:
@@ -312,8 +323,9 @@ def main(argv=None) -> int:
     p.add_argument("--spare-nodes", type=int, default=2)
     p.add_argument("--step-s", type=float, default=1.0, help="simulated step time")
     p.add_argument("--steady-s", type=float, default=5.0, help="steady-state window")
-    p.add_argument("--node-timeout-s", type=float, default=protocol.DEFAULTS.node_timeout_s,
-                   help="a node's silence before it is declared lost (the product's default)")
+    p.add_argument("--node-timeout-s", type=float, default=None,
+                   help="a node's silence before it is declared lost (default: the product's "
+                   "3 s up to 512 nodes, 3 s per 512 nodes beyond: see node_timeout_for)")
     p.add_argument("--shards", type=int, default=0,
                    help="processes holding the simulated nodes (0: one per 128 ranks, up to 32)")
     p.add_argument("--start-timeout-s", type=float, default=300.0,
@@ -329,7 +341,8 @@ def main(argv=None) -> int:
     rows, code = [], 0
     for nodes, per_node in sizes:
         try:
-            row = measure(nodes, per_node, a.spare_nodes, a.step_s, a.steady_s, a.node_timeout_s,
+            timeout_s = a.node_timeout_s or node_timeout_for(nodes)
+            row = measure(nodes, per_node, a.spare_nodes, a.step_s, a.steady_s, timeout_s,
                           start_timeout_s=a.start_timeout_s, shards=a.shards)
         except (RuntimeError, OSError, EOFError) as exc:  # past what this machine can hold
             why = str(exc) if isinstance(exc, RuntimeError) else f"{type(exc).__name__}: {exc}"
