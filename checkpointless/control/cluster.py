@@ -67,6 +67,7 @@ class NodeState:
     beats: dict = field(default_factory=dict)  # wid -> heartbeat, as its record gave them
     stopped: frozenset = frozenset()  # its workers whose processes are stopped
     left: bool = False  # its agent wrote its last record: its workers are stopped
+    raw: bytes = b""  # the record as last read: one read again unchanged is not parsed again
 
 
 class ClusterPool(WorkerPool):
@@ -218,7 +219,11 @@ class ClusterPool(WorkerPool):
             return
         records = self.store.multi_get([protocol.node_health_key(k) for k in live])
         for k, raw in zip(live, records):
-            if is_record(raw):  # not yet replaced by this coordinator's word (stop_all)
+            n = self.nodes[k]
+            # unchanged since the last read (the agent writes every node_beat_s or more; this
+            # reads every health_every_s): nothing new, and its beats keep their times
+            if raw != n.raw and is_record(raw):  # not replaced by this coordinator's word
+                n.raw = raw
                 self._read_health(k, NodeRecord.parse(raw), now)
 
     def _read_health(self, k: int, record: NodeRecord, now: float) -> None:

@@ -27,8 +27,7 @@ def startup_overdue(started: dict[int, float], beats: dict, timeout_s: float,
                     now: float) -> list[int]:
     """First-generation workers (wid -> launch time) with no heartbeat yet, launched longer
     than `timeout_s` ago: stuck in their start-up (a hung import, model load or first group)."""
-    return [w for w, t in sorted(started.items())
-            if beats.get(w) is None and now - t > timeout_s]
+    return sorted(w for w, t in started.items() if beats.get(w) is None and now - t > timeout_s)
 
 
 def clean_exit(wid: int, rank: int, code, hung: bool, node_lost: bool) -> str | None:

@@ -181,17 +181,35 @@ class Harness:
     def shards_cpu_s(self) -> float:
         return sum(cpu_s(proc.pid) for proc, _ in self.shards)
 
+    def threads_cpu_s(self) -> dict[str, float]:
+        """The shards' CPU seconds by kind of thread (scale_sim.cpu_by_thread), summed."""
+        out: dict[str, float] = {}
+        for part in self._all("cpu_by_thread"):
+            for k, v in part.items():
+                out[k] = out.get(k, 0.0) + v
+        return out
+
     def steady(self, window_s: float) -> dict:
-        (ops0, node0), cpu0, t0 = self.ops(), self.cpu_s(), time.time()
-        own0 = self.shards_cpu_s()
+        # each count is read as close to the window's ends as it can be: under load a question
+        # to 32 shards takes seconds, and CPU read after it would count them
+        cpu0, own0, t0 = self.cpu_s(), self.shards_cpu_s(), time.time()
+        ops0, node0 = self.ops()
+        threads0 = self.threads_cpu_s()
+        t1 = time.time()
         time.sleep(window_s)
-        dt = time.time() - t0
+        cpu, own, dt_cpu = self.cpu_s() - cpu0, self.shards_cpu_s() - own0, time.time() - t0
         ops1, node1 = self.ops()
-        return {"store_ops_per_s": round((ops1 - ops0) / dt, 1),
-                "coordinator_cpu_share": round((self.cpu_s() - cpu0) / dt, 4),
+        dt_ops = time.time() - t1
+        threads = self.threads_cpu_s()
+        dt_threads = time.time() - t1
+        return {"store_ops_per_s": round((ops1 - ops0) / dt_ops, 1),
+                "coordinator_cpu_share": round(cpu / dt_cpu, 4),
                 # the simulated side: its agents, node stores and ranks, on this machine's cores
-                "simulated_cpu_share": round((self.shards_cpu_s() - own0) / dt, 4),
-                "node_store_ops_per_s_each": round((node1 - node0) / dt /
+                "simulated_cpu_share": round(own / dt_cpu, 4),
+                "simulated_cpu_share_by_thread": {
+                    k: round((v - threads0.get(k, 0.0)) / dt_threads, 4)
+                    for k, v in sorted(threads.items(), key=lambda kv: -kv[1])},
+                "node_store_ops_per_s_each": round((node1 - node0) / dt_ops /
                                                    (self.nodes_n + self.spare_nodes), 1)}
 
     def failure(self, kind: str, gen: int, timeout_s: float) -> dict:
@@ -199,12 +217,14 @@ class Harness:
         of the generation that replaces it."""
         node = min(1 if kind == "rank" else 2, self.nodes_n - 1)
         cpu0, own0, ranks0 = self.cpu_s(), self.shards_cpu_s(), self.ranks_cpu_s()
+        threads0 = self.threads_cpu_s()
         t_fail = time.time()
         self._ask(self.shard_of[node], "kill_rank" if kind == "rank" else "kill_node", node)
         if not self.wait_gen(gen, timeout_s):
             return {"kind": kind, "error": f"generation {gen} not complete in {timeout_s} s"}
         cpu, own = self.cpu_s() - cpu0, self.shards_cpu_s() - own0
         ranks_cpu = self.ranks_cpu_s() - ranks0
+        threads = {k: round(v - threads0.get(k, 0.0), 2) for k, v in self.threads_cpu_s().items()}
         failures = [f for f in self.ask()[1] if f["gen"] == gen]
         head = json.loads(self.store.get(protocol.plan_key(gen)))
         times = self._all("times", gen)
@@ -221,7 +241,10 @@ class Harness:
                 # where the CPU went from the kill to every rank ready: the simulated ranks'
                 # own client work runs here on two cores, the coordinator's in its process
                 "cpu_s": {"coordinator": round(cpu, 3), "simulated_nodes_and_ranks": round(own, 3),
-                          "simulated_ranks": round(ranks_cpu, 3)}}
+                          "simulated_ranks": round(ranks_cpu, 3),
+                          # by kind of thread (read a moment after the rest)
+                          "simulated_by_thread": dict(sorted(threads.items(),
+                                                             key=lambda kv: -kv[1]))}}
 
     def close(self) -> None:
         for proc, _ in self.shards:

@@ -162,7 +162,8 @@ class SimNode:
                                self.door.port, harness.node_timeout_s, log=lambda m: None,
                                starter=self._start, connect=self._connect)
         harness.loop.start(self._beat())
-        threading.Thread(target=self.agent.run, args=(procs,), daemon=True).start()
+        threading.Thread(target=self.agent.run, args=(procs,), daemon=True,
+                         name=f"node{k}-agent").start()
 
     def _connect(self, host: str, port: int):
         """The agent's own threads' connections (commands, plans), counted with the rest."""
@@ -235,6 +236,8 @@ class Shard:
             with open(f"/proc/self/task/{self.loop.thread.native_id}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
             return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        if op == "cpu_by_thread":  # CPU seconds by kind of thread; "c++": torch's store servers
+            return cpu_by_thread()
         if op == "status":  # ranks alive, and how many of them completed generation `arg`
             ranks = self.ranks()
             return len(ranks), sum(1 for r in ranks if r.gen >= arg)
@@ -249,6 +252,25 @@ class Shard:
             self.nodes[arg].kill()
             return True
         raise ValueError(op)
+
+
+def cpu_by_thread() -> dict[str, float]:
+    """This process's CPU seconds by kind of thread: the agents' loops, their command and plan
+    threads, the doors, the ranks' event loop, the main thread; what Python does not know of
+    (the node stores' servers, torch's own threads) as "c++"."""
+    import re
+    names = {t.native_id: re.sub(r"^node\d+-", "", t.name) for t in threading.enumerate()}
+    out: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        kind = names.get(int(tid), "c++")
+        out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf(
+            "SC_CLK_TCK")
+    return out
 
 
 def shard_main(port: int, node_ids: list[int], per_node: int, step_s: float,
