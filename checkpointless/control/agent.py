@@ -312,7 +312,7 @@ def run_agent(node: int, cmd: list[str], host: str, port: int, node_timeout_s: f
               procs_here: int, connect_timeout_s: float = 300.0) -> int:
     """A node's launcher when it is not the coordinator: connect, serve, return an exit code.
     The node's processes (its workers, the agent's threads) reach the coordinator through the
-    node's door (node_door.py): two connections per node, whatever the ranks per node."""
+    node's door (node_door.py): one connection per node, whatever the ranks per node."""
     from .node_door import StoreDoor
     try:  # the coordinator is up (said plainly if not) before the door stands in front of it
         membership.connect(host, port, timeout_s=connect_timeout_s)

@@ -11,7 +11,7 @@ simulated: a `SimRank` speaks the worker's side of the protocol with the library
 the per-node `membership.barrier`, heartbeats into its node store, rank 0's step records) but
 trains nothing and builds no process group, so thousands fit on one small machine. Each has one
 connection to its node's door (the coordinator's address a worker is given: every node reaches
-the coordinator over two connections, checkpointless/control/node_door.py) and one to its node's
+the coordinator over one connection, checkpointless/control/node_door.py) and one to its node's
 store, as a worker has; the ranks of a shard are programs of one event loop (scale_wire.py), and
 the simulated nodes are split over processes (shards).
 
@@ -276,7 +276,7 @@ def measure(nodes: int, per_node: int, spare_nodes: int = 2, step_s: float = 1.0
                "shards": len(h.shards),
                "steady": h.steady(steady_s)}
         # the coordinator's connections, as its process holds them (its own and the harness's
-        # included): about two per node, through each node's door, whatever the ranks per node
+        # included): about one per node, through each node's door, whatever the ranks per node
         out["coordinator_connections"] = coordinator_connections(h.proc.pid, h.port)
         out["rank_failure"] = h.failure("rank", 1, 60.0)
         time.sleep(1.0)

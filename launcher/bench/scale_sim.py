@@ -154,7 +154,7 @@ class SimNode:
         self.ranks: list[SimRank] = []
         self.dead = False
         # the node's door, as run_agent stands it: every process of the node reaches the
-        # coordinator through it, over two connections whatever the ranks per node
+        # coordinator through it, over one connection whatever the ranks per node
         self.door = StoreDoor(hold=False)
         self.door.retarget("127.0.0.1", self.port)
         self.agent_store = connect(self.door.port, harness.main_ops)
