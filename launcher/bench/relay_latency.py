@@ -6,7 +6,10 @@ node_door.py), measured with torch's own client:
 The coordinator's store (a torch TCPStore server) and the door each run in a process of their
 own, as on a node (the door in the agent's process, the worker in its own). The same client
 calls are timed over a direct connection and through the door, alternating in blocks so that
-the machine's load falls on both alike; the figure is the difference of the medians.
+the machine's load falls on both alike; the figure is the difference of the medians. As on a
+node, a wait is armed through the door all along (the agent's plan relay and command thread
+each wait for their next key), so that a call which expects an answer goes up behind a
+CANCEL_WAIT and the wait is armed again behind it. The door's process's CPU per call is said too.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import json
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -40,6 +44,21 @@ def _timed(store, kind: str, n: int) -> list[float]:
     return out
 
 
+def _wait_forever(store) -> None:
+    from datetime import timedelta
+    try:
+        store.wait(["lat/never"], timedelta(days=1))
+    except Exception:  # noqa: BLE001  the door is gone: the measurement is over
+        pass
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    import os
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def measure(calls: int = 2000, block: int = 100) -> dict:
     import torch.distributed as dist
     procs = []
@@ -56,15 +75,22 @@ def measure(calls: int = 2000, block: int = 100) -> dict:
                                     timeout=timedelta(seconds=30))
                 for name, p in (("direct", port), ("door", door_port))}
         conn["direct"].set("lat/v", "x")
+        waiter = dist.TCPStore("127.0.0.1", door_port, is_master=False,
+                               timeout=timedelta(seconds=30))
+        threading.Thread(target=_wait_forever, args=(waiter,), daemon=True).start()
+        time.sleep(0.2)
         out = {}
         for kind in ("add", "compare_set", "get"):
-            t = {"direct": [], "door": []}
+            t, door_cpu = {"direct": [], "door": []}, 0.0
             for _ in range(max(1, calls // block)):
                 for name in ("direct", "door"):
+                    cpu0 = _cpu_s(door.pid)
                     t[name] += _timed(conn[name], kind, block)
+                    door_cpu += (_cpu_s(door.pid) - cpu0) if name == "door" else 0.0
             med = {k: statistics.median(v) * 1e6 for k, v in t.items()}
             out[kind] = {"direct_us": round(med["direct"], 1), "door_us": round(med["door"], 1),
-                         "added_us": round(med["door"] - med["direct"], 1), "calls": len(t["door"])}
+                         "added_us": round(med["door"] - med["direct"], 1), "calls": len(t["door"]),
+                         "door_cpu_us": round(door_cpu / len(t["door"]) * 1e6, 1)}
         return out
     finally:
         for p in procs:
@@ -82,7 +108,8 @@ def main(argv=None) -> int:
     got = measure(a.calls)
     for kind, r in got.items():
         print(f"{kind:>12}: direct {r['direct_us']:7.1f} us, through the node's door "
-              f"{r['door_us']:7.1f} us: +{r['added_us']:.1f} us a call (median of {r['calls']})")
+              f"{r['door_us']:7.1f} us: +{r['added_us']:.1f} us a call (median of {r['calls']}); "
+              f"the door's CPU {r['door_cpu_us']:.0f} us a call")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(got, f, indent=1)
