@@ -222,8 +222,11 @@ def relay(store, node_store, node: int, gen: int) -> None:
     part_key = keys.plan_node_key(gen, node)
     part = peek(store, part_key)  # written before the head: absent means none for this node
     names, values = ([part_key], [part]) if part is not None else ([], [])
+    # a part carries the head's every field, and in a node's store the head is only waited
+    # for (its ranks then read their part): a node with a part copies it under both keys, one
+    # read fewer per node and generation at the coordinator
     names += [keys.plan_key(gen), keys.GEN]
-    values += [peek(store, keys.plan_key(gen)), str(gen)]
+    values += [part if part is not None else peek(store, keys.plan_key(gen)), str(gen)]
     node_store.multi_set(names, values)
     done = keys.barrier_done_key(gen)
     store.wait([done], timedelta(days=1))
