@@ -101,8 +101,12 @@ def test_wake_ups_among_answers_leave_every_answer_in_step():
                 c.wait([f"wake/{i}/{g}"])
                 seen[i] = g + 1
 
-        threads = [threading.Thread(target=call, args=(i, c)) for i, c in enumerate(callers)]
-        threads += [threading.Thread(target=wait, args=(i, c)) for i, c in enumerate(waiters)]
+        # daemons: a door that lost the thread of its answers leaves them blocked, and the
+        # assertions below must still report it
+        threads = [threading.Thread(target=call, args=(i, c), daemon=True)
+                   for i, c in enumerate(callers)]
+        threads += [threading.Thread(target=wait, args=(i, c), daemon=True)
+                    for i, c in enumerate(waiters)]
         for t in threads:
             t.start()
         for g in range(40):  # the waits wake all through the callers' calls

@@ -36,6 +36,13 @@ from .processes import (SERVER_WAIT_S, Worker, close_reaped, kill_tree, open_pid
 D = protocol.DEFAULTS
 
 
+def record_interval_s(node_timeout_s: float) -> float:
+    """How often an agent writes its node's record: every node_beat_s, or six times per node
+    timeout when that is longer (a job that gives its nodes longer to be silent, thousands of
+    nodes, sends fewer records)."""
+    return max(D.node_beat_s, node_timeout_s / 6)
+
+
 class NodeAgent:
     """Owns the worker processes of one node that is not the coordinator's, and its node store.
 
@@ -49,9 +56,7 @@ class NodeAgent:
         self.store, self.node, self.cmd, self.env = store, node, cmd, env
         self.host, self.port = store_host, store_port
         self.node_timeout_s = node_timeout_s
-        # a record every node_beat_s, or six per node timeout when that is longer: a job that
-        # gives its nodes more time to be silent (thousands of nodes) sends fewer records
-        self.beat_s = max(D.node_beat_s, node_timeout_s / 6)
+        self.beat_s = record_interval_s(node_timeout_s)
         self.log = log
         self.starter, self.connect = starter, connect
         self.workers: dict[int, Worker] = {}

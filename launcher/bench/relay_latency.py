@@ -22,6 +22,8 @@ import threading
 import time
 from datetime import timedelta
 
+from .scale_proc import cpu_s
+
 SERVER = ("import time, torch.distributed as d; from datetime import timedelta; "
           "s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False, "
           "timeout=timedelta(seconds=60)); print(s.port, flush=True); time.sleep(3600)")
@@ -45,18 +47,10 @@ def _timed(store, kind: str, n: int) -> list[float]:
 
 
 def _wait_forever(store) -> None:
-    from datetime import timedelta
     try:
         store.wait(["lat/never"], timedelta(days=1))
     except Exception:  # noqa: BLE001  the door is gone: the measurement is over
         pass
-
-
-def _cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    import os
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def measure(calls: int = 2000, block: int = 100) -> dict:
@@ -84,9 +78,9 @@ def measure(calls: int = 2000, block: int = 100) -> dict:
             t, door_cpu = {"direct": [], "door": []}, 0.0
             for _ in range(max(1, calls // block)):
                 for name in ("direct", "door"):
-                    cpu0 = _cpu_s(door.pid)
+                    cpu0 = cpu_s(door.pid)
                     t[name] += _timed(conn[name], kind, block)
-                    door_cpu += (_cpu_s(door.pid) - cpu0) if name == "door" else 0.0
+                    door_cpu += (cpu_s(door.pid) - cpu0) if name == "door" else 0.0
             med = {k: statistics.median(v) * 1e6 for k, v in t.items()}
             out[kind] = {"direct_us": round(med["direct"], 1), "door_us": round(med["door"], 1),
                          "added_us": round(med["door"] - med["direct"], 1), "calls": len(t["door"]),

@@ -35,6 +35,7 @@ import threading
 import time
 
 from checkpointless import protocol
+from checkpointless.control.agent import record_interval_s
 from checkpointless.protocol import SupervisorConfig
 
 from .scale_proc import coordinator_connections, cpu_s, fd_limit, free_port, sockets, wait_port
@@ -174,10 +175,6 @@ class Harness:
     def cpu_s(self) -> float:
         return cpu_s(self.proc.pid)
 
-    def ranks_cpu_s(self) -> float:
-        """The simulated ranks' share of the shards' CPU (their event loops)."""
-        return sum(self._all("ranks_cpu"))
-
     def shards_cpu_s(self) -> float:
         return sum(cpu_s(proc.pid) for proc, _ in self.shards)
 
@@ -216,14 +213,12 @@ class Harness:
         """Kill one rank (on node 1) or one node (node 2, or 1 with two nodes); time each phase
         of the generation that replaces it."""
         node = min(1 if kind == "rank" else 2, self.nodes_n - 1)
-        cpu0, own0, ranks0 = self.cpu_s(), self.shards_cpu_s(), self.ranks_cpu_s()
-        threads0 = self.threads_cpu_s()
+        cpu0, own0, threads0 = self.cpu_s(), self.shards_cpu_s(), self.threads_cpu_s()
         t_fail = time.time()
         self._ask(self.shard_of[node], "kill_rank" if kind == "rank" else "kill_node", node)
         if not self.wait_gen(gen, timeout_s):
             return {"kind": kind, "error": f"generation {gen} not complete in {timeout_s} s"}
         cpu, own = self.cpu_s() - cpu0, self.shards_cpu_s() - own0
-        ranks_cpu = self.ranks_cpu_s() - ranks0
         threads = {k: round(v - threads0.get(k, 0.0), 2) for k, v in self.threads_cpu_s().items()}
         failures = [f for f in self.ask()[1] if f["gen"] == gen]
         head = json.loads(self.store.get(protocol.plan_key(gen)))
@@ -241,7 +236,8 @@ class Harness:
                 # where the CPU went from the kill to every rank ready: the simulated ranks'
                 # own client work runs here on two cores, the coordinator's in its process
                 "cpu_s": {"coordinator": round(cpu, 3), "simulated_nodes_and_ranks": round(own, 3),
-                          "simulated_ranks": round(ranks_cpu, 3),
+                          # the ranks' event loops (sim-ranks), the agents, their doors...
+                          "simulated_ranks": threads.get("sim-ranks", 0.0),
                           # by kind of thread (read a moment after the rest)
                           "simulated_by_thread": dict(sorted(threads.items(),
                                                              key=lambda kv: -kv[1]))}}
@@ -269,7 +265,7 @@ def measure(nodes: int, per_node: int, spare_nodes: int = 2, step_s: float = 1.0
         if not h.wait_gen(0, start_timeout_s):
             raise RuntimeError(h.why_not_started(start_timeout_s))
         started_s = time.time() - t0
-        time.sleep(2 * max(step_s, protocol.DEFAULTS.node_beat_s, node_timeout_s / 6))  # all report
+        time.sleep(2 * max(step_s, record_interval_s(node_timeout_s)))  # every node reporting
         out = {"nodes": nodes, "ranks_per_node": per_node, "ranks": ranks,
                "spare_nodes": spare_nodes, "step_s": step_s, "start_s": round(started_s, 2),
                "node_timeout_s": node_timeout_s,

@@ -7,9 +7,10 @@ import socket
 import time
 
 
-def cpu_s(pid: int) -> float:
-    """A process's CPU time so far (user and system; its threads' included)."""
-    with open(f"/proc/{pid}/stat") as f:
+def cpu_s(pid: int, tid: int | None = None) -> float:
+    """A process's CPU time so far (user and system; its threads' included), or with `tid` one
+    of its threads'."""
+    with open(f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 

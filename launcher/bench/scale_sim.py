@@ -23,6 +23,7 @@ from checkpointless.control.agent import NodeAgent
 from checkpointless.control.node_door import StoreDoor
 
 from . import scale_wire as wire
+from .scale_proc import cpu_s
 
 
 class Counter:
@@ -232,10 +233,6 @@ class Shard:
     def answer(self, op: str, arg):
         if op == "ops":
             return self.main_ops.n, self.node_ops.n
-        if op == "ranks_cpu":  # CPU seconds of the ranks' event loop (the rest: the agents)
-            with open(f"/proc/self/task/{self.loop.thread.native_id}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
         if op == "cpu_by_thread":  # CPU seconds by kind of thread; "c++": torch's store servers
             return cpu_by_thread()
         if op == "status":  # ranks alive, and how many of them completed generation `arg`
@@ -261,15 +258,13 @@ def cpu_by_thread() -> dict[str, float]:
     import re
     names = {t.native_id: re.sub(r"^node\d+-", "", t.name) for t in threading.enumerate()}
     out: dict[str, float] = {}
-    for tid in os.listdir("/proc/self/task"):
+    for tid in map(int, os.listdir("/proc/self/task")):
         try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+            used = cpu_s(os.getpid(), tid)
         except OSError:  # ended meanwhile
             continue
-        kind = names.get(int(tid), "c++")
-        out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf(
-            "SC_CLK_TCK")
+        kind = names.get(tid, "c++")
+        out[kind] = out.get(kind, 0.0) + used
     return out
 
 
