@@ -19,12 +19,24 @@ from checkpointless.worker import logical_all_reduce
 
 from .data import to_device
 from .model_setup import cpu_threads
+from .schema import SHARDED
+
+
+def shard_mesh_of(cfg, job):
+    """The mesh the model is sharded over: the job's, except under hsdp with shrink=exact,
+    where it is the shard group's alone (1-D): the logical reduce-scatter then hands each chunk
+    to its twins itself (fsdp_logical.py), and FSDP2 adds no replica all-reduce of its own."""
+    mesh = job.device_mesh()
+    names = mesh.mesh_dim_names or ()
+    if cfg.checkpointless.shrink == "exact" and "dp_replicate" in names:
+        return mesh["dp_shard"]
+    return mesh
 
 
 def takes_logical_step(run) -> bool:
     """This generation's steps go by logical rank: the same answer on every process."""
     d, shrink = run.cfg.distributed, run.cfg.checkpointless.shrink
-    if d.strategy == "fsdp":
+    if d.strategy in SHARDED:
         return shrink == "exact"
     return d.strategy == "ddp" and not run.pipe and (
         shrink == "exact" or (shrink == "fast" and run.job.shrunk))
@@ -74,7 +86,8 @@ def _fsdp_step(run, step: int) -> torch.Tensor:
     job, accelerator, t, lf = run.job, run.accelerator, run.cfg.trainer, run.logical_fsdp
     hosted = job.logical_ranks
     losses = {share: torch.zeros(1, device=accelerator.device) for share in hosted}
-    lf.begin_step(job.placement, job.shrunk)
+    # under hsdp with replica groups this generation, each chunk's sum goes to its twins
+    lf.begin_step(job.placement, job.shrunk, job.mesh_group("dp_replicate"))
     for micro in range(t.grad_accum_steps):
         for i, share in enumerate(hosted):
             lf.begin_pass(share, last_share=i == len(hosted) - 1)
@@ -90,9 +103,9 @@ def _fsdp_step(run, step: int) -> torch.Tensor:
 
 
 def install(run) -> None:
-    """Under fsdp with shrink=exact: the logical reduce-scatter on the model, and the rebuild a
-    shrink or grow calls (launcher/rebuild.py)."""
-    if run.cfg.distributed.strategy != "fsdp" or run.cfg.checkpointless.shrink != "exact":
+    """Under fsdp or hsdp with shrink=exact: the logical reduce-scatter on the model, and the
+    rebuild a shrink or grow calls (launcher/rebuild.py)."""
+    if run.cfg.distributed.strategy not in SHARDED or run.cfg.checkpointless.shrink != "exact":
         return
     from checkpointless.worker import LogicalFSDP
 
@@ -104,6 +117,6 @@ def install(run) -> None:
 def eval_share(cfg, job) -> tuple[int, int]:
     """(share, shares) of the validation rows this process computes: by process where the job
     may shrink (each row is summed once, whoever computes it), else by data-parallel rank."""
-    if cfg.checkpointless.shrink != "off" and cfg.distributed.strategy in ("ddp", "fsdp"):
+    if cfg.checkpointless.shrink != "off" and cfg.distributed.strategy in ("ddp", *SHARDED):
         return job.rank, job.world_size
     return job.data_rank, job.data_world

@@ -93,7 +93,7 @@ def supervisor_config(cfg) -> SupervisorConfig:
         audit_every=c.audit.every if c.enabled else 0,
         shrink_max_hosted=shrink_max_hosted(cfg),
         # one fsdp process would not reduce-scatter (fsdp_logical.py): two at the least
-        shrink_min_processes=2 if d.strategy == "fsdp" else 1,
+        shrink_min_processes=2 if d.strategy in SHARDED else 1,
         health=health_settings(cfg),
         tokens_per_step=cfg.trainer.micro_batch_size * cfg.trainer.grad_accum_steps *
         cfg.data.seq_len * (d.num_processes // d.tp_size),  # pp keeps the batch (pipeline.py)

@@ -35,7 +35,7 @@ from .audit_replay import LoopReplay
 from .checkpoints import durable_checkpoints
 from .data import to_device
 from .evaluate import evaluate
-from .hosted import eval_share, install, logical_step, takes_logical_step
+from .hosted import eval_share, install, logical_step, shard_mesh_of, takes_logical_step
 from .export import digest_and_export, export_lora
 from .memory import held
 from .metrics import Metrics
@@ -160,7 +160,7 @@ def join(cfg, out_dir: Path) -> Run:
         hand_over_init(model, pipe.part)
         model = pipe.part
     if d.strategy in SHARDED:  # sharded here, not by accelerate's plugin (see start_line)
-        shard(model, cfg, job.device_mesh(), receives_state=not job.builds_own_state,
+        shard(model, cfg, shard_mesh_of(cfg, job), receives_state=not job.builds_own_state,
               roots=pipe.views if pipe else None)
         wrapped = model
     elif d.grad_sync == "buckets" and not pipe and cfg.checkpointless.shrink != "exact":

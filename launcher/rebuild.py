@@ -47,5 +47,7 @@ def _fresh_mesh(job):
     its checkpoint wrote the chunk of rank 3). A name no earlier mesh had rules that out."""
     from torch.distributed.device_mesh import DeviceMesh
     import torch.distributed as dist
-    return DeviceMesh.from_group(dist.group.WORLD, job.device_mesh().device_type,
+    # under hsdp, while the processes form replica groups: the shard group's (hosted.py)
+    group = job.mesh_group("dp_shard") or dist.group.WORLD
+    return DeviceMesh.from_group(group, job.device_mesh().device_type,
                                  mesh_dim_names=(f"dp_shard_gen{job.gen}",))

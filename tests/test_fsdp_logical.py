@@ -43,14 +43,15 @@ def _in_order(parts):
     return acc
 
 
-def _job(group, placement: Placement) -> dict:
+def _job(group, placement: Placement, replicate=None) -> dict:
     """STEPS steps of FSDP2 with LogicalFSDP: each step's gathered gradients, norm and gathered
-    parameters after AdamW, and this process's final local shards."""
+    parameters after AdamW, and this process's final local shards. `replicate`: HSDP, the
+    model sharded over `group` and its chunks' twins in `replicate`."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
     from checkpointless.worker.fsdp_logical import LogicalFSDP, exact_clip_grad_norm_
-    me, model = dist.get_rank(group), _model()
+    me, model = dist.get_rank(group if replicate is None else None), _model()
     mesh = DeviceMesh.from_group(group, "cpu")
     for layer in model[::2]:
         fully_shard(layer, mesh=mesh)
@@ -59,7 +60,7 @@ def _job(group, placement: Placement) -> dict:
     lf, opt = LogicalFSDP(model, L), torch.optim.AdamW(params, lr=1e-2)
     steps = []
     for step in range(STEPS):
-        lf.begin_step(placement, placement.processes < L)
+        lf.begin_step(placement, placement.processes < L, replicate)
         hosted = placement.hosted(me)
         for micro in range(MICRO):  # each micro-batch reduced, the sharded gradients add them
             for i, share in enumerate(hosted):
@@ -112,6 +113,10 @@ def _train(rank, port, q):
         if rank in ranks:
             placement = Placement.identity(L).shrink(lost) if lost else Placement.identity(L)
             out[len(ranks)] = _job(group, placement)
+    # HSDP: 2 replica groups of 2, shard groups (0, 1) and (2, 3), twins (0, 2) and (1, 3)
+    shards = [dist.new_group(r) for r in ((0, 1), (2, 3))]
+    twins = [dist.new_group(r) for r in ((0, 2), (1, 3))]
+    out["hsdp"] = _job(shards[rank // 2], Placement.identity(L), twins[rank % 2])
     if rank == 0:
         out["hand"] = _by_hand()  # with the workers' thread count: one thread
     buf = io.BytesIO()
@@ -140,6 +145,21 @@ def test_gradients_norm_and_adamw_params_are_the_same_on_4_3_and_2_processes(tra
             assert _equal(params, ref[step][2]), (procs, step, "parameters after AdamW")
     # the training moved: the steps' gradients differ (the comparison is not of constants)
     assert not _equal(ref[0][0], ref[1][0])
+
+
+def test_hsdp_gives_the_bits_of_fsdp_and_twins_hold_the_same_chunks(trained):
+    """Under HSDP (2 x 2) the logical reduce-scatter over the world gives every step the fsdp
+    job's gradients, norm and parameters; each process's local shard is chunk s of 2 of the
+    whole, the same bits as its twin's."""
+    ref = trained[0][4]["steps"]
+    for step, (grads, norm, params) in enumerate(trained[0]["hsdp"]["steps"]):
+        assert _equal(grads, ref[step][0]), (step, "gradients")
+        assert torch.equal(norm, ref[step][1]), (step, "norm")
+        assert _equal(params, ref[step][2]), (step, "parameters after AdamW")
+    full = ref[-1][2]
+    for rank in range(4):
+        want = [reshard._chunk(f, 2, rank % 2) for f in full]
+        assert _equal(trained[rank]["hsdp"]["local"], want), rank
 
 
 def test_4_process_result_is_the_hand_made_logical_order_sum(trained):

@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 
 from checkpointless.worker.logical import (Placement, logical_all_reduce,
-                                           logical_all_reduce_grads)
+                                           logical_all_reduce_grads,
+                                           logical_reduce_scatter_replicated)
 from tests.conftest import spawn_gloo
 
 L = 4
@@ -123,6 +124,14 @@ def _reduce_on_subgroups(rank, port, q):
                                            out=targets)
             written = torch.equal(torch.cat([t.reshape(-1) for t in targets]), avg)
             out[placement.to_json()] = (summed.numpy(), avg.numpy(), written)
+    # HSDP: the 4 processes as 2 replica groups of 2; contributions of 14 x 59 = 826 elements,
+    # 2 chunks of 413, each cut into 2 parts of 207 (the last padded)
+    twins = [dist.new_group(r) for r in ((0, 2), (1, 3))]
+    for placement in (Placement.identity(L), Placement(L, ((3,), (2,), (0,), (1,)))):
+        got = logical_reduce_scatter_replicated(
+            {r: _contribution(r)[:14] for r in placement.hosted(rank)}, placement,
+            twins[rank % 2])
+        out[("hsdp", placement.to_json())] = got.numpy()
     q.put((rank, out))
     dist.destroy_process_group()
 
@@ -149,7 +158,18 @@ def test_one_process_hosting_every_rank_needs_no_group():
     assert torch.equal(logical_all_reduce(parts, alone), _in_order([parts[r] for r in range(L)]))
 
 
+def test_hsdp_chunks_are_the_logical_order_sum_the_same_in_twins(reduced):
+    """Each process of 2 x 2 gets chunk rank % 2 of ((c0 + c1) + c2) + c3, whoever hosts
+    which logical rank."""
+    ref = _in_order([_contribution(r)[:14] for r in range(L)]).reshape(-1)
+    got = {k: v for k, v in reduced.items() if isinstance(k[1], tuple)}
+    assert len(got) == 8
+    for (rank, _), chunk in got.items():
+        assert torch.equal(torch.from_numpy(chunk), ref[413 * (rank % 2):][:413]), rank
+
+
 def test_same_bits_on_4_3_and_2_processes(reduced):
+    reduced = {k: v for k, v in reduced.items() if isinstance(k[1], str)}
     ref = _in_order([_contribution(r) for r in range(L)])
     want = {(rank, p.to_json()) for ranks, ps in JOBS for p in ps for rank in ranks}
     assert set(reduced) == want  # every process of every job answered
@@ -159,6 +179,7 @@ def test_same_bits_on_4_3_and_2_processes(reduced):
 
 
 def test_averaged_gradients_are_the_same_on_4_3_and_2_processes(reduced):
+    reduced = {k: v for k, v in reduced.items() if isinstance(k[1], str)}
     per_rank = [torch.cat([g.reshape(-1) for g in _grads(r)]) for r in range(L)]
     ref = _in_order(per_rank) / L
     for key, (_, avg, written) in reduced.items():

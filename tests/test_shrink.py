@@ -16,8 +16,10 @@ from launcher.recipes import RecipeError, load  # noqa: E402
 
 
 @pytest.mark.parametrize("overrides,key", [
-    (["checkpointless.shrink=exact", "distributed.strategy=hsdp", "distributed.shard_size=2"],
-     "checkpointless.shrink='exact': is built for distributed.strategy=ddp and fsdp"),
+    (["checkpointless.shrink=fast", "distributed.strategy=hsdp", "distributed.shard_size=2"],
+     "checkpointless.shrink='fast': under hsdp is built as exact only"),
+    (["checkpointless.shrink=exact", "distributed.strategy=fsdp", "distributed.tp_size=2"],
+     "checkpointless.shrink='exact': needs one process per data-parallel rank"),
     (["checkpointless.shrink=fast", "distributed.strategy=fsdp"],
      "checkpointless.shrink='fast': under fsdp is built as exact only"),
     (["checkpointless.shrink=exact", "distributed.strategy=fsdp", "distributed.num_processes=2"],

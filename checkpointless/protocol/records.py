@@ -118,7 +118,7 @@ class Entered:
     restored_from: str = "peer_memory"  # or "durable_checkpoint", or "build" (lost at step 0)
     steps_redone: int = 0
     sent_from: dict = field(default_factory=dict)  # rank that received -> how it was served
-    resharded: list | None = None  # [processes before, after]: every slice cut anew (fsdp)
+    resharded: list | None = None  # [chunks before, after]: every slice cut anew (fsdp, hsdp)
     start_broadcast_from: int | None = None  # the first generation's source of the state
 
     def to_json(self) -> str:

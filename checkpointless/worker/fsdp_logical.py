@@ -17,6 +17,12 @@ per unit and micro-batch. While shrunk, a process keeps the gathered parameters 
 step (no reshard between its hosted ranks' passes): each process then all-gathers each unit
 once per step, as its peers do, whatever it hosts.
 
+Under hsdp the model is sharded over its shard group alone (a 1-D mesh), not over FSDP2's
+(replicate, shard) mesh, whose replica all-reduce no hook replaces: the hook sums each chunk over
+the whole world in logical order and hands the same bits to every twin holding it
+(logical.logical_reduce_scatter_replicated). The bits are then those of the same job under fsdp,
+and of a shrunk one on any number of processes.
+
 Clipping: the gradient norm of sharded gradients is summed over the shards, whose number
 changes with a shrink; here each gradient is gathered whole, one at a time, and its norm taken
 on the whole tensor, as ddp's ranks take it.
@@ -29,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-from .logical import Placement, logical_reduce_scatter
+from .logical import Placement, logical_reduce_scatter, logical_reduce_scatter_replicated
 from .tensors import full_tensor, is_dtensor, local_tensor
 
 
@@ -41,6 +47,9 @@ class HostedPass:
         self.share = 0  # the logical rank whose backward runs
         self.last = True  # it is this process's last hosted logical rank of the step
         self.kept: dict[tuple[int, int], torch.Tensor] = {}  # (unit, share) -> its input
+        # hsdp: this process's replica group dimension (its twins), whose members hold the
+        # same chunks; None when every chunk is held once
+        self.replicate = None
 
 
 class _LogicalReduceScatter(ReduceScatter):
@@ -60,10 +69,16 @@ class _LogicalReduceScatter(ReduceScatter):
             # of either sign may come out +0, which changes no later value of the step)
             output_tensor.zero_()
             return None
+        # the placement numbers processes in the world: under hsdp, not in the shard group
+        me = dist.get_rank() if h.replicate is not None else dist.get_rank(group)
         contribs = {s: h.kept.pop((self.unit, s))
-                    for s in h.placement.hosted(dist.get_rank(group)) if s != h.share}
+                    for s in h.placement.hosted(me) if s != h.share}
         contribs[h.share] = input_tensor
-        output_tensor.copy_(logical_reduce_scatter(contribs, h.placement, group))
+        if h.replicate is not None:  # the sum over the whole world, each chunk to its twins
+            output_tensor.copy_(logical_reduce_scatter_replicated(contribs, h.placement,
+                                                                  h.replicate))
+        else:
+            output_tensor.copy_(logical_reduce_scatter(contribs, h.placement, group))
         return None
 
 
@@ -86,11 +101,13 @@ class LogicalFSDP:
             unit.set_force_sum_reduction_for_comms(True)
             unit.set_gradient_divide_factor(float(logical_world))
 
-    def begin_step(self, placement: Placement, shrunk: bool) -> None:
+    def begin_step(self, placement: Placement, shrunk: bool, replicate=None) -> None:
         """Before a step's first pass. Shrunk, the gathered parameters stay for the step; else
         FSDP's defaults (the root keeps its parameters gathered after forward, as fully_shard
-        sets it)."""
+        sets it). `replicate`: under hsdp, this process's group of twins (the model sharded
+        over its shard group alone, see the module's docstring)."""
         self.hosted.placement, self.hosted.kept = placement, {}
+        self.hosted.replicate = replicate
         for unit in self.units:
             unit.set_reshard_after_forward(not shrunk and unit is not self.model, recurse=False)
             unit.set_reshard_after_backward(not shrunk, recurse=False)

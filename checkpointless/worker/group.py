@@ -72,7 +72,7 @@ class Group:
         sys.excepthook = hook
         self.subgroups = None
         stage_world = plan.world_size // self.pp_size
-        hsdp = bool(self.shard_size) and self.shard_size < stage_world
+        hsdp = meshes.has_replica_groups(stage_world, self.shard_size)
         if hsdp or self.tp_size > 1 or self.pp_size > 1:
             self.layout = meshes.Layout(plan.world_size, self.shard_size if hsdp
                                         else stage_world, self.tp_size, self.pp_size)

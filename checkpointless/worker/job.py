@@ -143,11 +143,11 @@ class Job(LogicalRanks):
         """Register what a replacement needs: anything with state_dict() / load_state_dict(),
         and a DataLoader (its position, see data.py). send_frozen=False: parameters with
         requires_grad=False (a frozen base under LoRA) are not sent to a replacement, which
-        builds them itself as every worker did (the same pretrained files or seeded init): a
-        recovery moves the adapters and their optimizer state only; replicas are compared whole.
-        `rebuild()`: under fsdp, builds and protects them for a new number of processes."""
-        self._state.send_frozen, self._state.layout = send_frozen, (self.world_size, self.rank)
-        self._state.rebuild = rebuild or self._state.rebuild
+        builds them itself as every worker did (pretrained files or seeded init): a recovery
+        moves the adapters and their optimizer state only; replicas are compared whole. Sharded,
+        `rebuild()` builds and protects them for a new number of processes."""
+        st, st.send_frozen = self._state, send_frozen
+        st.rebuild, st.layout = rebuild or st.rebuild, st.layout_for(self.world_size, self.rank)
         self._state.protect(**objects)
         self._audits.install(objects.values(), self._injector.faults)  # taps the model's grads
         for obj in objects.values():

@@ -20,7 +20,8 @@ import torch.distributed as dist
 from ..protocol.placement import Placement
 from .failures import communicating
 
-__all__ = ["Placement", "logical_all_reduce", "logical_all_reduce_grads", "logical_reduce_scatter"]
+__all__ = ["Placement", "logical_all_reduce", "logical_all_reduce_grads", "logical_reduce_scatter",
+           "logical_reduce_scatter_replicated"]
 
 
 def _group_shape(placement: Placement, group) -> tuple[int, int]:
@@ -99,6 +100,41 @@ def logical_reduce_scatter(contribs: dict[int, torch.Tensor], placement: Placeme
     return _scatter_in_order(flats, placement, me, size, group)
 
 
+def logical_reduce_scatter_replicated(contribs: dict[int, torch.Tensor], placement: Placement,
+                                      replicate_group) -> torch.Tensor:
+    """HSDP's `logical_reduce_scatter`: the contributions are S equal chunks, one per position
+    of a shard group, and every replica group holds each chunk ("twins"). The result is chunk
+    s (this process's position) of the sum over all L logical ranks in logical order, the same
+    bits in every twin and the same as `logical_reduce_scatter` over a 1-D cut of the world.
+
+    The processes are G replica groups of S, rank g * S + s. Chunk s is cut once more into G
+    parts: twin g sums part g over the L logical ranks (one all_to_all_single over the world,
+    each process sending about one contribution's worth), then the twins all-gather their parts
+    (n / S elements): about what HSDP's own reduce-scatter and replica all-reduce move, where
+    sending each chunk whole to every twin would move G times as much."""
+    me, size = _group_shape(placement, None)
+    groups = dist.get_world_size(replicate_group)
+    ways = size // groups
+    if ways * groups != size:
+        raise ValueError(f"{groups} replica groups do not divide {size} processes")
+    flats = _flat_contributions(contribs, placement.hosted(me))
+    n = flats[0].numel()
+    if n % ways:
+        raise ValueError(f"a contribution of {n} elements is not {ways} equal chunks")
+    chunk = n // ways
+    part = -(-chunk // groups)  # each twin's part of a chunk, the last one padded
+    mine = torch.stack(flats).view(len(flats), ways, chunk)
+    if part * groups != chunk:
+        mine = torch.cat([mine, mine.new_zeros(len(flats), ways, part * groups - chunk)], 2)
+    # to process g * S + s: each hosted rank's part g of chunk s
+    send = mine.view(len(flats), ways, groups, part).permute(2, 1, 0, 3).contiguous().view(-1)
+    summed = _sum_received(send, len(flats), part, placement, size, None)
+    out = torch.empty(groups * part, dtype=summed.dtype, device=summed.device)
+    with communicating("logical all-gather among twins"):
+        dist.all_gather_into_tensor(out, summed, group=replicate_group)
+    return out[:chunk]
+
+
 def _scatter_in_order(flats: list[torch.Tensor], placement: Placement, me: int, size: int,
                       group) -> torch.Tensor:
     """One all_to_all_single sends each hosted rank's chunk q to process q; this process sums
@@ -108,11 +144,19 @@ def _scatter_in_order(flats: list[torch.Tensor], placement: Placement, me: int, 
     # to process q: each hosted rank's chunk q, hosted ranks in sorted order (with one hosted
     # rank, the usual case, this is the contribution itself: no copy)
     send = mine.view(len(flats), size, chunk).transpose(0, 1).contiguous().view(-1)
+    return _sum_received(send, len(flats), chunk, placement, size, group)
+
+
+def _sum_received(send: torch.Tensor, hosted: int, chunk: int, placement: Placement, size: int,
+                  group) -> torch.Tensor:
+    """`send` holds, for each process in turn, this process's `hosted` rows of `chunk`
+    elements for it; after one all_to_all_single, the rows received are summed over the L
+    logical ranks in logical order."""
     loads = placement.loads()
     recv = torch.empty(sum(loads) * chunk, dtype=send.dtype, device=send.device)
     with communicating("logical reduce-scatter"):
         dist.all_to_all_single(recv, send, output_split_sizes=[k * chunk for k in loads],
-                               input_split_sizes=[len(flats) * chunk] * size, group=group)
+                               input_split_sizes=[hosted * chunk] * size, group=group)
     rows = recv.view(-1, chunk)  # rows from process 0's hosted ranks first, then process 1's...
     row_of = {r: i for i, r in enumerate(r for h in placement.hosts for r in h)}
     return _sum_in_order([rows[row_of[r]] for r in range(placement.logical_world)])

@@ -148,6 +148,21 @@ class Layout:
                 if len({r // ranks_per_node for r in self.replicate_ranks(p)}) < 2]
 
 
+def has_replica_groups(world: int, shard_size: int) -> bool:
+    """HSDP's replica groups exist in a generation of `world` processes (per stage): its shard
+    groups divide them, two or more. A shrunk generation they do not divide runs 1-D."""
+    return bool(shard_size) and shard_size < world and world % shard_size == 0
+
+
+def slice_of(world: int, rank: int, shard_size: int) -> tuple[int, int]:
+    """(ways, index): into how many chunks the sharded state of `rank` is cut in a generation
+    of `world` processes, and which one it holds (reshard.py): a shard group's chunks under
+    HSDP's replica groups, else one chunk per process."""
+    if has_replica_groups(world, shard_size):
+        return shard_size, rank % shard_size
+    return world, rank
+
+
 def build(layout: Layout, rank: int, backend: str | None = None) -> dict:
     """{dimension: this rank's group} of the current generation: every member calls this with
     the same layout, after init_process_group, before anything else makes a group."""

@@ -1,7 +1,7 @@
 """A shrink or a grow under fsdp: the slices cut anew for a new number of processes.
 
 FSDP2 cuts each parameter (and its optimizer state) along its first dimension into one chunk
-per process. A shrink from W processes to P (or a grow back) changes every chunk's bounds, so
+per process (per position of a shard group under HSDP, whose twins hold the same chunk). A shrink from W processes to P (or a grow back) changes every chunk's bounds, so
 the state cannot stay where it is: the members agree on the newest step to which every old
 slice can be brought, as a replacement's restore does (a survivor from its own snapshot, a lost
 rank's slice from a peer's copy: agreement.py), then each old slice is broadcast by one member
@@ -30,10 +30,12 @@ from .tensors import is_dtensor, local_tensor
 _NONE = {"completed": -1, "own": [], "held": {}}
 
 
-def needed(infos: list[dict], world: int) -> bool:
-    """Some member holds a slice cut for another number of processes, or another slice than
-    its rank's (a shrink renumbered it, and a grow came before it restored)."""
-    return any(i.get("layout") and tuple(i["layout"]) != (world, r) for r, i in enumerate(infos))
+def needed(infos: list[dict], world: int, layout_for) -> bool:
+    """Some member holds a slice cut another way than this generation's (`layout_for(world,
+    rank)`: (ways, index)), or another slice than its rank's (a shrink renumbered it, and a
+    grow came before it restored)."""
+    return any(i.get("layout") and tuple(i["layout"]) != tuple(layout_for(world, r))
+               for r, i in enumerate(infos))
 
 
 def restore_resharded(state, me, infos: list[dict], loaded, hook=lambda rank, step: None,
@@ -48,9 +50,13 @@ def restore_resharded(state, me, infos: list[dict], loaded, hook=lambda rank, st
     worlds = {i["layout"][0] for i in infos if i.get("layout") and i["completed"] >= 0}
     if len(worlds) != 1:
         return None
-    (old_world,) = worlds
-    member_of = {i["layout"][1]: r for r, i in enumerate(infos)
-                 if i.get("layout") and i["completed"] >= 0}
+    (old_world,) = worlds  # the old chunks: one per process, or per shard group's position
+    member_of = {}  # old chunk -> the member to read it from (under HSDP, of its twins the
+    for r, i in enumerate(infos):  # one that completed most, the lowest rank among equals)
+        if i.get("layout") and i["completed"] >= 0:
+            s = i["layout"][1]
+            if s not in member_of or i["completed"] > infos[member_of[s]]["completed"]:
+                member_of[s] = r
     old = [infos[member_of[s]] if s in member_of else _NONE for s in range(old_world)]
     step = restorable_step(old)
     if step is None:
@@ -69,13 +75,14 @@ def restore_resharded(state, me, infos: list[dict], loaded, hook=lambda rank, st
     with communicating("agreeing that every member has every slice"):
         dist.all_reduce(torch.ones(1))  # nobody cuts anew unless everyone can
     rebuild_for(state, me)
-    state.load(cut(slices, state.objects, me.world_size, me.rank))
-    state.layout = (me.world_size, me.rank)
+    ways, index = state.layout_for(me.world_size, me.rank)
+    state.load(cut(slices, state.objects, ways, index))
+    state.layout = (ways, index)
     loaded(step)
     _copies_for_holders(state, slices, step, me)
     info = {"steps_by_rank": [i["completed"] for i in infos], "pairs": {},
             "source": None, "bytes_sent": 0, "bytes_received": moved,
-            "restored_from": "peer_memory", "resharded": [old_world, me.world_size],
+            "restored_from": "peer_memory", "resharded": [old_world, ways],
             "sent_from": {s: how for s, (_, how) in senders.items()},
             "transfer_s": time.time() - t0}
     return step, info
@@ -84,7 +91,7 @@ def restore_resharded(state, me, infos: list[dict], loaded, hook=lambda rank, st
 def rebuild_for(state, me) -> None:
     """A model, optimizer and checkpoints sharded for this generation (the loop's `rebuild`,
     given to Job.protect), unless this member's already are."""
-    if tuple(state.layout or ()) == (me.world_size, me.rank):
+    if tuple(state.layout or ()) == tuple(state.layout_for(me.world_size, me.rank)):
         return
     if state.rebuild is None:
         raise RuntimeError("a shrink under fsdp needs a model sharded anew: give "
@@ -155,7 +162,8 @@ def _copies_for_holders(state, slices: list[dict], step: int, me) -> None:
         return
     rep.snapshot(step, state.state())
     for src in rep.sources_for(me.rank, me.world_size):
-        skel, flat = transfer.flatten_state(cut(slices, state.objects, me.world_size, src))
+        skel, flat = transfer.flatten_state(cut(slices, state.objects,
+                                                *state.layout_for(me.world_size, src)))
         with rep._lock:
             rep.held.setdefault(src, {})[step] = (skel, flat)
             rep.sums.note((src, step), scrub.of(flat))

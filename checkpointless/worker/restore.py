@@ -159,7 +159,7 @@ def _restore_shards(state: ProtectedState, me: Position, hook, send_hook, loaded
     infos = [None] * me.world_size
     with communicating("exchanging which shard copies each member holds"):
         dist.all_gather_object(infos, mine)
-    if reshard.needed(infos, me.world_size):  # a shrink or grow: every slice cut anew
+    if reshard.needed(infos, me.world_size, state.layout_for):  # a shrink or grow: every slice cut anew
         return _reshard(state, me, infos, hook, send_hook, loaded, t0)
     newest = max(i["completed"] for i in infos)
     twins = state.twins(me.world_size)
