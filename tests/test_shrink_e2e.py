@@ -165,3 +165,42 @@ def test_hsdp_kills_with_no_spare_run_on_fewer_processes_with_fsdps_failure_free
     assert first["restored_from"] == "peer_memory" and first["state_bytes"] > 0, first
     assert second["restored_from"] == "durable_checkpoint" and second["resumed_step"] == 8, \
         second
+
+
+HSDP_EXACT = tuple(o.replace("=fsdp", "=hsdp") for o in FSDP_EXACT) + ("distributed.shard_size=2",)
+
+
+@pytest.mark.extended
+def test_hsdp_a_whole_replica_group_lost_then_grown_back_with_the_failure_free_bits(
+        tmp_path, references):
+    """hsdp (2 x 2), one spare: both ranks of replica group 0 SIGKILL themselves in one
+    backward (step 3). The spare may take one of them; what finds no spare ready is hosted by a
+    survivor on a 1-D cut of its slices (two processes are one shard group: the model is built
+    anew on the world's group, not the old shard group), and once the refills are warm the job
+    grows back to 2 x 2 (each chunk cut for its position again, the spares' included), with
+    the failure-free fsdp bits."""
+    steps = ("trainer.max_steps=30",)
+    _, ref, _ = references.train("tiny-llama", *FSDP_EXACT, *steps)
+    _, rep, r = train(tmp_path, "hsdp-grow", "tiny-llama", *HSDP_EXACT, *steps,
+                      "checkpointless.spares=1", "faults=[kill:0:3@backward,kill:1:3@backward]")
+    assert rep["status"] == "ok", r.stdout[-3000:]
+    assert_same_bits(rep, ref)
+    assert rep["shrinks"] and rep["grows"], r.stdout[-3000:]
+    assert rep["processes_at_end"] == 4
+
+
+@pytest.mark.extended
+def test_hsdp_a_whole_replica_group_lost_with_no_spare_leaves_one_shard_group(
+        tmp_path, references):
+    """hsdp (2 x 2), no spare: both ranks of replica group 0 SIGKILL themselves in one
+    backward (step 5). The 2 left are one shard group already holding both chunks, but their
+    model names the old shard group: it is built anew on the world's and the chunks cut for it
+    (from the survivors' own state); the run ends on 2 processes with the fsdp bits."""
+    _, ref, _ = references.train("tiny-llama", *FSDP_EXACT)
+    _, rep, r = train(tmp_path, "hsdp-group", "tiny-llama", *HSDP_EXACT,
+                      "checkpointless.spares=0", "checkpointless.refill=false",
+                      "faults=[kill:0:5@backward,kill:1:5@backward]")
+    assert rep["status"] == "ok", r.stdout[-3000:]
+    assert_same_bits(rep, ref)
+    assert rep["processes_at_end"] == 2, rep["shrinks"]
+    assert all(x["restored_from"] == "peer_memory" for x in rep["recoveries"]), rep["recoveries"]

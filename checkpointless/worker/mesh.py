@@ -154,13 +154,15 @@ def has_replica_groups(world: int, shard_size: int) -> bool:
     return bool(shard_size) and shard_size < world and world % shard_size == 0
 
 
-def slice_of(world: int, rank: int, shard_size: int) -> tuple[int, int]:
-    """(ways, index): into how many chunks the sharded state of `rank` is cut in a generation
-    of `world` processes, and which one it holds (reshard.py): a shard group's chunks under
-    HSDP's replica groups, else one chunk per process."""
+def slice_of(world: int, rank: int, shard_size: int) -> tuple[int, int, int]:
+    """(ways, index, groups): into how many chunks the sharded state of `rank` is cut in a
+    generation of `world` processes, which one it holds, and over how many replica groups
+    (reshard.py): a shard group's chunks under HSDP's replica groups, else one chunk per
+    process. The groups count too: a model sharded over a shard group names that group, which
+    another number of groups builds under another name, so the model is built anew."""
     if has_replica_groups(world, shard_size):
-        return shard_size, rank % shard_size
-    return world, rank
+        return shard_size, rank % shard_size, world // shard_size
+    return world, rank, 1
 
 
 def build(layout: Layout, rank: int, backend: str | None = None) -> dict:

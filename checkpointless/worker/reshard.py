@@ -32,7 +32,7 @@ _NONE = {"completed": -1, "own": [], "held": {}}
 
 def needed(infos: list[dict], world: int, layout_for) -> bool:
     """Some member holds a slice cut another way than this generation's (`layout_for(world,
-    rank)`: (ways, index)), or another slice than its rank's (a shrink renumbered it, and a
+    rank)`: (ways, index, groups)), or another slice than its rank's (a shrink renumbered it, and a
     grow came before it restored)."""
     return any(i.get("layout") and tuple(i["layout"]) != tuple(layout_for(world, r))
                for r, i in enumerate(infos))
@@ -75,9 +75,9 @@ def restore_resharded(state, me, infos: list[dict], loaded, hook=lambda rank, st
     with communicating("agreeing that every member has every slice"):
         dist.all_reduce(torch.ones(1))  # nobody cuts anew unless everyone can
     rebuild_for(state, me)
-    ways, index = state.layout_for(me.world_size, me.rank)
+    ways, index, groups = state.layout_for(me.world_size, me.rank)
     state.load(cut(slices, state.objects, ways, index))
-    state.layout = (ways, index)
+    state.layout = (ways, index, groups)
     loaded(step)
     _copies_for_holders(state, slices, step, me)
     info = {"steps_by_rank": [i["completed"] for i in infos], "pairs": {},
@@ -163,7 +163,7 @@ def _copies_for_holders(state, slices: list[dict], step: int, me) -> None:
     rep.snapshot(step, state.state())
     for src in rep.sources_for(me.rank, me.world_size):
         skel, flat = transfer.flatten_state(cut(slices, state.objects,
-                                                *state.layout_for(me.world_size, src)))
+                                                *state.layout_for(me.world_size, src)[:2]))
         with rep._lock:
             rep.held.setdefault(src, {})[step] = (skel, flat)
             rep.sums.note((src, step), scrub.of(flat))

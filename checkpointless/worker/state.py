@@ -26,9 +26,9 @@ class ProtectedState:
         self.fallback = None  # (newest_step(), load_step(step)) of durable checkpoints
         self.update_applied = False  # an optimizer step ran in the step in flight
         self.send_frozen = True  # False: frozen parameters are rebuilt by each worker, not sent
-        # sharded: (ways, index) the live slices are cut for (layout_for); `rebuild()` makes a model
+        # sharded: (ways, index, groups) the live slices are cut for (layout_for); `rebuild()` makes a model
         # sharded for this generation's processes and protects it (reshard.py)
-        self.layout: tuple[int, int] | None = None
+        self.layout: tuple[int, int, int] | None = None
         self.rebuild = None
 
     def protect(self, **objects) -> None:
@@ -51,8 +51,8 @@ class ProtectedState:
                                           int(getattr(self.spec, "pp_size", 1)))
             self.check_host_memory()
 
-    def layout_for(self, world: int, rank: int) -> tuple[int, int]:
-        """(ways, index) the sharded state of `rank` is cut for in a generation of `world`
+    def layout_for(self, world: int, rank: int) -> tuple[int, int, int]:
+        """(ways, index, groups) the sharded state of `rank` is cut for in a generation of `world`
         processes (mesh.slice_of)."""
         from .mesh import slice_of
         return slice_of(world, rank, int(getattr(self.spec, "shard_size", 0) or 0))
