@@ -28,8 +28,15 @@ from tests.conftest import ROOT, assert_moved_or_hosted, launcher_cmd
 pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 STEPS = 24
+# OMP_WAIT_POLICY=PASSIVE: the four nodes here share this machine's two cores. A spare's warm-up
+# checks that two CPU threads keep the bits (launcher/model_setup.py warm_up), and OpenMP's
+# threads spin at every barrier while the six ranks hold the cores: node 3's spares took 20-40 s
+# to be ready (about 4 s of CPU; a stack sampled then was in libgomp's barrier, in sgemm), so
+# node 0 was killed before they were, its ranks were hosted by a shrink, and the job grew back
+# at step 20 or 21 of 24, or not at all. Sleeping at the barrier, they are ready about 5 s after
+# they start (1 s of CPU), before the kill.
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), GLOO_SOCKET_IFNAME="eth0",
-           RES_OPTIONS="timeout:1 attempts:1")
+           RES_OPTIONS="timeout:1 attempts:1", OMP_WAIT_POLICY="PASSIVE")
 JOB = ["distributed.num_nodes=3", "distributed.nproc_per_node=2", "checkpointless.spare_nodes=1",
        "checkpointless.spares=0", f"trainer.max_steps={STEPS}"]
 

@@ -42,8 +42,10 @@ def test_auto_is_exact_where_a_shrink_is_built_else_off():
     audits = ["checkpointless.audit.every=2", "checkpoint.interval=4"]  # exact's numerics; the
     assert load("tiny-llama", audits).checkpointless.shrink == "exact"  # supervisor then waits
     assert load("tiny-llama", ["distributed.strategy=fsdp"]).checkpointless.shrink == "exact"
+    hsdp = ["distributed.strategy=hsdp", "distributed.shard_size=2"]
+    assert load("tiny-llama", hsdp).checkpointless.shrink == "exact"
     for other in (["distributed.strategy=fsdp", "distributed.num_processes=2"],
-                  ["distributed.strategy=hsdp", "distributed.shard_size=2"],
+                  [*hsdp, "distributed.tp_size=2", "distributed.num_processes=8"],
                   ["distributed.pp_size=2"], ["distributed.strategy=fsdp", "peft.method=lora"]):
         assert load("tiny-llama", other).checkpointless.shrink == "off", other
     assert load("tiny-llama", ["checkpointless.shrink=fast"]).checkpointless.shrink == "fast"

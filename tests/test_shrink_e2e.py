@@ -142,32 +142,32 @@ def test_fsdp_a_slice_lost_with_its_holder_is_cut_anew_from_the_durable_checkpoi
     assert "no peer holds every lost slice" in r.stdout + r.stderr
 
 
+HSDP_EXACT = (*(o.replace("=fsdp", "=hsdp") for o in FSDP_EXACT), "distributed.shard_size=2")
+
+
 def test_hsdp_kills_with_no_spare_run_on_fewer_processes_with_fsdps_failure_free_bits(
         tmp_path, references):
-    """hsdp (2 replica groups of 2), no spare: rank 0 SIGKILLs itself inside its backward at
-    step 3, then rank 2 inside its optimizer step at step 10. Under exact the reduce-scatter
-    sums every logical rank over the whole world and hands each chunk to its twins, so the
-    failure-free hsdp run has the fsdp run's bits; the first shrink leaves 3 processes, which no
-    replica group divides: the slices are cut anew one per process (rank 0's from its twin),
-    the second finds no copy of a lost slice (hsdp keeps no peer copies) and cuts the step-8
-    checkpoint for the 2 left. The run ends with the failure-free fsdp bits."""
+    """hsdp (2 replica groups of 2), no spare: worker 0 is SIGKILLed from outside at a seeded
+    moment of step 3 or 4, then rank 2 SIGKILLs itself inside its optimizer step at step 10.
+    Under exact the reduce-scatter sums every logical rank over the whole world and hands each
+    chunk to its twins, so the failure-free hsdp run has the fsdp run's bits; the first shrink
+    leaves 3 processes, which no replica group divides: the slices are cut anew one per process
+    (the lost chunk from its twin); the second finds no copy of a lost slice (hsdp keeps no
+    peer copies) and cuts the step-8 checkpoint for the 2 left. The failure-free fsdp bits."""
     _, ref, _ = references.train("tiny-llama", *FSDP_EXACT)
-    hsdp = [o.replace("=fsdp", "=hsdp") for o in FSDP_EXACT] + ["distributed.shard_size=2"]
-    _, rep, r = train(tmp_path, "hsdp", "tiny-llama", *hsdp, "checkpointless.spares=0",
-                      "checkpointless.refill=false",
-                      "faults=[kill:0:3@backward,kill:2:10@optimizer]")
-    assert rep["status"] == "ok", r.stdout[-3000:]
-    assert_same_bits(rep, ref)
+    _, rep, kills, log = train_killing(
+        tmp_path, "hsdp", "tiny-llama", seeded_moments(12, [3]), *HSDP_EXACT,
+        "checkpointless.spares=0", "checkpointless.refill=false",
+        "faults=[kill:2:10@optimizer]", victims=[0])
+    assert rep["status"] == "ok", log[-3000:]
+    assert_same_bits(rep, ref, kills)
     assert [(s["from_processes"], s["to_processes"]) for s in rep["shrinks"]] == \
-        [(4, 3), (3, 2)], r.stdout[-3000:]
+        [(4, 3), (3, 2)], log[-3000:]
     assert rep["processes_at_end"] == 2 and rep["shrink"] == {"mode": "exact"}
     first, second = rep["recoveries"]
     assert first["restored_from"] == "peer_memory" and first["state_bytes"] > 0, first
     assert second["restored_from"] == "durable_checkpoint" and second["resumed_step"] == 8, \
         second
-
-
-HSDP_EXACT = tuple(o.replace("=fsdp", "=hsdp") for o in FSDP_EXACT) + ("distributed.shard_size=2",)
 
 
 @pytest.mark.extended

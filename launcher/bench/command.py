@@ -83,8 +83,8 @@ def side_by_side(cfg, overrides: list[str], modes: list[str], strategy: str) -> 
               f"({cfg.paired_steps} steps each)", flush=True)
         paired = run_paired(cfg, overrides, pair)
         print(f"[bench] paired: {json.dumps(paired)}", flush=True)
-    groups = [("fsdp", [m for m in ("fsdp", "fsdp-replicated", "hsdp", "tp", "fsdp-exact")
-                        if m in modes]),
+    groups = [("fsdp", [m for m in ("fsdp", "fsdp-replicated", "hsdp", "tp", "fsdp-exact",
+                                    "hsdp-exact") if m in modes]),
               ("audits", [m for m in ("audit-off", "audit") if m in modes]),
               # pp beside the same recipe's ddp on the same workers ("ddp": on's recipe, its
               # own name so that on's figure from the off/on pair stays its own)

@@ -22,9 +22,11 @@ from ..recipes import RecipeError
 # schedule; exact's failure-free step time is taken beside on's (shrink.py)
 # fsdp-exact: fsdp-replicated under checkpointless.shrink=exact (FSDP's reduce-scatter in logical
 # order), killed like fsdp-replicated; its failure-free step is taken beside fsdp-replicated's
+# hsdp-exact: hsdp under checkpointless.shrink=exact (each chunk summed over the world in logical
+# order, then handed to its twins), killed like hsdp; its failure-free step is taken beside hsdp's
 MODES = ("off", "on", "plain", "flat", "checkpointless", "restart", "fsdp", "fsdp-replicated",
          "hsdp", "tp", "slow-evict", "slow-report", "audit-off", "audit", "pp",
-         "shrink-exact", "shrink-fast", "shrink-off", "fsdp-exact")
+         "shrink-exact", "shrink-fast", "shrink-off", "fsdp-exact", "hsdp-exact")
 
 
 @dataclass

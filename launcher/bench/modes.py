@@ -31,9 +31,11 @@ def mode_recipe(cfg, overrides: list[str], mode: str, tau_steps: int = 0,
         # fsdp-exact: its reduce-scatter by logical rank (fsdp_logical.py), beside the others'
         # FSDP collectives (shrink=off: the numbers before exact became fsdp's default)
         extra += [f"checkpointless.shrink={'exact' if mode == 'fsdp-exact' else 'off'}"]
-    elif mode == "hsdp":  # two replica groups: they are the copies, nothing kept for peers
+    elif mode.startswith("hsdp"):  # two replica groups: they are the copies, none for peers
         extra += ["distributed.strategy=hsdp", f"distributed.shard_size={max(1, cfg.workers // 2)}",
-                  "checkpointless.spares=0", "~checkpointless.replication.factor"]
+                  "checkpointless.spares=0", "~checkpointless.replication.factor",
+                  # hsdp-exact: the reduce-scatter over the world in logical order, beside hsdp
+                  f"checkpointless.shrink={'exact' if mode == 'hsdp-exact' else 'off'}"]
     elif mode == "tp":  # 2 shards x tp 2 on 4 workers; peer copies as fsdp-replicated keeps
         extra += ["distributed.strategy=fsdp", "distributed.tp_size=2",
                   f"checkpointless.spares={cfg.spares}"]
