@@ -116,6 +116,24 @@ def _log(message: str) -> None:
     print(("\n" if sys.stdout.isatty() else "") + message, flush=True)
 
 
+def quiet_openmp(cfg) -> bool:
+    """On CPU with more of this node's processes (workers and spares) than cores, OpenMP's
+    threads wait asleep rather than spinning (OMP_WAIT_POLICY=PASSIVE, unless set): a spare's
+    warm-up runs two threads (model_setup.warm_up), which spun at every barrier while the ranks
+    held the cores, and took 20-40 s to be ready instead of about 5 (4 processes of 2 cores
+    each on a 2-core machine; docs/log.md). Read when the fork server imports torch."""
+    import torch
+    d = cfg.distributed
+    if "OMP_WAIT_POLICY" in os.environ or (d.device != "cpu" and torch.cuda.is_available()):
+        return False
+    local = (d.nproc_per_node or d.num_processes // max(1, d.num_nodes)) + \
+        cfg.checkpointless.spares
+    if local <= len(os.sched_getaffinity(0)):
+        return False
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    return True
+
+
 def train(cfg, on_start=None, coordinator: bool = False) -> dict | None:
     """Run a resolved recipe under the supervisor; `on_start(supervisor)` is called once the
     workers are spawned (the benchmark uses it to inject failures from outside). With a
@@ -125,6 +143,7 @@ def train(cfg, on_start=None, coordinator: bool = False) -> dict | None:
     # workers forked from a server that imported the loop's libraries once (6 s of a core each
     # here); CHECKPOINTLESS_FORKSERVER=0 starts each as a fresh interpreter
     os.environ.setdefault(protocol.ENV_PRELOAD, "launcher.loop:preload")
+    quiet_openmp(cfg)
     preflight(cfg)  # devices, model, tokenizer, data, memory: once, here, not in every worker
     if not coordinator:
         check_node_health(cfg)  # this node trains: is it fit to?
