@@ -265,11 +265,18 @@ def _node_agent(cfg, recipe_file: Path) -> dict | None:
     os._exit(0 if rc == 0 else 1)
 
 
-def _placed(d, e: dict) -> dict:
-    """A recovery with the mesh coordinates of the lost rank and of the rank that sent it."""
-    src = e.get("source")
-    return {**e, "failed_coordinates": coordinates(d, e["failed_rank"]),
-            "source_coordinates": None if src is None else coordinates(d, int(src))}
+def _placed(d, recoveries: list[dict]) -> list[dict]:
+    """The recoveries with the mesh coordinates of the lost rank and of the rank that sent it,
+    where the generation that failed ran the launch's mesh: after a shrink the ranks number
+    fewer processes, which no coordinate of that mesh names (None then)."""
+    out, processes = [], d.num_processes
+    for e in recoveries:
+        src, full = e.get("source"), processes == d.num_processes
+        out.append({**e, "failed_coordinates": coordinates(d, e["failed_rank"]) if full else None,
+                    "source_coordinates": None if src is None or not full else
+                    coordinates(d, int(src))})
+        processes = e.get("processes") or processes
+    return out
 
 
 def pipeline_summary(cfg) -> dict | None:
@@ -305,7 +312,7 @@ def _report(cfg, run: dict, t0: float, **extra) -> dict:
         "slow_s": run.get("slow_s", 0.0),
         "healthy_step_s": run.get("healthy_step_s"),
         "straggler_check": run.get("straggler_check", {}),
-        "recoveries": [_placed(cfg.distributed, e) for e in run["recoveries"]],
+        "recoveries": _placed(cfg.distributed, run["recoveries"]),
         "failures": run["failures"],
         # workers killed once every result was in (on their way out): nothing was lost
         "killed_after_done": run.get("killed_after_done", []),

@@ -168,6 +168,9 @@ def test_hsdp_kills_with_no_spare_run_on_fewer_processes_with_fsdps_failure_free
     assert first["restored_from"] == "peer_memory" and first["state_bytes"] > 0, first
     assert second["restored_from"] == "durable_checkpoint" and second["resumed_step"] == 8, \
         second
+    # the first lost rank sat in the launch's 2 x 2 mesh; the second in a 1-D generation of 3
+    assert first["failed_coordinates"] == {"dp_replicate": 0, "dp_shard": 0, "tp": 0}, first
+    assert second["failed_coordinates"] is None, second
 
 
 @pytest.mark.extended
