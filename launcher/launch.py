@@ -54,6 +54,19 @@ def shrink_max_hosted(cfg) -> int:
     return max_hosted(check_fits(cfg))
 
 
+def shrink_min_processes(cfg) -> int:
+    """The fewest processes a shrink may leave: 1 under ddp; under fsdp and hsdp 2 (one
+    process would not reduce-scatter: fsdp_logical.py), and on a device what the memory plan
+    leaves room for, each of fewer processes holding a larger chunk (plan/fit.py)."""
+    c, d = cfg.checkpointless, cfg.distributed
+    if d.strategy not in SHARDED:
+        return 1
+    if c.shrink == "off" or d.device == "cpu":
+        return 2
+    from .plan.fit import min_shrunk_processes
+    return max(2, min_shrunk_processes(cfg))
+
+
 def supervisor_config(cfg) -> SupervisorConfig:
     d, c = cfg.distributed, cfg.checkpointless
     backend = d.backend
@@ -92,8 +105,7 @@ def supervisor_config(cfg) -> SupervisorConfig:
         straggler_factor=c.straggler.factor, straggler_window=c.straggler.window,
         audit_every=c.audit.every if c.enabled else 0,
         shrink_max_hosted=shrink_max_hosted(cfg),
-        # one fsdp process would not reduce-scatter (fsdp_logical.py): two at the least
-        shrink_min_processes=2 if d.strategy in SHARDED else 1,
+        shrink_min_processes=shrink_min_processes(cfg),
         health=health_settings(cfg),
         tokens_per_step=cfg.trainer.micro_batch_size * cfg.trainer.grad_accum_steps *
         cfg.data.seq_len * (d.num_processes // d.tp_size),  # pp keeps the batch (pipeline.py)

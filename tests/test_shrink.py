@@ -177,3 +177,33 @@ def test_under_fsdp_the_plan_counts_the_gathered_model_of_a_shrunk_step():
     assert max_hosted(exact) == (1 + room // (exact.trainable * 4) if room > 0 else 1)
     off = over[:1] + over[2:] + ["checkpointless.shrink=off"]
     assert plan(load("llama3.2-1b", off)).hosted_base == 0
+
+
+def test_under_fsdp_a_shrink_stops_where_the_plan_no_longer_fits():
+    """Fewer fsdp processes each hold a larger chunk and host more logical ranks: the launcher
+    gives the supervisor the fewest processes whose plan fits with them (one fewer does not),
+    and a smaller device budget raises it; cpu (no plan) and ddp keep 2 and 1."""
+    from launcher.launch import shrink_min_processes
+    from launcher.plan.fit import _with, max_hosted, plan
+    over = ["distributed.strategy=fsdp", "checkpointless.shrink=exact", "distributed.device=cuda",
+            "distributed.num_processes=8"]
+
+    def on(p: int, budget: list):  # the 8-process recipe's plan for p processes
+        return plan(_with(load("llama3.2-1b", [*over, *budget]),
+                          {"distributed.num_processes": p}), search=False)
+
+    def fits(p: int, budget: list) -> bool:
+        got = on(p, budget)
+        return got.fits and max_hosted(got) >= -(-8 // p)
+
+    at = {p: on(p, []).peak for p in (2, 4, 8)}
+    assert at[2] > at[4] > at[8]  # the chunk grows as processes are taken away
+    seen = []
+    for budget in ([], [f"distributed.device_memory_gb={at[8] * 1.05 / 1e9:.3f}"]):
+        got = shrink_min_processes(load("llama3.2-1b", [*over, *budget]))
+        assert 2 <= got <= 8 and fits(got, budget), (got, budget)
+        assert got == 2 or not fits(got - 1, budget), (got, budget)
+        seen.append(got)
+    assert seen[1] > seen[0], seen  # a device just over the 8-process peak: fewer do not fit
+    assert shrink_min_processes(load("tiny-llama", ["distributed.strategy=fsdp"])) == 2
+    assert shrink_min_processes(load("tiny-llama")) == 1

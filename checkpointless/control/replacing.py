@@ -168,7 +168,8 @@ class Replacing:
         try:
             if left < self.cfg.shrink_min_processes:
                 raise ValueError(f"{left} processes would be left, fewer than the "
-                                 f"{self.cfg.shrink_min_processes} this strategy needs")
+                                 f"{self.cfg.shrink_min_processes} this strategy and its "
+                                 "memory plan need")
             self.placement.shrink(sorted(f.rank for f in pending),
                                   self.cfg.shrink_max_hosted or None)
             return True

@@ -162,7 +162,8 @@ class SupervisorConfig:
     audit_every: int = DEFAULTS.audit_every  # steps between audits by replay (0: none)
     shrink: str = DEFAULTS.shrink  # exact, fast or off: a lost rank with no spare ready
     shrink_max_hosted: int = 0  # most logical ranks one process may host (0: no limit)
-    shrink_min_processes: int = 1  # fewer would be left: wait for a spare instead (fsdp: 2)
+    shrink_min_processes: int = 1  # fewer would be left: wait for a spare instead (fsdp and
+    # hsdp: 2, or what the launcher's memory plan leaves room for on a device)
 
     @classmethod
     def of(cls, settings, **given) -> "SupervisorConfig":

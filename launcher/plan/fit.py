@@ -137,6 +137,31 @@ def max_hosted(result: Plan) -> int:
     return max(1, 1 + room // per) if room > 0 else 1
 
 
+def min_shrunk_processes(cfg, loop: LoopFacts = CURRENT_LOOP) -> int:
+    """Under fsdp or hsdp, the fewest processes a shrink may leave that the memory plan leaves
+    room for: a shrunk generation cuts the model and optimizer state one chunk per process (or
+    per shard position, where hsdp's groups still divide it), so each holds 1/P of it, and
+    hosts ceil(L / P) logical ranks (`max_hosted`: the gathered model, a contribution each).
+    The smallest P from 2 to L whose plan fits both ways (fewer processes only need more)."""
+    d = cfg.distributed
+    facts, device_type = model_facts(cfg), detect_device(cfg)
+    logical, shard = d.num_processes, d.shard_size if d.strategy == "hsdp" else 0
+
+    def fits(p: int) -> bool:
+        grouped = bool(shard) and shard < p and p % shard == 0  # mesh.has_replica_groups
+        changes = {"distributed.num_processes": p}
+        if not grouped:
+            changes.update({"distributed.strategy": "fsdp", "distributed.shard_size": 0})
+        got = build_plan(_with(cfg, changes), facts, loop, device_type)
+        return got.fits and max_hosted(got) >= -(-logical // p)
+
+    lo, hi = 2, logical
+    while lo < hi:  # memory per process only grows as processes are taken away
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
+    return lo
+
+
 def main(args: list[str]) -> int:
     """`python -m launcher plan RECIPE [key=value ...]`: print the plan and the start-up
     estimate; exit 1 if it does not fit or startup_timeout_s is below the estimate (2 for a
