@@ -1,6 +1,6 @@
 """FSDP2 under shrink=exact: the logical-order reduce-scatter (worker/fsdp_logical.py) gives the
-same bits on 4, 3 and 2 processes, and reshard.cut re-cuts FSDP2's dim-0 shards for a new number
-of processes.
+same bits on 4, 3 and 2 processes (and on 2 x 2 under HSDP), each process holding FSDP2's dim-0
+chunk of every parameter that a reshard cuts (test_reshard_stream.py).
 
 The training runs in one spawn of 4 gloo processes: the 3- and 2-process jobs are subgroups of it
 (as in test_logical_ranks.py), so one start-up covers them all."""
@@ -14,12 +14,18 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from checkpointless.protocol.placement import Placement  # noqa: E402
-from checkpointless.worker import reshard  # noqa: E402
 from tests.conftest import spawn_gloo  # noqa: E402
 
 L, STEPS, MICRO, CLIP = 4, 3, 2, 0.05
 # (the world's ranks that form the job, the processes lost from the identity placement)
 JOBS = [((0, 1, 2, 3), []), ((0, 1, 2), [1]), ((0, 1), [1, 3])]
+
+
+def _chunk(full: torch.Tensor, ways: int, index: int) -> torch.Tensor:
+    """FSDP2's chunk `index` of `full` cut `ways` ways (torch.chunk on dim 0, empty past the
+    end): what reshard_stream.chunk_rows bounds."""
+    chunks = torch.chunk(full, ways, dim=0)
+    return chunks[index] if index < len(chunks) else full[:0]
 
 
 def _model() -> torch.nn.Sequential:
@@ -158,7 +164,7 @@ def test_hsdp_gives_the_bits_of_fsdp_and_twins_hold_the_same_chunks(trained):
         assert _equal(params, ref[step][2]), (step, "parameters after AdamW")
     full = ref[-1][2]
     for rank in range(4):
-        want = [reshard._chunk(f, 2, rank % 2) for f in full]
+        want = [_chunk(f, 2, rank % 2) for f in full]
         assert _equal(trained[rank]["hsdp"]["local"], want), rank
 
 
@@ -188,46 +194,11 @@ def test_the_summation_order_shows_in_the_bits():
 
 
 def test_fsdp2_shards_are_reshard_chunks(trained):
-    """Each process's local shard is reshard._chunk of the whole parameter for its job's size,
+    """Each process's local shard is torch.chunk's of the whole parameter for its job's size,
     empty chunk included (3 rows on 4 processes)."""
     for procs, ranks in ((4, (0, 1, 2, 3)), (3, (0, 1, 2)), (2, (0, 1))):
         full = trained[0][procs]["steps"][-1][2]
         for me, rank in enumerate(ranks):
-            want = [reshard._chunk(f, procs, me) for f in full]
+            want = [_chunk(f, procs, me) for f in full]
             assert _equal(trained[rank][procs]["local"], want), (procs, me)
     assert trained[3][4]["local"][-1].shape == (0,)  # the last bias: 3 rows, no 4th chunk
-
-
-def _optim_slice(fulls: dict, world: int, rank: int) -> dict:
-    state = {idx: {"step": torch.tensor(7.0), "exp_avg": reshard._chunk(f, world, rank),
-                   "exp_avg_sq": reshard._chunk(f * f, world, rank)} for idx, f in fulls.items()}
-    return {"state": state, "param_groups": [{"lr": 0.1, "params": list(fulls)}]}
-
-
-def test_cut_recuts_optimizer_state_from_4_slices_to_3():
-    """Slices cut for 4 processes (one of them empty), cut anew for 3: each rank gets
-    torch.chunk(full, 3)[rank], the chunks concatenate to the whole, 0-dim state and anything
-    else come from the first slice."""
-    g = torch.Generator().manual_seed(0)
-    fulls = {0: torch.randn(10, 3, generator=g), 1: torch.randn(3, generator=g),
-             2: torch.randn(2, 4, generator=g)}
-    assert reshard._chunk(fulls[1], 4, 3).shape == (0,)  # torch.chunk gives only 3 chunks
-    opt = torch.optim.AdamW([torch.nn.Parameter(f.clone()) for f in fulls.values()])
-    module = torch.nn.Linear(2, 2)  # plain (not DTensor) entries: the same in every slice
-    slices = [{"optim": _optim_slice(fulls, 4, r), "model": module.state_dict(), "other": r}
-              for r in range(4)]
-    objects = {"optim": opt, "model": module, "other": object()}
-    got = [reshard.cut(slices, objects, 3, r) for r in range(3)]
-    for idx, f in fulls.items():
-        for key, whole in (("exp_avg", f), ("exp_avg_sq", f * f)):
-            mine = [c["optim"]["state"][idx][key] for c in got]
-            assert torch.equal(torch.cat(mine), whole), (idx, key)
-            chunks = torch.chunk(whole, 3)
-            for r in range(3):
-                want = chunks[r] if r < len(chunks) else whole[:0]
-                assert torch.equal(mine[r], want), (idx, key, r)
-            assert torch.equal(got[0]["optim"]["state"][idx]["step"], torch.tensor(7.0))
-    assert got[2]["optim"]["state"][2]["exp_avg"].shape == (0, 4)  # 2 rows on 3: one empty
-    assert got[1]["optim"]["param_groups"] == slices[0]["optim"]["param_groups"]
-    assert all(c["other"] == 0 for c in got)
-    assert all(torch.equal(c["model"]["weight"], module.weight) for c in got)

@@ -1,19 +1,17 @@
-"""A shrink or a grow under fsdp: the slices cut anew for a new number of processes.
+"""A shrink or a grow under fsdp or hsdp: the slices cut anew for a new number of processes.
 
 FSDP2 cuts each parameter (and its optimizer state) along its first dimension into one chunk
-per process (per position of a shard group under HSDP, whose twins hold the same chunk). A shrink from W processes to P (or a grow back) changes every chunk's bounds, so
-the state cannot stay where it is: the members agree on the newest step to which every old
-slice can be brought, as a replacement's restore does (a survivor from its own snapshot, a lost
-rank's slice from a peer's copy: agreement.py), then each old slice is broadcast by one member
-that has it, every member (a spare joining in a grow too) concatenates the slices into each
-tensor and keeps its own new chunk. A member whose model was sharded for the old number of
-processes first builds a new one for the new number (the loop's `rebuild`, given to
-`Job.protect`).
-
-Each member holds every old slice for a moment: the whole state once in host memory, freed
-before training resumes (docs/shrink.md). The peers' copies of the old slices are of no use in
-the new layout; every member computes its holders' copies of the new slices from what it
-received, so a failure right after the reshard finds them.
+per process (per position of a shard group under HSDP, whose twins hold the same chunk). A
+shrink from W processes to P (or a grow back) changes every chunk's bounds, so the state cannot
+stay where it is: the members agree on the newest step to which every old slice can be brought,
+as a replacement's restore does (a survivor from its own snapshot, a lost rank's slice from a
+peer's copy: agreement.py); one member that has each old slice sends, tensor by tensor, the
+rows each member's new chunks need (reshard_stream.py: a member holds a slice and its new
+chunks, never the whole model); every member (a spare joining in a grow too) then builds a
+model for the new layout (the loop's `rebuild`, given to `Job.protect`) and loads its chunk.
+The peers' copies of the old slices are of no use in the new layout: each member receives its
+sources' new chunks in the same exchange and keeps them, so a failure right after the reshard
+finds them.
 """
 from __future__ import annotations
 
@@ -22,10 +20,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import scrub, transfer
+from . import reshard_stream, scrub, transfer
 from .agreement import pick_senders, restorable_step
 from .failures import communicating
-from .tensors import is_dtensor, local_tensor
+from .tensors import local_tensor
 
 _NONE = {"completed": -1, "own": [], "held": {}}
 
@@ -62,24 +60,23 @@ def restore_resharded(state, me, infos: list[dict], loaded, hook=lambda rank, st
     if step is None:
         return None
     senders = pick_senders(old, step)
-    slices, moved = [], 0
-    for s in range(old_world):
-        h, how = senders.get(s, (s, "own"))
-        src = member_of[h]
-        (send_hook if me.rank == src else hook)(me.rank, step)
-        payload = _slice_at(state, s, step, how) if me.rank == src else None
-        got, n = transfer.broadcast_state(payload, src, me.rank)
-        slices.append(_local(payload) if me.rank == src else got)
-        moved += n
-        hook = lambda rank, step: None  # noqa: E731  (once, before the first receive)
-    with communicating("agreeing that every member has every slice"):
+    src_of = [member_of[senders.get(s, (s, "own"))[0]] for s in range(old_world)]
+    payloads = {s: _local(_slice_at(state, s, step, senders.get(s, (s, "own"))[1]))
+                for s in range(old_world) if src_of[s] == me.rank}
+    if payloads:
+        send_hook(me.rank, step)
+    hook(me.rank, step)
+    wants = [_wanted(state, me.world_size, m) for m in range(me.world_size)]
+    chunks, moved = reshard_stream.stream(state, me, old_world, src_of, payloads, wants)
+    del payloads
+    with communicating("agreeing that every member has its new chunks"):
         dist.all_reduce(torch.ones(1))  # nobody cuts anew unless everyone can
     rebuild_for(state, me)
     ways, index, groups = state.layout_for(me.world_size, me.rank)
-    state.load(cut(slices, state.objects, ways, index))
+    state.load(chunks[(ways, index)])
     state.layout = (ways, index, groups)
     loaded(step)
-    _copies_for_holders(state, slices, step, me)
+    _copies_for_holders(state, chunks, step, me)
     info = {"steps_by_rank": [i["completed"] for i in infos], "pairs": {},
             "source": None, "bytes_sent": 0, "bytes_received": moved,
             "restored_from": "peer_memory", "resharded": [old_world, ways],
@@ -121,39 +118,20 @@ def _local(obj):
     return local_tensor(obj).detach() if isinstance(obj, torch.Tensor) else obj
 
 
-def _chunk(full: torch.Tensor, world: int, rank: int) -> torch.Tensor:
-    """FSDP2's chunk of `full` for `rank` of `world` (torch.chunk on dim 0, empty past the end)."""
-    chunks = torch.chunk(full, world, dim=0)
-    if rank < len(chunks):
-        return chunks[rank].clone()
-    return full.new_empty((0, *full.shape[1:]))
-
-
-def cut(slices: list[dict], objects: dict, world: int, rank: int) -> dict:
-    """This member's state in the new layout: each sharded tensor is the old slices' parts
-    concatenated, then chunked for `world`; anything else is the same in every slice."""
-    out = {}
-    for name, obj in objects.items():
-        parts = [sl[name] for sl in slices]
-        if isinstance(obj, torch.nn.Module):
-            live = obj.state_dict()
-            out[name] = {k: _chunk(torch.cat([p[k] for p in parts]), world, rank)
-                         if is_dtensor(live.get(k)) else parts[0][k] for k in parts[0]}
-        elif isinstance(obj, torch.optim.Optimizer):
-            state = {}
-            for idx, st in parts[0]["state"].items():
-                state[idx] = {k: _chunk(torch.cat([p["state"][idx][k] for p in parts]), world,
-                                        rank) if isinstance(v, torch.Tensor) and v.dim() > 0
-                              else v for k, v in st.items()}
-            out[name] = {"state": state, "param_groups": parts[0]["param_groups"]}
-        else:
-            out[name] = parts[0]
+def _wanted(state, world: int, member: int) -> list[tuple[int, int]]:
+    """The new chunks `member` needs, (ways, index) each: its own, then those of the ranks it
+    keeps peer copies of."""
+    chunk = lambda r: tuple(state.layout_for(world, r)[:2])  # noqa: E731
+    out = [chunk(member)]
+    rep = state.replicas
+    if rep is not None and rep.factor > 1:
+        out += [chunk(src) for src in rep.sources_for(member, world) if chunk(src) not in out]
     return out
 
 
-def _copies_for_holders(state, slices: list[dict], step: int, me) -> None:
+def _copies_for_holders(state, chunks: dict, step: int, me) -> None:
     """The old layout's copies dropped; this member's own snapshot and the copies it holds of
-    its sources' new slices, at `step`, made from the slices every member received."""
+    its sources' new slices, at `step`, from the chunks it received."""
     rep = state.replicas
     with rep._lock:
         rep.own.clear()
@@ -162,8 +140,8 @@ def _copies_for_holders(state, slices: list[dict], step: int, me) -> None:
         return
     rep.snapshot(step, state.state())
     for src in rep.sources_for(me.rank, me.world_size):
-        skel, flat = transfer.flatten_state(cut(slices, state.objects,
-                                                *state.layout_for(me.world_size, src)[:2]))
+        skel, flat = transfer.flatten_state(
+            chunks[tuple(state.layout_for(me.world_size, src)[:2])])
         with rep._lock:
             rep.held.setdefault(src, {})[step] = (skel, flat)
             rep.sums.note((src, step), scrub.of(flat))
