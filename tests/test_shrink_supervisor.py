@@ -72,6 +72,25 @@ def lose(sup, *wids):
     sup._handle([(w, False) for w in sup._exited()])
 
 
+def grow(sup, store) -> None:
+    """A grow as a running job meets it: the supervisor's notice (every worker of the
+    generation stops before the step after next), then the job at that step, where the plan
+    comes. Nothing is published before the job is there."""
+    gen = sup.gen
+    sup._grow_if_ready()
+    if sup.grow_at is None:
+        return
+    _, before = sup.grow_at
+    notice = json.loads(store.get(protocol.notice_key(sup._notices - 1)))
+    assert notice == {"kind": "regroup", "gen": gen, "before_step": before}
+    store.set(protocol.LAST_STEP, str(before - 2))  # the step before: still on its way
+    sup._grow_if_ready()
+    assert sup.gen == gen and sup.grow_at == (gen, before)
+    store.set(protocol.LAST_STEP, str(before - 1))  # every worker stops there
+    sup._grow_if_ready()
+    assert sup.grow_at is None
+
+
 def seat(store, wid, rank, after):
     return membership.follow(store, wid, 0, rank, after, membership.current_gen(store))
 
@@ -104,7 +123,7 @@ def test_a_spare_that_warms_up_grows_the_job_back_and_hosts_stay_published():
     sup._grow_if_ready()
     assert sup.gen == 1  # no spare ready yet: nothing changes
     store.set(protocol.ready_key(4), "1")
-    sup._grow_if_ready()
+    grow(sup, store)
     assert sup.gen == 2 and sup.ranks == {0: 0, 2: 1, 3: 2, 4: 3}
     assert sup.workers[4].took_over_gen == 2 and sup.workers[4].rank == 3
     # one logical rank a process, but not each its own: workers still need their hosts
@@ -122,8 +141,8 @@ def test_a_spare_that_warms_up_grows_the_job_back_and_hosts_stay_published():
     assert report["shrink"] == {"mode": "exact"} and report["processes_at_end"] == 4
     assert report["shrinks"] == [{"step": 0, "from_processes": 4, "to_processes": 3,
                                   "logical_ranks_moved": [1]}]
-    assert report["grows"] == [{"step": 0, "from_processes": 3, "to_processes": 4,
-                                "logical_ranks_moved": [1]}]
+    assert report["grows"] == [{"step": 2, "from_processes": 3, "to_processes": 4,
+                                "logical_ranks_moved": [1]}]  # at the boundary announced
     assert report["failures"][0]["shrunk"] is True
 
 
@@ -137,7 +156,7 @@ def test_no_grow_once_the_job_is_ending():
     sup._grow_if_ready()
     assert sup.gen == 2
     store.delete_key(protocol.result_key(0))
-    sup._grow_if_ready()
+    grow(sup, store)
     assert sup.gen == 3 and sup.placement.processes == 4
 
 
@@ -251,3 +270,25 @@ def test_a_process_lost_while_shrunk_takes_every_rank_it_hosted_along():
     assert [e["to_processes"] for e in sup.resizes] == [3, 2]
     assert seat(store, 3, 2, 1).logical_ranks == (1, 3)
     assert sup.figures(store).processes == 2
+
+
+def test_an_announced_grow_is_published_at_its_step_even_with_no_spare_left():
+    """The workers stop at the announced step and wait for a plan: if the spare is gone by
+    then, a plan with the same processes comes all the same; a failure's plan before the step
+    cancels the announcement (its generation gets a notice of its own)."""
+    sup, store = shrinkable()
+    lose(sup, 1)
+    store.set(protocol.ready_key(4), "1")
+    sup._grow_if_ready()
+    gen, before = sup.grow_at
+    store.delete_key(protocol.ready_key(4))
+    store.set(protocol.LAST_STEP, str(before - 1))
+    sup._grow_if_ready()
+    assert sup.gen == gen + 1 and sup.placement.processes == 3 and sup.grow_at is None
+    assert "no longer ready" in " ".join(sup.said)
+    store.set(protocol.ready_key(4), "1")
+    sup._grow_if_ready()
+    assert sup.grow_at == (sup.gen, int(store.get(protocol.LAST_STEP)) + 3)
+    lose(sup, 2)  # a failure first: its plan, and the grow forgotten for its generation
+    sup._grow_if_ready()
+    assert sup.grow_at is None

@@ -97,6 +97,9 @@ def test_spares_still_warming_at_the_hello_grow_the_job_back_once_they_say_so():
     assert sup.placement.processes == 2  # nothing warm yet: no grow
     for wid in SPARES:  # warm now: each says so in the store it reaches, the new one
         store.set(protocol.ready_key(wid), f"{time.time():.6f}")
+    sup._grow_if_ready()  # the notice: every worker stops before the step after next
+    assert sup.placement.processes == 2 and sup.grow_at is not None
+    store.set(protocol.LAST_STEP, str(sup.grow_at[1] - 1))  # the job is there
     sup._grow_if_ready()
     assert sup.placement.processes == 4
     assert sorted(sup.ranks) == [0, 1, 4, 5]

@@ -241,10 +241,20 @@ class Replacing:
                 "logical_ranks_moved": sorted(r for p in lost for r in old.hosts[p])}
 
     def _grow_if_ready(self) -> None:
-        """While some process hosts more than one logical rank, ready healthy spares join as
-        new processes, each taking a logical rank back (Placement.grow), in a new generation:
-        the survivors abort the step in flight for it and redo it, the spares receive the
-        state from their peers as a replacement does."""
+        """While some process hosts more than one logical rank and a healthy spare is ready,
+        grow at a step boundary: a notice (kind "regroup") asks every worker of this
+        generation to stop before the step after next, where they wait for a new plan (as for a
+        straggler's leave) instead of aborting a step in flight and redoing it; once the job
+        is there, the spares join as new processes, each taking a logical rank back
+        (Placement.grow), and receive the state from their peers as a replacement does."""
+        at = self.grow_at
+        if at is not None:  # announced: publish once the job reached the boundary, whatever
+            if at[0] != self.gen:  # came since (the workers wait there for a plan). A failure's
+                self.grow_at = None  # plan came first: its generation needs a notice of its own
+            elif self._job_step() >= at[1]:
+                self.grow_at = None
+                self._grow(at[1])
+            return
         old = self.placement
         if self.cfg.shrink == "off" or old.processes >= old.logical_world or \
                 self.preempted_at is not None or any(f.gen < 0 for f in self.failures):
@@ -254,8 +264,23 @@ class Replacing:
         if self.store.check([protocol.result_key(0)]) or \
                 membership.counter(self.store, protocol.DONE) > 0:
             return
+        if not self._healthy(self.pool.spares(self.store, ready=True)):
+            return
+        # two steps on, as for a straggler: every worker learns of it first
+        self.grow_at = (self.gen, self._job_step() + 2)
+        self._notice(kind="regroup", gen=self.gen, before_step=self.grow_at[1])
+        self.log(f"[checkpointless] a spare is ready: the job grows before step "
+                 f"{self.grow_at[1]} (every process stops there for the new plan)")
+
+    def _grow(self, step: int) -> None:
+        """The grow announced for the boundary before `step`, where every worker now waits for
+        a plan: with no healthy spare ready any more, one with the same placement."""
+        old = self.placement
         ready = self._healthy(self.pool.spares(self.store, ready=True))
         if not ready:
+            self.log(f"[checkpointless] the spare is no longer ready at step {step}: the job "
+                     "goes on with the same processes")
+            self._publish()
             return
         spares = ready[:old.logical_world - old.processes]
         new = old.grow(len(spares))

@@ -92,6 +92,7 @@ class Supervisor(FindingLosses, Replacing):
         self.preempted_at: int | None = None  # the step before which every rank stopped
         self.stragglers = Stragglers(cfg, log, on_straggler)
         self._notices = 0  # notices written (protocol.notice_key)
+        self.grow_at: tuple[int, int] | None = None  # (generation, step) of a grow announced
         self._unhealthy_said: dict[int, str] = {}  # spare -> why it was last said unfit
         # which process (by rank) hosts which logical ranks; identity until a shrink
         self.placement = Placement.identity(cfg.nproc)
@@ -135,6 +136,8 @@ class Supervisor(FindingLosses, Replacing):
         self.stragglers.placement_changed(max(self.placement.loads()) > 1)
         if t.preempt:  # asked before the takeover: the job still stops there
             self.preempted_at, self.stop_asked = t.preempt["before_step"], t.preempt.get("why")
+        if t.regroup and t.regroup["gen"] == t.gen:  # the workers stop there for a grow
+            self.grow_at = (t.gen, t.regroup["before_step"])
 
     def run(self) -> dict:
         cfg = self.cfg

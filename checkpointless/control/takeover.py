@@ -35,6 +35,7 @@ class Takeover:
     moves: list[dict]  # the coordinator's moves so far, this one last
     record: dict  # the run's record the coordinators before kept (ledger.py)
     preempt: dict | None = None  # the preemption notice, when one was given before
+    regroup: dict | None = None  # the newest grow's notice (its workers stop at its step)
 
 
 def take_over(store, pool, facts, known, log=print) -> Takeover:
@@ -44,7 +45,7 @@ def take_over(store, pool, facts, known, log=print) -> Takeover:
     are lost at the next look."""
     last, before = known.plans[known.gen], known.plans.get(known.gen - 1)
     store.add(protocol.LOST, known.lost)
-    preempt = republish_notices(store, known.record)
+    preempt, regroup = republish_notices(store, known.record)
     hellos = adopt(pool, store, last, known)
     plan = _plan_of(known.gen, last, known.lost)
     membership.publish(store, plan,
@@ -59,7 +60,7 @@ def take_over(store, pool, facts, known, log=print) -> Takeover:
     facts.record_move(move)
     out = Takeover(gen=known.gen, ranks={int(w): r for w, r in last["ranks"].items()},
                    plan=plan, notices=known.notices, moves=known.moves + [move],
-                   record=known.record, preempt=preempt)
+                   record=known.record, preempt=preempt, regroup=regroup)
     log(f"[checkpointless] took over as the coordinator at generation {known.gen} "
         f"(node {move['node']}, token {move['token']}): {len(hellos)} node(s) answered, "
         f"{len(out.ranks)} ranks" +
@@ -111,17 +112,23 @@ def adopt(pool, store, plan: dict, known) -> dict[int, dict]:
     return hellos
 
 
-def republish_notices(store, record: dict) -> dict | None:
-    """The notices the coordinators before wrote (a preemption, a straggler asked to leave),
-    in this store again under their numbers: a rank waiting for the next one goes on waiting
-    here, and a rank that joins now reads them all. Returns the preemption's, if one was."""
-    preempt = None
-    for name, raw in record.items():
+def republish_notices(store, record: dict) -> tuple[dict | None, dict | None]:
+    """The notices the coordinators before wrote (a preemption, a straggler asked to leave, a
+    grow's regroup), in this store again under their numbers: a rank waiting for the next one
+    goes on waiting here, and a rank that joins now reads them all. Returns the preemption's and
+    the newest regroup's, if any."""
+    preempt = regroup = None
+    for name, raw in sorted(record.items(), key=lambda kv: _notice_number(kv[0])):
         if name.startswith("notice/"):
             store.set(protocol.notice_key(int(name[7:])), raw)
             n = json.loads(raw)
             preempt = n if n.get("kind") == "preempt" else preempt
-    return preempt
+            regroup = n if n.get("kind") == "regroup" else regroup
+    return preempt, regroup
+
+
+def _notice_number(name: str) -> int:
+    return int(name[7:]) if name.startswith("notice/") else -1
 
 
 def _hellos(store, nodes: list[int], timeout_s: float) -> dict[int, dict]:

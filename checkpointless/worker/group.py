@@ -244,6 +244,8 @@ class Watch:
                     self.preempt_at = n["before_step"]
                 elif n["kind"] == "leave":
                     self.leaves[n["gen"]] = (n["wid"], n["before_step"])
+                elif n["kind"] == "regroup":  # a grow: every worker stops there for the plan
+                    self.leaves[n["gen"]] = (-1, n["before_step"])
                 i += 1
         except Exception:  # noqa: BLE001  the store is gone: the job is over
             return
