@@ -136,8 +136,10 @@ class Supervisor(FindingLosses, Replacing):
         self.stragglers.placement_changed(max(self.placement.loads()) > 1)
         if t.preempt:  # asked before the takeover: the job still stops there
             self.preempted_at, self.stop_asked = t.preempt["before_step"], t.preempt.get("why")
-        if t.regroup and t.regroup["gen"] == t.gen:  # the workers stop there for a grow
-            self.grow_at = (t.gen, t.regroup["before_step"])
+        if t.regroup and t.regroup["gen"] == t.gen:  # the workers stop there for a grow: this
+            # store may never see the step they wait at (rank 0's record of it went to the lost
+            # one), so the grow goes out at once (a worker still in its step redoes it)
+            self.grow_at = (t.gen, 0)
 
     def run(self) -> dict:
         cfg = self.cfg
