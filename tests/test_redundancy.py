@@ -242,6 +242,9 @@ class _Sliced:
     def twins(self, world):
         return None
 
+    def layout_for(self, world, rank):  # as ProtectedState's, for a 1-D cut
+        return world, rank, 1
+
     def zero_grads(self):
         pass
 
