@@ -116,10 +116,17 @@ def test_fsdp_shrinks_and_grows_back_with_the_failure_free_bits(tmp_path, refere
     3 processes; the refill, once warm, takes the logical rank back (a grow: every slice cut
     again for 4, the spare's included), with the failure-free bits. (Kills a step apart let a
     slow refill on a loaded machine be ready for the second: no shrink, seen once.)"""
+    _shrinks_and_grows_back(tmp_path, references, "fsdp-grow", FSDP_EXACT,
+                            "faults=[kill:1:3@backward,kill:2:3@optimizer]")
+
+
+def _shrinks_and_grows_back(tmp_path, references, name: str, job: tuple, faults: str) -> None:
+    """30 steps of `job` with one spare and `faults`: a shrink, then a grow back to 4, ending
+    with the failure-free fsdp run's bits."""
     steps = ("trainer.max_steps=30",)
     _, ref, _ = references.train("tiny-llama", *FSDP_EXACT, *steps)
-    _, rep, r = train(tmp_path, "fsdp-grow", "tiny-llama", *FSDP_EXACT, *steps,
-                      "checkpointless.spares=1", "faults=[kill:1:3@backward,kill:2:3@optimizer]")
+    _, rep, r = train(tmp_path, name, "tiny-llama", *job, *steps, "checkpointless.spares=1",
+                      faults)
     assert rep["status"] == "ok", r.stdout[-3000:]
     assert_same_bits(rep, ref)
     assert rep["shrinks"] and rep["grows"], r.stdout[-3000:]
@@ -182,14 +189,8 @@ def test_hsdp_a_whole_replica_group_lost_then_grown_back_with_the_failure_free_b
     anew on the world's group, not the old shard group), and once the refills are warm the job
     grows back to 2 x 2 (each chunk cut for its position again, the spares' included), with
     the failure-free fsdp bits."""
-    steps = ("trainer.max_steps=30",)
-    _, ref, _ = references.train("tiny-llama", *FSDP_EXACT, *steps)
-    _, rep, r = train(tmp_path, "hsdp-grow", "tiny-llama", *HSDP_EXACT, *steps,
-                      "checkpointless.spares=1", "faults=[kill:0:3@backward,kill:1:3@backward]")
-    assert rep["status"] == "ok", r.stdout[-3000:]
-    assert_same_bits(rep, ref)
-    assert rep["shrinks"] and rep["grows"], r.stdout[-3000:]
-    assert rep["processes_at_end"] == 4
+    _shrinks_and_grows_back(tmp_path, references, "hsdp-grow", HSDP_EXACT,
+                            "faults=[kill:0:3@backward,kill:1:3@backward]")
 
 
 @pytest.mark.extended

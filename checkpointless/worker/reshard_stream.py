@@ -100,7 +100,7 @@ def stream(state, me, old_ways: int, src_of: list[int], payloads: dict, wants: l
     _check_digests(sent, got, rank, world)
     out = {}
     for w, tensors in mine.items():
-        out[w] = _fill(skeleton, {**kept, **tensors})
+        out[w] = transfer.fill_refs(skeleton, {**kept, **tensors})
     return out, moved
 
 
@@ -186,15 +186,3 @@ def _check_digests(sent, got, rank: int, world: int) -> None:
         if theirs[q * 32:(q + 1) * 32].numpy().tobytes() != got[q].digest():
             raise transfer.IntegrityError(f"rows cut anew from rank {q} failed their SHA-256 "
                                           "check")
-
-
-def _fill(skeleton, tensors: dict):
-    def fill(x):
-        if isinstance(x, transfer._TensorRef):
-            return tensors[x.index]
-        if isinstance(x, dict):
-            return {k: fill(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return type(x)(fill(v) for v in x)
-        return x
-    return fill(skeleton)

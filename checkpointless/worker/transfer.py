@@ -88,17 +88,18 @@ def unflatten_state(skeleton_bytes: bytes, flat: torch.Tensor, copy: bool = True
             chunk = chunk.clone()
         offset += n
         tensors[ref.index] = chunk.view(ref.dtype).reshape(ref.shape)
+    return fill_refs(skeleton, tensors)
 
-    def fill(x):
-        if isinstance(x, _TensorRef):
-            return tensors[x.index]
-        if isinstance(x, dict):
-            return {k: fill(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return type(x)(fill(v) for v in x)
-        return x
 
-    return fill(skeleton)
+def fill_refs(skeleton, tensors: dict):
+    """`skeleton` (strip_tensors') with each reference replaced by tensors[its index]."""
+    if isinstance(skeleton, _TensorRef):
+        return tensors[skeleton.index]
+    if isinstance(skeleton, dict):
+        return {k: fill_refs(v, tensors) for k, v in skeleton.items()}
+    if isinstance(skeleton, (list, tuple)):
+        return type(skeleton)(fill_refs(v, tensors) for v in skeleton)
+    return skeleton
 
 
 def _digest(skeleton: bytes, flat: torch.Tensor) -> bytes:
