@@ -292,3 +292,17 @@ def test_an_announced_grow_is_published_at_its_step_even_with_no_spare_left():
     lose(sup, 2)  # a failure first: its plan, and the grow forgotten for its generation
     sup._grow_if_ready()
     assert sup.grow_at is None
+
+
+def test_an_announced_grow_is_dropped_once_the_job_ended_before_its_step():
+    """Announced for a step the job never reached (it ended first; a takeover publishes an
+    announced grow at once): no plan for processes that are gone."""
+    sup, store = shrinkable()
+    lose(sup, 1)
+    store.set(protocol.ready_key(4), "1")
+    sup._grow_if_ready()
+    gen = sup.gen
+    sup.grow_at = (gen, 0)  # as a takeover sets it
+    store.set(protocol.result_key(0), "{}")
+    sup._grow_if_ready()
+    assert sup.grow_at is None and sup.gen == gen and sup.placement.processes == 3

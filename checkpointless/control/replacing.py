@@ -249,9 +249,9 @@ class Replacing:
         (Placement.grow), and receive the state from their peers as a replacement does."""
         at = self.grow_at
         if at is not None:  # announced: publish once the job reached the boundary, whatever
-            if at[0] != self.gen:  # came since (the workers wait there for a plan). A failure's
-                self.grow_at = None  # plan came first: its generation needs a notice of its own
-            elif self._job_step() >= at[1]:
+            if at[0] != self.gen or self._ending():  # came since (the workers wait there for a
+                self.grow_at = None  # plan). A failure's plan came first (its generation needs a
+            elif self._job_step() >= at[1]:  # notice of its own), or the job ended before it
                 self.grow_at = None
                 self._grow(at[1])
             return
@@ -259,10 +259,7 @@ class Replacing:
         if self.cfg.shrink == "off" or old.processes >= old.logical_world or \
                 self.preempted_at is not None or any(f.gen < 0 for f in self.failures):
             return
-        # the job is ending (rank 0's result in, or a rank done): a new generation would only
-        # delay it. Two reads, not one per rank, on every turn of the loop while shrunk
-        if self.store.check([protocol.result_key(0)]) or \
-                membership.counter(self.store, protocol.DONE) > 0:
+        if self._ending():
             return
         if not self._healthy(self.pool.spares(self.store, ready=True)):
             return
@@ -271,6 +268,12 @@ class Replacing:
         self._notice(kind="regroup", gen=self.gen, before_step=self.grow_at[1])
         self.log(f"[checkpointless] a spare is ready: the job grows before step "
                  f"{self.grow_at[1]} (every process stops there for the new plan)")
+
+    def _ending(self) -> bool:
+        """Rank 0's result is in, or a rank is done: a new generation would only delay the
+        end. Two reads, not one per rank, on every turn of the loop while shrunk."""
+        return self.store.check([protocol.result_key(0)]) or \
+            membership.counter(self.store, protocol.DONE) > 0
 
     def _grow(self, step: int) -> None:
         """The grow announced for the boundary before `step`, where every worker now waits for

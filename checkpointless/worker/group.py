@@ -244,8 +244,10 @@ class Watch:
                     self.preempt_at = n["before_step"]
                 elif n["kind"] == "leave":
                     self.leaves[n["gen"]] = (n["wid"], n["before_step"])
-                elif n["kind"] == "regroup":  # a grow: every worker stops there for the plan
-                    self.leaves[n["gen"]] = (-1, n["before_step"])
+                elif n["kind"] == "regroup":  # a grow: every worker stops there for the plan;
+                    # a straggler's leave in the same generation stops them too, and its plan
+                    # (a new generation) cancels the grow: it is kept
+                    self.leaves.setdefault(n["gen"], (-1, n["before_step"]))
                 i += 1
         except Exception:  # noqa: BLE001  the store is gone: the job is over
             return

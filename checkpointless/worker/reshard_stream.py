@@ -56,13 +56,14 @@ def _refs(skeleton) -> list:
     return sorted(out, key=lambda item: item[2].index)
 
 
-def _is_cut(objects: dict, name: str, key, ref) -> bool:
-    """Whether a leaf is cut on dim 0 (see reshard.py): a model entry that is a DTensor in the
-    live model, an optimizer tensor with dimensions; anything else is the same in every slice."""
-    obj = objects.get(name)
-    if isinstance(obj, torch.nn.Module):
-        return is_dtensor(obj.state_dict().get(key))
-    return isinstance(obj, torch.optim.Optimizer) and len(ref.shape) > 0
+def _cut_leaves(objects: dict, leaves: list) -> list[bool]:
+    """Whether each leaf is cut on dim 0: a model entry that is a DTensor in the live model, an
+    optimizer tensor with dimensions; anything else is the same in every slice."""
+    live = {name: obj.state_dict() for name, obj in objects.items()
+            if isinstance(obj, torch.nn.Module)}  # once per module, not once per leaf
+    return [is_dtensor(live[name].get(key)) if name in live else
+            isinstance(objects.get(name), torch.optim.Optimizer) and len(ref.shape) > 0
+            for name, key, ref in leaves]
 
 
 def stream(state, me, old_ways: int, src_of: list[int], payloads: dict, wants: list[list]):
@@ -72,7 +73,8 @@ def stream(state, me, old_ways: int, src_of: list[int], payloads: dict, wants: l
     replaced by their local parts) on its sender; `wants[m]`: the (ways, index) chunks member m
     wants, its own first. Returns ({(ways, index): state in cut() form}, bytes received)."""
     world, rank = me.world_size, me.rank
-    skel0, flat0 = (transfer.flatten_state(payloads[0]) if rank == src_of[0] else (None, None))
+    # the structure alone (flatten_state would copy slice 0's every tensor into one buffer)
+    skel0 = pickle.dumps(transfer.strip_tensors(payloads[0])[0]) if rank == src_of[0] else None
     own = {s: transfer.strip_tensors(p)[1] for s, p in payloads.items()}
     shapes = {s: [tuple(t.shape) for t in tensors] for s, tensors in own.items()}
     gathered = [None] * world
@@ -81,7 +83,7 @@ def stream(state, me, old_ways: int, src_of: list[int], payloads: dict, wants: l
     shapes = {s: v for g in gathered for s, v in g.items()}
     skeleton = pickle.loads(_broadcast_bytes(skel0, src_of[0], rank))
     leaves = _refs(skeleton)
-    cut = [_is_cut(state.objects, name, key, ref) for name, key, ref in leaves]
+    cut = _cut_leaves(state.objects, leaves)
     # what is not cut comes whole from slice 0's sender, with the structure
     kept, moved = _broadcast_uncut(payloads.get(0), leaves, cut, src_of[0], rank)
     sent = [hashlib.sha256() for _ in range(world)]
@@ -94,8 +96,9 @@ def stream(state, me, old_ways: int, src_of: list[int], payloads: dict, wants: l
         trail = math.prod(ref.shape[1:])
         pieces = _move(i, rows, trail, ref.dtype, src_of, own, wants, rank, world, sent, got)
         for w, parts in pieces.items():
-            mine[w][ref.index] = torch.cat(parts).view(-1, *ref.shape[1:]) if parts else \
-                torch.empty(0, *ref.shape[1:], dtype=ref.dtype)
+            a, b = chunk_rows(sum(rows), *w)
+            mine[w][ref.index] = torch.cat(parts).view(b - a, *ref.shape[1:]) if parts else \
+                torch.empty(b - a, *ref.shape[1:], dtype=ref.dtype)
             moved += sum(p.numel() for p in parts) * _itemsize(ref.dtype)
     _check_digests(sent, got, rank, world)
     out = {}
@@ -147,7 +150,9 @@ def _move(i: int, rows: list[int], trail: int, dtype, src_of, own, wants, rank, 
             flat = own[s][i].reshape(rows[s], trail)
             for _, count, start in overlaps(m, s):
                 if count:
-                    piece = flat[start:start + count].reshape(-1)
+                    # on the host, as transfer.py moves state: a sender's live state (it
+                    # completed the step agreed, with no snapshot of it) may be on a GPU
+                    piece = flat[start:start + count].reshape(-1).cpu()
                     send.append(piece)
                     sent[m].update(piece.contiguous().view(torch.uint8).numpy().tobytes())
                     n += piece.numel()
