@@ -2,6 +2,7 @@
 the same surface under torchrun."""
 from __future__ import annotations
 
+import gc
 import os
 import time
 
@@ -25,6 +26,24 @@ def started_as_spare() -> bool:
     return protocol.started_as_spare()
 
 
+_FORKS_FREEZE_GC = []
+
+
+def _freeze_gc_across_forks() -> None:
+    """A process this worker forks (a DataLoader's workers, every epoch) does not collect the
+    objects it inherits: gc.freeze() before the fork, undone in the parent after it.
+
+    A worker holds the process groups and store connections of every generation it lived
+    through, some in reference cycles. Collected in a forked child, their C++ destructors run
+    against threads and sockets that exist only in the parent: DataLoader workers died of
+    SIGSEGV after a recovery (examples/train_ddp_checkpointless.py with LOADER_WORKERS=1, three
+    or four of them a run, once a new module shifted when the collector ran). Frozen objects
+    are never collected in the child, as CPython's docs advise for a process that forks."""
+    if not _FORKS_FREEZE_GC:
+        os.register_at_fork(before=gc.freeze, after_in_parent=gc.unfreeze)
+        _FORKS_FREEZE_GC.append(True)
+
+
 def join(seed: int | None = None, backend: str | None = None, replay=None):
     """Join the job; blocks until this worker holds a rank (a spare waits here, warm).
 
@@ -42,6 +61,7 @@ def join(seed: int | None = None, backend: str | None = None, replay=None):
             return PlainJob(backend, 0 if seed is None else seed)
         raise RuntimeError("checkpointless.join(): not started by the supervisor. Launch with "
                            "`python -m checkpointless --nproc N --spares S script.py`.")
+    _freeze_gc_across_forks()
     host = os.environ[protocol.ENV_STORE_HOST]
     port = int(os.environ[protocol.ENV_STORE_PORT])
     worker_id = int(os.environ[protocol.ENV_WORKER_ID])
