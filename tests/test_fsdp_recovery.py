@@ -44,6 +44,8 @@ def test_a_killed_shard_comes_back_from_a_peers_memory(tmp_path, references):
         assert local < 0.4 * rep["full_params"]  # really sharded four ways
 
 
+@pytest.mark.extended  # make test's time budget: the hsdp shrink's second loss in
+# test_shrink_e2e.py falls back to the durable checkpoint in make test
 def test_a_slice_lost_with_its_holder_falls_back_to_the_durable_checkpoint(tmp_path, reference):
     _, rep, r = train(tmp_path, "pair", "tiny-llama", *BASE, "checkpointless.spares=2",
                       "faults=[kill:1:7,kill:2:7]")

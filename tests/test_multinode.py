@@ -268,6 +268,8 @@ def test_with_a_standalone_coordinator_losing_node_0_and_rank_0_is_recovered(tmp
     assert not _job_processes(tmp_path)
 
 
+@pytest.mark.extended  # make test's time budget; a node lost whole stays in make test under
+# fsdp (test_startup_kills.py) and Slurm (test_slurm.py), tp's kills in test_tensor_parallel.py
 def test_tp_inside_each_node_a_lost_node_takes_a_whole_tp_group_and_comes_back_with_the_bits(
         tmp_path, references):
     """2 nodes x 2 workers, tp 2 inside each node (one tp group per node) x fsdp 2 across them:

@@ -56,6 +56,7 @@ def test_shrink_then_grow_back_when_the_refill_is_ready_with_the_same_bits(
     assert rep["processes_at_end"] == 4 and "spare ready: logical rank" in r.stdout
 
 
+@pytest.mark.extended  # in make test-scale (make test's time budget): fast is ddp's old reduction
 def test_fast_keeps_the_batch_and_says_the_bits_may_differ(tmp_path, references):
     """shrink=fast: today's collectives; after the shrink a survivor runs the lost rank's
     micro-batch too (the same batch), the loss stays the failure-free run's to rounding, and the
