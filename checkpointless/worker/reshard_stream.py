@@ -71,7 +71,8 @@ def stream(state, me, old_ways: int, src_of: list[int], payloads: dict, wants: l
 
     `src_of[s]`: the member sending old slice s; `payloads[s]`: that slice's state (DTensors
     replaced by their local parts) on its sender; `wants[m]`: the (ways, index) chunks member m
-    wants, its own first. Returns ({(ways, index): state in cut() form}, bytes received)."""
+    wants, its own first. Returns ({(ways, index): that chunk's state, shaped as a slice's
+    state_dicts}, bytes received)."""
     world, rank = me.world_size, me.rank
     # the structure alone (flatten_state would copy slice 0's every tensor into one buffer)
     skel0 = pickle.dumps(transfer.strip_tensors(payloads[0])[0]) if rank == src_of[0] else None
@@ -85,7 +86,7 @@ def stream(state, me, old_ways: int, src_of: list[int], payloads: dict, wants: l
     leaves = _refs(skeleton)
     cut = _cut_leaves(state.objects, leaves)
     # what is not cut comes whole from slice 0's sender, with the structure
-    kept, moved = _broadcast_uncut(payloads.get(0), leaves, cut, src_of[0], rank)
+    kept, moved = _broadcast_uncut(own.get(0), leaves, cut, src_of[0], rank)
     sent = [hashlib.sha256() for _ in range(world)]
     got = [hashlib.sha256() for _ in range(world)]
     mine = {w: {} for w in map(tuple, wants[rank])}
@@ -99,16 +100,12 @@ def stream(state, me, old_ways: int, src_of: list[int], payloads: dict, wants: l
             a, b = chunk_rows(sum(rows), *w)
             mine[w][ref.index] = torch.cat(parts).view(b - a, *ref.shape[1:]) if parts else \
                 torch.empty(b - a, *ref.shape[1:], dtype=ref.dtype)
-            moved += sum(p.numel() for p in parts) * _itemsize(ref.dtype)
+            moved += sum(p.numel() for p in parts) * ref.dtype.itemsize
     _check_digests(sent, got, rank, world)
     out = {}
     for w, tensors in mine.items():
         out[w] = transfer.fill_refs(skeleton, {**kept, **tensors})
     return out, moved
-
-
-def _itemsize(dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
 
 
 def _broadcast_bytes(data: bytes | None, src: int, rank: int) -> bytes:
@@ -119,11 +116,11 @@ def _broadcast_bytes(data: bytes | None, src: int, rank: int) -> bytes:
     return box[0]
 
 
-def _broadcast_uncut(payload, leaves, cut, src: int, rank: int) -> tuple[dict, int]:
-    """{leaf index: tensor} of the leaves not cut, sent whole by `src`; and the bytes received."""
+def _broadcast_uncut(tensors, leaves, cut, src: int, rank: int) -> tuple[dict, int]:
+    """{leaf index: tensor} of the leaves not cut, sent whole by `src` from slice 0's
+    `tensors`; and the bytes received."""
     values = None
     if rank == src:
-        tensors = transfer.strip_tensors(payload)[1]
         values = {ref.index: tensors[ref.index] for (_, _, ref), c in zip(leaves, cut) if not c}
     got, n = transfer.broadcast_state(values, src, rank)
     return (values if rank == src else got), (0 if rank == src else n)
