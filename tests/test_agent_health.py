@@ -133,3 +133,14 @@ def test_one_call_writes_the_record_or_answers_the_coordinators_word():
     assert str(agent.health(news=False)) == "fenced: silent for 3.1 s"
     assert str(agent.health(news=True, final=True)).startswith("fenced")
     assert job2.get(key) == b"fenced: silent for 3.1 s"
+
+
+def test_record_json_carries_every_field():
+    """The record is written by hand (asdict deep-copies every beat): every field of NodeRecord,
+    and only those, round-trips."""
+    import dataclasses
+    from checkpointless.protocol.records import NodeRecord
+    rec = NodeRecord(seq=7, t=12.5, beats={"3": [4, 0.1, 2, "step", [0.5]]}, stopped=[3],
+                     exited={"5": -9}, final=True)
+    assert json.loads(rec.to_json()) == dataclasses.asdict(rec)
+    assert NodeRecord.parse(rec.to_json()) == rec
