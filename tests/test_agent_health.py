@@ -52,13 +52,19 @@ def test_a_stopped_worker_is_reported_once_silent_and_beats_are_read_in_one_call
     try:
         agent._spawn(10, 0, False)
         agent._spawn(11, 1, False)
-        # worker 10 has beaten just now, worker 11 not yet: a check first, read one by one
+        # worker 10 has beaten just now, worker 11 not yet: a check each, one read of 10's
         _beat(agent.node_store, 10, 0.0)
         agent.node_store = _Counted(agent.node_store)
         assert str(agent.health(news=False)) == "run"
+        assert agent.node_store.calls == ["check", "check", "multi_get"]
         record = json.loads(job.get(protocol.node_health_key(1)))
         assert set(record["beats"]) == {"10"} and record["stopped"] == []
         assert agent.beaten == {10}
+        # 10 known to beat, 11 still silent (a spare never beats until it holds a rank): one
+        # multi_get for 10, one check for 11, not a check and a read per worker
+        agent.node_store.calls.clear()
+        agent.health(news=False)
+        assert agent.node_store.calls == ["check", "multi_get"]
 
         # both beat: from now on one multi_get and no check
         _beat(agent.node_store.store, 11, 0.0)
@@ -97,7 +103,9 @@ def test_read_beats_without_a_known_set_checks_first():
     _beat(store, 2, 0.0)
     counted.calls.clear()
     beats = detection.read_beats(counted, [1, 2], beaten)
-    assert set(beats) == {1, 2} and beaten == {1, 2} and counted.calls == ["check", "multi_get"]
+    assert set(beats) == {1, 2} and beaten == {1, 2}
+    assert counted.calls == ["check", "check", "multi_get"]
+    assert beats[2]["step"] == 3
 
 
 def test_one_call_writes_the_record_or_answers_the_coordinators_word():

@@ -42,20 +42,27 @@ def process_stopped(pid: int) -> bool:
 
 
 def read_beats(store, worker_ids, beaten: set | None = None) -> dict:
-    """worker id -> its last heartbeat (None: none yet): one multi_get when every one is known
-    to have beaten (`beaten`, kept by the caller: a heartbeat key, once written, stays), else a
-    check of them all first, and two operations per worker when some have not beaten yet.
-    `beaten` is updated with every worker found beating."""
-    keys = [protocol.heartbeat_key(w) for w in worker_ids]
-    if keys and hasattr(store, "multi_get") and (
-            (beaten is not None and beaten.issuperset(worker_ids)) or store.check(keys)):
-        if beaten is not None:
-            beaten.update(worker_ids)
-        return {w: json.loads(v) for w, v in zip(worker_ids, store.multi_get(keys))}
-    out = {w: read_beat(store, w) for w in worker_ids}
-    if beaten is not None:
-        beaten.update(w for w, b in out.items() if b)
-    return out
+    """worker id -> its last heartbeat (None: none yet). With `beaten` (kept by the caller: a
+    heartbeat key, once written, stays), the workers known to beat are read in one multi_get,
+    and each of the others (a spare, which beats only once it holds a rank) costs one check;
+    those found beating are read in one more multi_get. `beaten` is updated with them.
+    Without it, one check of them all and one multi_get when every one has beaten; else (or a
+    store without multi_get) a check and a read per worker."""
+    if beaten is None or not hasattr(store, "multi_get"):
+        keys = [protocol.heartbeat_key(w) for w in worker_ids]
+        if keys and hasattr(store, "multi_get") and store.check(keys):
+            return {w: json.loads(v) for w, v in zip(worker_ids, store.multi_get(keys))}
+        return {w: read_beat(store, w) for w in worker_ids}
+    out: dict = {}
+    known = [w for w in worker_ids if w in beaten]
+    new = [w for w in worker_ids if w not in beaten
+           and store.check([protocol.heartbeat_key(w)])]
+    for group in (known, new):
+        if group:
+            values = store.multi_get([protocol.heartbeat_key(w) for w in group])
+            out.update((w, json.loads(v)) for w, v in zip(group, values))
+    beaten.update(new)
+    return {w: out.get(w) for w in worker_ids}
 
 
 def find_hung(beats: dict[int, dict], pids: dict[int, int], timeout_s: float,
