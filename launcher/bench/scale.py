@@ -38,6 +38,7 @@ from checkpointless import protocol
 from checkpointless.control.agent import record_interval_s
 from checkpointless.protocol import SupervisorConfig
 
+from .scale_text import print_row
 from .scale_proc import coordinator_connections, cpu_s, fd_limit, free_port, sockets, wait_port
 from .scale_sim import Counter, Wrapped, connect, shard_main
 
@@ -161,6 +162,23 @@ class Harness:
             time.sleep(0.25)
         return False
 
+    def why_not_complete(self, gen: int) -> str:
+        """What stood when generation `gen` did not complete: the newest generation published,
+        the ranks alive and through `gen`'s barrier, and the coordinator's losses since."""
+        try:
+            newest = int(self.store.get(protocol.GEN))
+            status = self._all("status", gen)
+            lost = [f for f in self.ask()[1] if f["gen"] >= gen]
+        except (OSError, EOFError, RuntimeError, ValueError) as exc:
+            return f"the harness could not look ({type(exc).__name__}: {exc})"
+        alive, done = sum(a for a, _ in status), sum(d for _, d in status)
+        kinds: dict[str, int] = {}
+        for f in lost:
+            kinds[f["cause"]] = kinds.get(f["cause"], 0) + 1
+        return (f"generation {newest} is the newest published; {alive} of "
+                f"{self.nodes_n * self.per_node} ranks alive, {done} through generation {gen}'s "
+                f"barrier; {len(lost)} rank(s) lost from generation {gen} on, by cause {kinds}")
+
     def why_not_started(self, timeout_s: float) -> str:
         """What stood at the start's deadline: ranks up, the coordinator alive, its sockets."""
         try:
@@ -219,7 +237,8 @@ class Harness:
         t_fail = time.time()
         self._ask(self.shard_of[node], "kill_rank" if kind == "rank" else "kill_node", node)
         if not self.wait_gen(gen, timeout_s):
-            return {"kind": kind, "error": f"generation {gen} not complete in {timeout_s} s"}
+            return {"kind": kind, "error": f"generation {gen} not complete in {timeout_s} s: "
+                    f"{self.why_not_complete(gen)}"}
         cpu, own = self.cpu_s() - cpu0, self.shards_cpu_s() - own0
         threads = {k: round(v - threads0.get(k, 0.0), 2) for k, v in self.threads_cpu_s().items()}
         failures = [f for f in self.ask()[1] if f["gen"] == gen]
@@ -300,31 +319,6 @@ def node_timeout_for(nodes: int) -> float:
     return protocol.DEFAULTS.node_timeout_s * max(1.0, nodes / 512)
 
 
-def _print(row: dict) -> None:
-    st = row["steady"]
-    print(f"{row['nodes']:>6} nodes x {row['ranks_per_node']} = {row['ranks']:>6} ranks: "
-          f"steady {st['store_ops_per_s']:>8.1f} store ops/s, coordinator CPU "
-          f"{100 * st['coordinator_cpu_share']:.1f}% of a core, simulated side "
-          f"{100 * st['simulated_cpu_share']:.0f}% (started in {row['start_s']} s); the "
-          f"coordinator holds {row['coordinator_connections']['store']} store connections "
-          f"({row['nodes'] + row['spare_nodes']} nodes); node timeout {row['node_timeout_s']:g} s")
-    for key in ("rank_failure", "node_failure"):
-        f = row[key]
-        if "error" in f:
-            print(f"    {f['kind']} loss: {f['error']}")
-            continue
-        print(f"    {f['kind']} loss ({f['lost_ranks']} rank(s)): detected {f['detect_s']:.3f} s, "
-              f"plan published {f['decide_s']:.3f} s after, read by every rank "
-              f"{f['plan_to_every_rank_s']:.3f} s after that, barrier complete "
-              f"{f['barrier_complete_s']:.3f} s after it (decision to barrier "
-              f"{f['decision_to_barrier_s']:.3f} s); CPU meanwhile: coordinator "
-              f"{f['cpu_s']['coordinator']:.2f} s, simulated nodes and ranks "
-              f"{f['cpu_s']['simulated_nodes_and_ranks']:.2f} s (the ranks "
-              f"{f['cpu_s']['simulated_ranks']:.2f} s of it)")
-    print(f"    given, not measured: regroup {row['given']['regroup_s']} s "
-          f"({row['given']['regroup_source']})", flush=True)
-
-
 def main(argv=None) -> int:
     # Every c10d client looks up the name of its own socket as it connects. This machine's
     # resolver has no local answer for a v4-mapped loopback address and its DNS server drops
@@ -373,7 +367,7 @@ def main(argv=None) -> int:
                          "error": why})
             code = 1
         else:
-            _print(row)
+            print_row(row)
             rows.append(row)
             if any("error" in row[k] for k in ("rank_failure", "node_failure")):
                 code = 1  # a recovery that did not complete is no figure

@@ -1,0 +1,28 @@
+"""The scale harness's figures as lines of text (scale.py measures them)."""
+from __future__ import annotations
+
+
+def print_row(row: dict) -> None:
+    """One size's figures, as the harness prints them (its --out JSON has them all)."""
+    st = row["steady"]
+    print(f"{row['nodes']:>6} nodes x {row['ranks_per_node']} = {row['ranks']:>6} ranks: "
+          f"steady {st['store_ops_per_s']:>8.1f} store ops/s, coordinator CPU "
+          f"{100 * st['coordinator_cpu_share']:.1f}% of a core, simulated side "
+          f"{100 * st['simulated_cpu_share']:.0f}% (started in {row['start_s']} s); the "
+          f"coordinator holds {row['coordinator_connections']['store']} store connections "
+          f"({row['nodes'] + row['spare_nodes']} nodes); node timeout {row['node_timeout_s']:g} s")
+    for key in ("rank_failure", "node_failure"):
+        f = row[key]
+        if "error" in f:
+            print(f"    {f['kind']} loss: {f['error']}")
+            continue
+        print(f"    {f['kind']} loss ({f['lost_ranks']} rank(s)): detected {f['detect_s']:.3f} s, "
+              f"plan published {f['decide_s']:.3f} s after, read by every rank "
+              f"{f['plan_to_every_rank_s']:.3f} s after that, barrier complete "
+              f"{f['barrier_complete_s']:.3f} s after it (decision to barrier "
+              f"{f['decision_to_barrier_s']:.3f} s); CPU meanwhile: coordinator "
+              f"{f['cpu_s']['coordinator']:.2f} s, simulated nodes and ranks "
+              f"{f['cpu_s']['simulated_nodes_and_ranks']:.2f} s (the ranks "
+              f"{f['cpu_s']['simulated_ranks']:.2f} s of it)")
+    print(f"    given, not measured: regroup {row['given']['regroup_s']} s "
+          f"({row['given']['regroup_source']})", flush=True)
