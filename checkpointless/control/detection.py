@@ -46,11 +46,16 @@ def read_beats(store, worker_ids, beaten: set | None = None) -> dict:
     heartbeat key, once written, stays), the workers known to beat are read in one multi_get,
     and each of the others (a spare, which beats only once it holds a rank) costs one check;
     those found beating are read in one more multi_get. `beaten` is updated with them.
-    Without it, one check of them all and one multi_get when every one has beaten; else (or a
-    store without multi_get) a check and a read per worker."""
-    if beaten is None or not hasattr(store, "multi_get"):
+    Without it, one check of them all and one multi_get when every one has beaten, else a check
+    and a read per worker (as on a store without multi_get)."""
+    if not hasattr(store, "multi_get"):
+        out = {w: read_beat(store, w) for w in worker_ids}
+        if beaten is not None:
+            beaten.update(w for w, b in out.items() if b)
+        return out
+    if beaten is None:
         keys = [protocol.heartbeat_key(w) for w in worker_ids]
-        if keys and hasattr(store, "multi_get") and store.check(keys):
+        if keys and store.check(keys):
             return {w: json.loads(v) for w, v in zip(worker_ids, store.multi_get(keys))}
         return {w: read_beat(store, w) for w in worker_ids}
     out: dict = {}

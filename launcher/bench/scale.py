@@ -27,6 +27,7 @@ the output marks every figure as measured or given.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import multiprocessing as mp
 import os
@@ -172,9 +173,7 @@ class Harness:
         except (OSError, EOFError, RuntimeError, ValueError) as exc:
             return f"the harness could not look ({type(exc).__name__}: {exc})"
         alive, done = sum(a for a, _ in status), sum(d for _, d in status)
-        kinds: dict[str, int] = {}
-        for f in lost:
-            kinds[f["cause"]] = kinds.get(f["cause"], 0) + 1
+        kinds = dict(collections.Counter(f["cause"] for f in lost))
         return (f"generation {newest} is the newest published; {alive} of "
                 f"{self.nodes_n * self.per_node} ranks alive, {done} through generation {gen}'s "
                 f"barrier; {len(lost)} rank(s) lost from generation {gen} on, by cause {kinds}")
