@@ -67,6 +67,7 @@ class NodeAgent:
         self._held = ""
         self.spare_wids: set[int] = set()  # started as spares (said in a hello)
         self.next_cmd = 0  # the number of the coordinator's next command
+        self.bell_at: int | None = None  # the ring of its group's bell the command thread awaits
         # coordinator=etcd (role_watch.py): who coordinates is looked up in etcd, the store is
         # reached through the node's door, and the coordinator's loss is waited out
         self.role_watch = role_watch
@@ -114,7 +115,7 @@ class NodeAgent:
         self.store.set(protocol.node_hello_key(self.node), json.dumps(
             {"host": os.uname().nodename, "procs": procs_here, "pid": os.getpid(),
              "t": time.time(), "node_store_port": self.node_server.port,
-             "next_cmd": self.next_cmd, "coordinator_lost_at": lost_at,
+             "next_cmd": self.next_cmd, "bell": self.bell_at, "coordinator_lost_at": lost_at,
              "workers": {str(wid): {"slot": w.slot, "spare": wid in self.spare_wids,
                                     "code": self.exited.get(wid), "pid": w.proc.pid,
                                     "ready": self._ready(wid)}
@@ -183,21 +184,29 @@ class NodeAgent:
                           extra_fds=[self._wake_r])
 
     def _follow_commands(self) -> None:
-        """Block on the coordinator's next command, on a connection of its own; queue it and
-        wake the loop."""
+        """Block on this node's group's next bell (keys.bell_key), on a connection of its own;
+        at each ring, queue this node's new commands and wake the loop. Where the bells stand
+        is read before the commands: a command written after that read is followed by a ring
+        at or after it, so none waits unread. The rings are walked one by one (a takeover
+        rings again every one its nodes said they wait for: takeover.adopt)."""
         try:
             store = self.connect(self.host, self.port)
-            i = 0
+            group = self.node // protocol.NODES_PER_BELL
+            at = store.get(protocol.bell_next_key(group)) \
+                if store.check([protocol.bell_next_key(group)]) else b"0"
+            self.bell_at = int(at)
             while True:
-                key = protocol.node_cmd_key(self.node, i)
-                store.wait([key], timedelta(days=1))
-                c = NodeCommand.parse(store.get(key))
-                self.next_cmd = i + 1
-                self._cmds.put(c)
-                os.write(self._wake_w, b"c")
-                if c.op is NodeOp.SHUTDOWN:  # nothing follows; a thread still blocked in the
-                    return                 # store as the coordinator exits would abort us
-                i += 1
+                key = protocol.node_cmd_key(self.node, self.next_cmd)
+                while store.check([key]):
+                    c = NodeCommand.parse(store.get(key))
+                    self.next_cmd += 1
+                    self._cmds.put(c)
+                    os.write(self._wake_w, b"c")
+                    if c.op is NodeOp.SHUTDOWN:  # nothing follows; a thread still blocked in
+                        return  # the store as the coordinator exits would abort us
+                    key = protocol.node_cmd_key(self.node, self.next_cmd)
+                store.wait([protocol.bell_key(group, self.bell_at)], timedelta(days=1))
+                self.bell_at += 1
         except Exception:  # noqa: BLE001  the coordinator is gone: the loop sees it too
             return
 

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from .. import protocol
+from .bells import Bells
 from ..protocol.records import SILENT, NodeCommand, NodeOp, NodeRecord, NodeWord, Word, is_record
 from .processes import Worker, WorkerPool, stop_all
 
@@ -91,6 +92,7 @@ class ClusterPool(WorkerPool):
         for k in range(nodes, nodes + spare_nodes):
             self.nodes[k] = NodeState(per_node, True)
         self._cmds: dict[int, int] = {}
+        self.bells = Bells()  # a command's wake-up, shared by a group of nodes
         self._events = -1  # the agents' event counter when last read
         self._health_at = 0.0  # when every node's record was last read
         self.on_fence = lambda k, why: None  # the supervisor's facts (etcd) learn of a fence
@@ -104,12 +106,15 @@ class ClusterPool(WorkerPool):
         self.next_wid = max(self.next_wid, wid + 1)
         return w
 
-    def resume_node(self, k: int, heard_at: float, next_cmd: int | None) -> None:
+    def resume_node(self, k: int, heard_at: float, next_cmd: int | None,
+                    bell: int | None = None) -> None:
         """A node as a takeover found it: last heard of at `heard_at`, its agent's next
-        command numbered `next_cmd` (None: it never answered, so it is silent)."""
+        command numbered `next_cmd` (None: it never answered, so it is silent), the ring of
+        its group's bell it awaits `bell`."""
         self.nodes[k].beat_seen_at = heard_at
         if next_cmd is not None:
             self._cmds[k] = next_cmd
+            self.bells.resumed(k, bell)
         else:  # the silent record written for it is no news: it stays heard of at heard_at
             self.nodes[k].seq = SILENT.seq
 
@@ -121,13 +126,14 @@ class ClusterPool(WorkerPool):
         if self.local:
             self.forks_ready()
         per_node, out = self.per_node, []
-        for node, n in self.nodes.items():
-            for slot in range(n.procs):
-                active = not n.spare_node and slot < per_node
-                w = self.spawn_on(node, slot, spare=not active)
-                if active:
-                    w.rank = node * per_node + slot
-                    out.append(w)
+        with self.bells.held(store):  # one ring per group of nodes for all their spawns
+            for node, n in self.nodes.items():
+                for slot in range(n.procs):
+                    active = not n.spare_node and slot < per_node
+                    w = self.spawn_on(node, slot, spare=not active)
+                    if active:
+                        w.rank = node * per_node + slot
+                        out.append(w)
         active_nodes = sum(1 for n in self.nodes.values() if not n.spare_node)
         self.log(f"[checkpointless] {active_nodes} node(s) x {per_node} workers "
                  f"(+{self.spares_per_node} spare(s) each) and "
@@ -157,10 +163,12 @@ class ClusterPool(WorkerPool):
         return node != 0 or not self.local
 
     def _command(self, node: int, c: NodeCommand) -> None:
-        """The node's next command: its agent blocks on this key (no counter, no polling)."""
+        """The node's next command, then its group's bell (its agent blocks on the bell: no
+        polling)."""
         i = self._cmds.get(node, 0)
         self._cmds[node] = i + 1
         self.store.set(protocol.node_cmd_key(node, i), c.to_json())
+        self.bells.command_written(self.store, node)
 
     def spawn_on(self, node: int, slot: int, spare: bool, background: bool = False) -> Worker:
         if not self.remote(node):
@@ -304,12 +312,13 @@ class ClusterPool(WorkerPool):
         that finds the coordinator gone before it heard of the end would take it for lost."""
         live = [k for k, n in self.nodes.items() if self.remote(k) and not n.lost]
         why = getattr(self, "stop_why", None)  # a job that failed: its agents say why
-        for k in live:
-            if not self.nodes[k].left:  # a final record already read stays (its exits)
-                self.store.set(protocol.node_health_key(k),  # heard at its next record, too
-                               str(NodeWord(Word.STOPPED, why) if why else
-                                   NodeWord(Word.SHUTDOWN)))
-            self._command(k, NodeCommand(NodeOp.SHUTDOWN, why=why or None))
+        with self.bells.held(self.store):
+            for k in live:
+                if not self.nodes[k].left:  # a final record already read stays (its exits)
+                    self.store.set(protocol.node_health_key(k),  # heard at its next record
+                                   str(NodeWord(Word.STOPPED, why) if why else
+                                       NodeWord(Word.SHUTDOWN)))
+                self._command(k, NodeCommand(NodeOp.SHUTDOWN, why=why or None))
         stop_all([w for w in self.workers.values() if not self.remote(w.node)], grace_s)
         deadline = time.time() + grace_s
         while time.time() < deadline:

@@ -97,12 +97,13 @@ def adopt(pool, store, plan: dict, known) -> dict[int, dict]:
             # would wait for a missing one): silent, so lost at the next look
             store.set(protocol.node_health_key(k), SILENT.to_json())
             continue
-        pool.resume_node(k, now, h.get("next_cmd", 0))
+        pool.resume_node(k, now, h.get("next_cmd", 0), h.get("bell"))
         for wid_s, info in h.get("workers", {}).items():
             wid = int(wid_s)
             pool.adopted(wid, k, info["slot"], now, info.get("pid"), info.get("code"))
             if info.get("ready") and info.get("code") is None:  # warm, as it told its node
                 store.set(protocol.ready_key(wid), f"{now:.6f}")
+    pool.bells.ring_again(store)  # the rings its agents await, in this store
     for wid_s, rank in plan["ranks"].items():
         wid = int(wid_s)
         store.set(protocol.ready_key(wid), f"{now:.6f}")  # it trained: it had started

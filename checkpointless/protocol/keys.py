@@ -46,8 +46,8 @@ coordinator's steady load grows with nodes, not ranks:
     coordinator                                  agent (node k)
     -----------                                  --------------
                                            <---  node/k/hello     {host, procs, pid}
-    node/k/cmd/<i>   (the i-th command)    --->  spawn {wid, slot, spare} | kill {wid}; a thread
-                                                 of the agent blocks on the next one
+    node/k/cmd/<i>   (the i-th command)    --->  spawn {wid, slot, spare} | kill {wid}
+    bell/<b>/<j>     (group b got commands) -->  an agent thread blocks on its group's next ring
                                            <---  node/k/pid/<wid>
                                            <---  node/k/health    {seq, beats, stopped,
                                                  exited}: every node_beat_s, and at once on an
@@ -247,6 +247,17 @@ def node_health_key(node: int) -> str:
 
 def node_cmd_key(node: int, i: int) -> str:
     return f"node/{node}/cmd/{i}"
+
+
+NODES_PER_BELL = 64  # nodes that share a command bell (control/bells.py says why)
+
+
+def bell_key(group: int, j: int) -> str:
+    return f"bell/{group}/{j}"  # the j-th ring: set after the commands it announces
+
+
+def bell_next_key(group: int) -> str:
+    return f"bell/{group}"  # the number of the next ring (absent: 0), where an agent starts
 
 
 def node_pid_key(node: int, wid: int) -> str:
