@@ -176,7 +176,19 @@ class Harness:
         kinds = dict(collections.Counter(f["cause"] for f in lost))
         return (f"generation {newest} is the newest published; {alive} of "
                 f"{self.nodes_n * self.per_node} ranks alive, {done} through generation {gen}'s "
-                f"barrier; {len(lost)} rank(s) lost from generation {gen} on, by cause {kinds}")
+                f"barrier; {len(lost)} rank(s) lost from generation {gen} on, by cause {kinds}"
+                + self.agents_ended())
+
+    def agents_ended(self) -> str:
+        """The simulated nodes whose agent's loop ended though the harness killed none of them
+        (to the coordinator, nodes gone silent): how many, how, and one's last words."""
+        ended = {k: v for shard in self._all("ended") for k, v in shard.items()}
+        if not ended:
+            return ""
+        how = dict(collections.Counter(e for e, _ in ended.values()))
+        k = min(ended)
+        return (f"; {len(ended)} agent(s) ended by themselves ({how}); node {k}'s last words: "
+                f"{ended[k][1]}")
 
     def why_not_started(self, timeout_s: float) -> str:
         """What stood at the start's deadline: ranks up, the coordinator alive, its sockets."""

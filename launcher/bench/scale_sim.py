@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import threading
 import time
 
@@ -156,15 +157,30 @@ class SimNode:
         self.dead = False
         # the node's door, as run_agent stands it: every process of the node reaches the
         # coordinator through it, over one connection whatever the ranks per node
-        self.door = StoreDoor(hold=False)
+        self.said: list[str] = []  # what its agent and its door logged, newest last
+        self.ended: str | None = None  # how its agent's loop ended, if it did
+        self.door = StoreDoor(hold=False, log=self._say)
         self.door.retarget("127.0.0.1", self.port)
         self.agent_store = connect(self.door.port, harness.main_ops)
         self.agent = NodeAgent(Wrapped(self.agent_store, self._alive), k, ["sim"], {}, "127.0.0.1",
-                               self.door.port, harness.node_timeout_s, log=lambda m: None,
+                               self.door.port, harness.node_timeout_s, log=self._say,
                                starter=self._start, connect=self._connect)
         harness.loop.start(self._beat())
-        threading.Thread(target=self.agent.run, args=(procs,), daemon=True,
+        threading.Thread(target=self._run_agent, args=(procs,), daemon=True,
                          name=f"node{k}-agent").start()
+
+    def _say(self, m: str) -> None:
+        self.said = self.said[-4:] + [f"{time.strftime('%H:%M:%S')} {m}"]
+        if os.environ.get("SCALE_DEBUG"):
+            print(f"[node {self.k}] {m}", file=sys.stderr, flush=True)
+
+    def _run_agent(self, procs: int) -> None:
+        """The agent's loop; how it ended is kept (an agent that ends is a node gone silent)."""
+        try:
+            self.ended = f"exit {self.agent.run(procs)}"
+        except BaseException as exc:  # noqa: BLE001  said in the harness's report
+            self.ended = f"{type(exc).__name__}: {exc}"
+            raise
 
     def _connect(self, host: str, port: int):
         """The agent's own threads' connections (commands, plans), counted with the rest."""
@@ -242,6 +258,9 @@ class Shard:
             ranks = [r for r in self.ranks() if arg in r.times]
             return (max((r.times[arg][0] for r in ranks), default=0.0),
                     max((r.times[arg][1] for r in ranks), default=0.0))
+        if op == "ended":  # the agents whose loop ended, not killed by the harness: how, and
+            return {k: (n.ended, n.said) for k, n in self.nodes.items()  # their last words
+                    if n.ended is not None and not n.dead}
         if op == "kill_rank":
             next(r for r in self.nodes[arg].ranks if r.returncode is None and r.rank >= 0).die(-9)
             return True
