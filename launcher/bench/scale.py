@@ -39,6 +39,7 @@ from checkpointless import protocol
 from checkpointless.control.agent import record_interval_s
 from checkpointless.protocol import SupervisorConfig
 
+from . import scale_text
 from .scale_text import print_row
 from .scale_proc import coordinator_connections, cpu_s, fd_limit, free_port, sockets, wait_port
 from .scale_sim import Counter, Wrapped, connect, shard_main
@@ -119,13 +120,7 @@ class Harness:
                 raise RuntimeError(f"a shard of simulated nodes (pid {proc.pid}) did not start")
         self.store = connect(self.port, self.main_ops)
         if os.environ.get("SCALE_DEBUG"):
-            threading.Thread(target=self._monitor, daemon=True).start()
-
-    def _monitor(self) -> None:
-        while True:
-            time.sleep(1.0)
-            print(f"[scale {time.strftime('%X')}] ranks alive, at generation: "
-                  f"{self._all('status', 0)}", file=sys.stderr, flush=True)
+            threading.Thread(target=scale_text.monitor, args=(self,), daemon=True).start()
 
     def _ask(self, i: int, op: str, arg=None):
         with self._lock:  # a question and its answer, not interleaved with another's
@@ -144,11 +139,12 @@ class Harness:
         self.pipe.send("?")
         return self.pipe.recv()
 
-    def ops(self) -> tuple[int, int]:
-        """Every call made to the coordinator's store so far, from any client; and every call
-        made to the node stores."""
+    def ops(self) -> tuple[int, int, int]:
+        """Every call made to the coordinator's store so far, from any client; the coordinator's
+        own among them; and every call made to the node stores."""
         counts = self._all("ops")
-        return (self.main_ops.n + self.ask()[0] + sum(m for m, _ in counts),
+        own = self.ask()[0]
+        return (self.main_ops.n + own + sum(m for m, _ in counts), own,
                 sum(n for _, n in counts))
 
     def wait_gen(self, gen: int, timeout_s: float) -> bool:
@@ -182,13 +178,7 @@ class Harness:
     def agents_ended(self) -> str:
         """The simulated nodes whose agent's loop ended though the harness killed none of them
         (to the coordinator, nodes gone silent): how many, how, and one's last words."""
-        ended = {k: v for shard in self._all("ended") for k, v in shard.items()}
-        if not ended:
-            return ""
-        how = dict(collections.Counter(e for e, _ in ended.values()))
-        k = min(ended)
-        return (f"; {len(ended)} agent(s) ended by themselves ({how}); node {k}'s last words: "
-                f"{ended[k][1]}")
+        return scale_text.ended({k: v for shard in self._all("ended") for k, v in shard.items()})
 
     def why_not_started(self, timeout_s: float) -> str:
         """What stood at the start's deadline: ranks up, the coordinator alive, its sockets."""
@@ -221,16 +211,17 @@ class Harness:
         # each count is read as close to the window's ends as it can be: under load a question
         # to 32 shards takes seconds, and CPU read after it would count them
         cpu0, own0, t0 = self.cpu_s(), self.shards_cpu_s(), time.time()
-        ops0, node0 = self.ops()
+        ops0, own0, node0 = self.ops()
         threads0 = self.threads_cpu_s()
         t1 = time.time()
         time.sleep(window_s)
         cpu, own, dt_cpu = self.cpu_s() - cpu0, self.shards_cpu_s() - own0, time.time() - t0
-        ops1, node1 = self.ops()
+        ops1, own1, node1 = self.ops()
         dt_ops = time.time() - t1
         threads = self.threads_cpu_s()
         dt_threads = time.time() - t1
         return {"store_ops_per_s": round((ops1 - ops0) / dt_ops, 1),
+                "coordinator_own_ops_per_s": round((own1 - own0) / dt_ops, 1),
                 "coordinator_cpu_share": round(cpu / dt_cpu, 4),
                 # the simulated side: its agents, node stores and ranks, on this machine's cores
                 "simulated_cpu_share": round(own / dt_cpu, 4),

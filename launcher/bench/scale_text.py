@@ -1,6 +1,10 @@
 """The scale harness's figures as lines of text (scale.py measures them)."""
 from __future__ import annotations
 
+import collections
+import sys
+import time
+
 
 def print_row(row: dict) -> None:
     """One size's figures, as the harness prints them (its --out JSON has them all)."""
@@ -26,3 +30,28 @@ def print_row(row: dict) -> None:
               f"{f['cpu_s']['simulated_ranks']:.2f} s of it)")
     print(f"    given, not measured: regroup {row['given']['regroup_s']} s "
           f"({row['given']['regroup_source']})", flush=True)
+
+
+def ended(agents: dict) -> str:
+    """What the report says of agents whose loop ended by itself (node -> (how, last words))."""
+    if not agents:
+        return ""
+    how = dict(collections.Counter(e for e, _ in agents.values()))
+    k = min(agents)
+    return (f"; {len(agents)} agent(s) ended by themselves ({how}); node {k}'s last words: "
+            f"{agents[k][1]}")
+
+
+def monitor(h) -> None:
+    """SCALE_DEBUG: every second, the calls the coordinator's store took (its own apart) and
+    the ranks alive and through generation 0, from the harness `h`."""
+    last = (time.time(), 0, 0)
+    while True:
+        time.sleep(1.0)
+        status, (ops, own, _) = h._all("status", 0), h.ops()
+        dt = time.time() - last[0]
+        print(f"[scale {time.strftime('%X')}] coordinator's store: {(ops - last[1]) / dt:.0f} "
+              f"calls/s, {(own - last[2]) / dt:.0f} its own; ranks alive and through "
+              f"generation 0: {sum(a for a, _ in status)}, {sum(d for _, d in status)}",
+              file=sys.stderr, flush=True)
+        last = (time.time(), ops, own)
