@@ -311,14 +311,18 @@ def measure(nodes: int, per_node: int, spare_nodes: int = 2, step_s: float = 1.0
 
 
 def node_timeout_for(nodes: int) -> float:
-    """The node timeout the harness gives a size by default. Every simulated node's real agent
-    runs on this machine's two cores: at 2,048 nodes their records at the product's default
-    (3 s, a record every 0.5 s) alone took more CPU than the machine has, and agents starved of
-    it went silent for 3 s and were fenced (2026-12-06). A node's record comes six times per node
-    timeout (agent.py), so 3 s per 512 nodes keeps their load at 512 nodes' on any size; a
+    """The node timeout the harness gives a size by default: the product's (3 s) up to 512
+    nodes, 12 s per 512 nodes beyond. Every simulated node's real agent runs on this machine's
+    two cores. At 2,048 nodes with 3 s their records alone took more CPU than the machine has
+    (2026-12-06); with 12 s, forming generation 0 at the start (16,384 ranks reading the plan
+    and meeting at the barrier at once, on two cores) left the agents of whole shards without
+    a turn for 18-43 s, and the coordinator fenced from 19 to 850 healthy nodes in eight runs of
+    twelve (2026-12-06/07; with SCALE_DEBUG the harness names agents that stall, and where). A node's
+    record comes six times per node timeout (agent.py), so a longer one also sends fewer. A
     cluster, whose nodes each have their own cores, needs no such thing. Detection then takes
     longer; decision to barrier, which the harness reports apart, does not depend on it."""
-    return protocol.DEFAULTS.node_timeout_s * max(1.0, nodes / 512)
+    d = protocol.DEFAULTS.node_timeout_s
+    return d if nodes <= 512 else 4 * d * nodes / 512
 
 
 def main(argv=None) -> int:
@@ -342,7 +346,7 @@ def main(argv=None) -> int:
     p.add_argument("--steady-s", type=float, default=5.0, help="steady-state window")
     p.add_argument("--node-timeout-s", type=float, default=None,
                    help="a node's silence before it is declared lost (default: the product's "
-                   "3 s up to 512 nodes, 3 s per 512 nodes beyond: see node_timeout_for)")
+                   "3 s up to 512 nodes, 12 s per 512 nodes beyond: see node_timeout_for)")
     p.add_argument("--shards", type=int, default=0,
                    help="processes holding the simulated nodes (0: one per 128 ranks, up to 32)")
     p.add_argument("--start-timeout-s", type=float, default=300.0,

@@ -166,8 +166,10 @@ class SimNode:
                                self.door.port, harness.node_timeout_s, log=self._say,
                                starter=self._start, connect=self._connect)
         harness.loop.start(self._beat())
-        threading.Thread(target=self._run_agent, args=(procs,), daemon=True,
-                         name=f"node{k}-agent").start()
+        self.thread = threading.Thread(target=self._run_agent, args=(procs,), daemon=True,
+                                       name=f"node{k}-agent")
+        self.thread.start()
+        self.seen = (0, time.time())  # its agent's records written, when that last moved
 
     def _say(self, m: str) -> None:
         self.said = self.said[-4:] + [f"{time.strftime('%H:%M:%S')} {m}"]
@@ -241,6 +243,9 @@ class Shard:
             self.nodes = {k: n for k, n in zip(node_ids, pool.map(
                 lambda k: SimNode(self, k, per_node), node_ids))}
 
+    def stalled(self, after_s: float) -> tuple[int, str]:
+        return _stalled(self, after_s)
+
     def ranks(self) -> list[SimRank]:
         """The ranks alive and holding a rank."""
         return [r for n in self.nodes.values() for r in n.ranks
@@ -258,6 +263,8 @@ class Shard:
             ranks = [r for r in self.ranks() if arg in r.times]
             return (max((r.times[arg][0] for r in ranks), default=0.0),
                     max((r.times[arg][1] for r in ranks), default=0.0))
+        if op == "stalled":  # SCALE_DEBUG: agents with no record for `arg` s, one's stack
+            return self.stalled(arg)
         if op == "ended":  # the agents whose loop ended, not killed by the harness: how, and
             return {k: (n.ended, n.said) for k, n in self.nodes.items()  # their last words
                     if n.ended is not None and not n.dead}
@@ -268,6 +275,24 @@ class Shard:
             self.nodes[arg].kill()
             return True
         raise ValueError(op)
+
+
+def _stalled(shard, after_s: float) -> tuple[int, str]:
+    """How many of the shard's live agents wrote no record for `after_s`, and where one of
+    them stands (its thread's stack)."""
+    import sys as _sys
+    import traceback
+    now, stalled = time.time(), []
+    for n in shard.nodes.values():
+        if n.agent.seq != n.seen[0]:
+            n.seen = (n.agent.seq, now)
+        elif now - n.seen[1] > after_s and n.ended is None and not n.dead:
+            stalled.append(n)
+    if not stalled:
+        return 0, ""
+    frame = _sys._current_frames().get(stalled[0].thread.ident)
+    where = "".join(traceback.format_stack(frame)[-6:]) if frame else "?"
+    return len(stalled), f"node {stalled[0].k}, silent {now - stalled[0].seen[1]:.1f} s:\n{where}"
 
 
 def cpu_by_thread() -> dict[str, float]:

@@ -55,3 +55,7 @@ def monitor(h) -> None:
               f"generation 0: {sum(a for a, _ in status)}, {sum(d for _, d in status)}",
               file=sys.stderr, flush=True)
         last = (time.time(), ops, own)
+        stalled = [s for s in h._all("stalled", 5.0) if s[0]]
+        if stalled:
+            print(f"[scale {time.strftime('%X')}] {sum(n for n, _ in stalled)} agent(s) wrote "
+                  f"no record for 5 s; {stalled[0][1]}", file=sys.stderr, flush=True)
