@@ -92,6 +92,7 @@ class Harness:
     def __init__(self, nodes: int, per_node: int, spare_nodes: int, step_s: float,
                  node_timeout_s: float, shards: int):
         self.nodes_n, self.per_node, self.spare_nodes = nodes, per_node, spare_nodes
+        self.node_timeout_s = node_timeout_s
         self.main_ops = Counter()
         self._lock = threading.Lock()
         self.port = free_port()
@@ -136,8 +137,9 @@ class Harness:
 
     def ask(self):
         """The coordinator's own count of store calls, and its failures so far."""
-        self.pipe.send("?")
-        return self.pipe.recv()
+        with self._lock:  # SCALE_DEBUG's monitor asks too
+            self.pipe.send("?")
+            return self.pipe.recv()
 
     def ops(self) -> tuple[int, int, int]:
         """Every call made to the coordinator's store so far, from any client; the coordinator's

@@ -5,6 +5,8 @@ import collections
 import sys
 import time
 
+from checkpointless.control.agent import record_interval_s
+
 
 def print_row(row: dict) -> None:
     """One size's figures, as the harness prints them (its --out JSON has them all)."""
@@ -55,7 +57,8 @@ def monitor(h) -> None:
               f"generation 0: {sum(a for a, _ in status)}, {sum(d for _, d in status)}",
               file=sys.stderr, flush=True)
         last = (time.time(), ops, own)
-        stalled = [s for s in h._all("stalled", 5.0) if s[0]]
+        after = 2 * record_interval_s(h.node_timeout_s)  # two records missed
+        stalled = [s for s in h._all("stalled", after) if s[0]]
         if stalled:
             print(f"[scale {time.strftime('%X')}] {sum(n for n, _ in stalled)} agent(s) wrote "
-                  f"no record for 5 s; {stalled[0][1]}", file=sys.stderr, flush=True)
+                  f"no record for {after:g} s; {stalled[0][1]}", file=sys.stderr, flush=True)
