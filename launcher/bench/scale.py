@@ -213,17 +213,17 @@ class Harness:
         # each count is read as close to the window's ends as it can be: under load a question
         # to 32 shards takes seconds, and CPU read after it would count them
         cpu0, own0, t0 = self.cpu_s(), self.shards_cpu_s(), time.time()
-        ops0, own0, node0 = self.ops()
+        ops0, mine0, node0 = self.ops()
         threads0 = self.threads_cpu_s()
         t1 = time.time()
         time.sleep(window_s)
         cpu, own, dt_cpu = self.cpu_s() - cpu0, self.shards_cpu_s() - own0, time.time() - t0
-        ops1, own1, node1 = self.ops()
+        ops1, mine1, node1 = self.ops()
         dt_ops = time.time() - t1
         threads = self.threads_cpu_s()
         dt_threads = time.time() - t1
         return {"store_ops_per_s": round((ops1 - ops0) / dt_ops, 1),
-                "coordinator_own_ops_per_s": round((own1 - own0) / dt_ops, 1),
+                "coordinator_own_ops_per_s": round((mine1 - mine0) / dt_ops, 1),
                 "coordinator_cpu_share": round(cpu / dt_cpu, 4),
                 # the simulated side: its agents, node stores and ranks, on this machine's cores
                 "simulated_cpu_share": round(own / dt_cpu, 4),
