@@ -185,16 +185,17 @@ class NodeAgent:
 
     def _follow_commands(self) -> None:
         """Block on this node's group's next bell (keys.bell_key), on a connection of its own;
-        at each ring, queue this node's new commands and wake the loop. Where the bells stand
+        at each ring, queue this node's new commands and wake the loop. Where the rings stand
         is read before the commands: a command written after that read is followed by a ring
         at or after it, so none waits unread. The rings are walked one by one (a takeover
-        rings again every one its nodes said they wait for: takeover.adopt)."""
+        rings again every one its nodes said they wait for: bells.py)."""
         try:
             store = self.connect(self.host, self.port)
             group = self.node // protocol.NODES_PER_BELL
-            at = store.get(protocol.bell_next_key(group)) \
-                if store.check([protocol.bell_next_key(group)]) else b"0"
-            self.bell_at = int(at)
+            # written by the coordinator before any command (a new one's store: after the
+            # hellos, which may take long on a big job: waited for as a command is)
+            store.wait([protocol.bell_next_key(group)], timedelta(days=1))
+            self.bell_at = int(store.get(protocol.bell_next_key(group)))
             while True:
                 key = protocol.node_cmd_key(self.node, self.next_cmd)
                 while store.check([key]):

@@ -8,8 +8,10 @@ per node made each of those calls cost O(nodes) on the server's one thread (a qu
 coordinator's CPU at 2,048 nodes); a key per 64 nodes leaves the walk a few entries long.
 
 Commands written together (every node's spawns at the start, the shutdown) ring once per group
-(`held`); one written alone rings at once. A coordinator that takes over rings again, in its own
-store, every bell its nodes said they wait for (`ring_again`).
+(`held`); one written alone rings at once. Where each group's rings stand (`keys.bell_next_key`)
+is written before any agent needs it (`open`), and an agent waits for it rather than guess: a
+coordinator that takes over has an empty store, writes it after its nodes' hellos, and rings
+again there every ring they said they await (`ring_again`).
 """
 from __future__ import annotations
 
@@ -47,16 +49,24 @@ class Bells:
         finally:
             with self._lock:
                 self._depth -= 1
-                if not self._depth:
-                    groups, self._held = self._held, set()
-                    for g in sorted(groups):
-                        self._ring(store, g)
+                while not self._depth and self._held:  # a ring that fails stays owed
+                    g = min(self._held)
+                    self._ring(store, g)
+                    self._held.discard(g)
 
     def _ring(self, store, g: int) -> None:
         j = self._next.get(g, 0)
-        self._next[g] = j + 1
-        # the ring, then where the next one will be (a joining agent starts there)
+        # the ring, then where the next one will be (a joining agent starts there); counted
+        # once written: agents walk the rings one by one, and one never set would stop them
         store.multi_set([protocol.bell_key(g, j), protocol.bell_next_key(g)], ["1", str(j + 1)])
+        self._next[g] = j + 1
+
+    def open(self, store, nodes) -> None:
+        """Where every group of `nodes` stands, before their agents read it (a new job: 0)."""
+        groups = sorted({k // protocol.NODES_PER_BELL for k in nodes})
+        with self._lock:
+            store.multi_set([protocol.bell_next_key(g) for g in groups],
+                            [str(self._next.get(g, 0)) for g in groups])
 
     def resumed(self, node: int, at: int | None) -> None:
         """A takeover heard that `node`'s agent awaits ring `at` of its group (None: its
@@ -64,15 +74,17 @@ class Bells:
         if at is not None:
             self.waited.setdefault(node // protocol.NODES_PER_BELL, set()).add(int(at))
 
-    def ring_again(self, store) -> None:
+    def ring_again(self, store, nodes) -> None:
         """A coordinator that took over, in its own (new) store: ring every bell its nodes
-        await and the ones between (an agent walks them one by one), and number its own rings
-        after them. An agent that moved one ring on after its hello awaits at most the next."""
+        await and the ones between (an agent walks them one by one), number its own rings after
+        them, and say where every group of `nodes` stands (an agent whose command thread had not
+        read it yet waits for it). An agent that moved one ring on after its hello awaits at
+        most the next."""
         with self._lock:
             for g, at in sorted(self.waited.items()):
                 lo, hi = min(at), max(at)
-                self._next[g] = max(self._next.get(g, 0), hi + 1)
                 names = [protocol.bell_key(g, j) for j in range(lo, hi + 1)]
-                store.multi_set(names + [protocol.bell_next_key(g)],
-                                ["1"] * len(names) + [str(self._next[g])])
+                store.multi_set(names, ["1"] * len(names))
+                self._next[g] = max(self._next.get(g, 0), hi + 1)
             self.waited = {}
+        self.open(store, nodes)

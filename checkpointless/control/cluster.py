@@ -126,6 +126,7 @@ class ClusterPool(WorkerPool):
         if self.local:
             self.forks_ready()
         per_node, out = self.per_node, []
+        self.bells.open(store, self.nodes)  # where each group's rings stand: the agents read it
         with self.bells.held(store):  # one ring per group of nodes for all their spawns
             for node, n in self.nodes.items():
                 for slot in range(n.procs):

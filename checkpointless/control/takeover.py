@@ -103,7 +103,7 @@ def adopt(pool, store, plan: dict, known) -> dict[int, dict]:
             pool.adopted(wid, k, info["slot"], now, info.get("pid"), info.get("code"))
             if info.get("ready") and info.get("code") is None:  # warm, as it told its node
                 store.set(protocol.ready_key(wid), f"{now:.6f}")
-    pool.bells.ring_again(store)  # the rings its agents await, in this store
+    pool.bells.ring_again(store, pool.nodes)  # the rings its agents await, in this store
     for wid_s, rank in plan["ranks"].items():
         wid = int(wid_s)
         store.set(protocol.ready_key(wid), f"{now:.6f}")  # it trained: it had started
