@@ -27,6 +27,9 @@ from . import scale_wire as wire
 from .scale_proc import cpu_s
 
 
+SWITCH_S = float(os.environ.get("SCALE_SWITCH_S", "0.05"))  # shard_main says why
+
+
 class Counter:
     def __init__(self):
         self.n = 0
@@ -315,6 +318,12 @@ def cpu_by_thread() -> dict[str, float]:
 def shard_main(port: int, node_ids: list[int], per_node: int, step_s: float,
                node_timeout_s: float, pipe) -> None:
     """A shard's process: build it, say so, then answer the harness through the pipe."""
+    # A shard's threads (64 nodes' agents, doors, relays and command threads at 2,048 nodes:
+    # about 260) share one interpreter lock, which real nodes never do. A thread waiting for it
+    # wakes every switch interval to ask again: at 5 ms, once a recovery made most of them wait
+    # at once, those wake-ups alone outran two cores, and a rank's loss at 16,384 ranks took
+    # 47-53 s (90 s of CPU) or did not complete. At 50 ms: 7.4 s (13 s of CPU). docs/scale.md.
+    sys.setswitchinterval(SWITCH_S)
     shard = Shard(port, node_ids, per_node, step_s, node_timeout_s)
     pipe.send("ready")
     while True:
