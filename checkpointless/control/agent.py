@@ -197,15 +197,15 @@ class NodeAgent:
             store.wait([protocol.bell_next_key(group)], timedelta(days=1))
             self.bell_at = int(store.get(protocol.bell_next_key(group)))
             while True:
-                key = protocol.node_cmd_key(self.node, self.next_cmd)
-                while store.check([key]):
-                    c = NodeCommand.parse(store.get(key))
+                # each new command in one round trip (peek), the first absent one ends the turn
+                while (raw := membership.peek(
+                        store, protocol.node_cmd_key(self.node, self.next_cmd))) is not None:
+                    c = NodeCommand.parse(raw)
                     self.next_cmd += 1
                     self._cmds.put(c)
                     os.write(self._wake_w, b"c")
                     if c.op is NodeOp.SHUTDOWN:  # nothing follows; a thread still blocked in
                         return  # the store as the coordinator exits would abort us
-                    key = protocol.node_cmd_key(self.node, self.next_cmd)
                 store.wait([protocol.bell_key(group, self.bell_at)], timedelta(days=1))
                 self.bell_at += 1
         except Exception:  # noqa: BLE001  the coordinator is gone: the loop sees it too

@@ -316,11 +316,11 @@ def node_timeout_for(nodes: int) -> float:
     """The node timeout the harness gives a size by default: the product's (3 s) up to 512
     nodes, 12 s per 512 nodes beyond. Every simulated node's real agent runs on this machine's
     two cores. At 2,048 nodes with 3 s their records alone took more CPU than the machine has
-    (2026-12-06); with 12 s, forming generation 0 at the start (16,384 ranks reading the plan
-    and meeting at the barrier at once, on two cores) left the agents of whole shards without
-    a turn for 18-43 s, and the coordinator fenced from 19 to 850 healthy nodes in eight runs of
-    twelve (2026-12-06/07; with SCALE_DEBUG the harness names agents that stall, and where). A node's
-    record comes six times per node timeout (agent.py), so a longer one also sends fewer. A
+    (2026-12-06); with 12 s (and the shards' 5 ms switch interval then, scale_sim.shard_main),
+    forming generation 0 at the start left the agents of whole shards without a turn for 25-50
+    s, and the coordinator fenced from 19 to 850 healthy nodes in eight runs of twelve
+    (2026-12-06/07). With the 50 ms interval one 12 s run fenced none: not enough to go back. A
+    node's record comes six times per node timeout (agent.py), so a longer one sends fewer. A
     cluster, whose nodes each have their own cores, needs no such thing. Detection then takes
     longer; decision to barrier, which the harness reports apart, does not depend on it."""
     d = protocol.DEFAULTS.node_timeout_s

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 
 from checkpointless.protocol import membership
 from checkpointless import protocol
@@ -246,9 +247,6 @@ class Shard:
             self.nodes = {k: n for k, n in zip(node_ids, pool.map(
                 lambda k: SimNode(self, k, per_node), node_ids))}
 
-    def stalled(self, after_s: float) -> tuple[int, str]:
-        return _stalled(self, after_s)
-
     def ranks(self) -> list[SimRank]:
         """The ranks alive and holding a rank."""
         return [r for n in self.nodes.values() for r in n.ranks
@@ -267,7 +265,7 @@ class Shard:
             return (max((r.times[arg][0] for r in ranks), default=0.0),
                     max((r.times[arg][1] for r in ranks), default=0.0))
         if op == "stalled":  # SCALE_DEBUG: agents with no record for `arg` s, one's stack
-            return self.stalled(arg)
+            return _stalled(self, arg)
         if op == "ended":  # the agents whose loop ended, not killed by the harness: how, and
             return {k: (n.ended, n.said) for k, n in self.nodes.items()  # their last words
                     if n.ended is not None and not n.dead}
@@ -283,8 +281,6 @@ class Shard:
 def _stalled(shard, after_s: float) -> tuple[int, str]:
     """How many of the shard's live agents wrote no record for `after_s`, and where one of
     them stands (its thread's stack)."""
-    import sys as _sys
-    import traceback
     now, stalled = time.time(), []
     for n in shard.nodes.values():
         if n.agent.seq != n.seen[0]:
@@ -293,7 +289,7 @@ def _stalled(shard, after_s: float) -> tuple[int, str]:
             stalled.append(n)
     if not stalled:
         return 0, ""
-    frame = _sys._current_frames().get(stalled[0].thread.ident)
+    frame = sys._current_frames().get(stalled[0].thread.ident)
     where = "".join(traceback.format_stack(frame)[-6:]) if frame else "?"
     return len(stalled), f"node {stalled[0].k}, silent {now - stalled[0].seen[1]:.1f} s:\n{where}"
 
