@@ -39,6 +39,10 @@ def test_a_node_loss_completes_every_phase_and_steady_calls_follow_nodes_not_ran
                       f["barrier_complete_s"]]
             assert all(p >= 0 for p in phases), f
             assert f["barrier_complete_s"] >= f["plan_to_every_rank_s"]
+        for kind in ("rank_failure", "node_failure"):  # what a recovery cost, per node
+            b = row[kind]["beyond_steady"]
+            assert b["tcp_segments_per_node"] > 10 and b["cpu_ms_per_node"] > 0, b
+            assert b["cpu_bound_s"] == pytest.approx(b["cpu_s"] / row["cores"], abs=1e-3)
         # a node is lost after node_timeout_s (3 s) without a new record, counted from the last
         # one seen (up to 0.75 s before the kill); a rank's exit is seen at once
         assert row["node_failure"]["detect_s"] > 2.0 > row["rank_failure"]["detect_s"]
@@ -74,3 +78,24 @@ def test_coordinator_connections_counts_what_the_store_server_accepted():
     assert got["store"] - before["store"] == 3, (before, got)
     assert got["sockets"] - before["sockets"] == 6  # both ends of each, all in this process
     del clients, own, server
+
+
+def test_a_threads_cpu_is_read_to_the_millisecond():
+    """The harness sums the CPU of a few hundred threads per shard, each of which runs a few
+    ms in a recovery: whole clock ticks (10 ms, /proc's stat) lost seconds in the sum."""
+    import threading
+    import time
+    from launcher.bench.scale_proc import cpu_s
+    got = {}
+
+    def spin():
+        while time.thread_time() < 0.015:  # a thread's CPU, from its own clock
+            pass
+        got["own"] = time.thread_time()
+        got["read"] = cpu_s(os.getpid(), threading.get_native_id())
+
+    t = threading.Thread(target=spin)
+    t.start()
+    t.join()
+    # in ticks it would read 0.01 or 0.02, 5 ms off
+    assert abs(got["read"] - got["own"]) < 0.002, got

@@ -41,7 +41,7 @@ from checkpointless.protocol import SupervisorConfig
 
 from . import scale_text
 from .scale_text import print_row
-from .scale_proc import coordinator_connections, cpu_s, fd_limit, free_port, sockets, wait_port
+from .scale_proc import coordinator_connections, cpu_s, free_port, tcp_segments, wait_port
 from .scale_sim import Counter, Wrapped, connect, shard_main
 
 # NCCL communicator creation at scale cannot be run here. NVIDIA's NCCL 2.23 release notes
@@ -182,19 +182,6 @@ class Harness:
         (to the coordinator, nodes gone silent): how many, how, and one's last words."""
         return scale_text.ended({k: v for shard in self._all("ended") for k, v in shard.items()})
 
-    def why_not_started(self, timeout_s: float) -> str:
-        """What stood at the start's deadline: ranks up, the coordinator alive, its sockets."""
-        try:
-            status = self._all("status", 0)
-            alive, done = sum(a for a, _ in status), sum(d for _, d in status)
-        except (OSError, EOFError):
-            alive = done = -1
-        coord = "alive" if self.proc.is_alive() else f"exited ({self.proc.exitcode})"
-        return (f"{self.nodes_n * self.per_node} simulated ranks did not all start within "
-                f"{timeout_s:g} s: {alive} held a rank, {done} passed generation 0's barrier; "
-                f"the coordinator's process {coord}, holding {sockets(self.proc.pid)} "
-                f"connections (this process may open {fd_limit()} files)")
-
     def cpu_s(self) -> float:
         return cpu_s(self.proc.pid)
 
@@ -212,12 +199,13 @@ class Harness:
     def steady(self, window_s: float) -> dict:
         # each count is read as close to the window's ends as it can be: under load a question
         # to 32 shards takes seconds, and CPU read after it would count them
-        cpu0, own0, t0 = self.cpu_s(), self.shards_cpu_s(), time.time()
+        cpu0, own0, seg0, t0 = self.cpu_s(), self.shards_cpu_s(), tcp_segments(), time.time()
         ops0, mine0, node0 = self.ops()
         threads0 = self.threads_cpu_s()
         t1 = time.time()
         time.sleep(window_s)
         cpu, own, dt_cpu = self.cpu_s() - cpu0, self.shards_cpu_s() - own0, time.time() - t0
+        seg = tcp_segments() - seg0
         ops1, mine1, node1 = self.ops()
         dt_ops = time.time() - t1
         threads = self.threads_cpu_s()
@@ -227,6 +215,8 @@ class Harness:
                 "coordinator_cpu_share": round(cpu / dt_cpu, 4),
                 # the simulated side: its agents, node stores and ranks, on this machine's cores
                 "simulated_cpu_share": round(own / dt_cpu, 4),
+                # every loopback message of the harness (records, beats, the door's calls)
+                "tcp_segments_per_s": round(seg / dt_cpu, 1),
                 "simulated_cpu_share_by_thread": {
                     k: round((v - threads0.get(k, 0.0)) / dt_threads, 4)
                     for k, v in sorted(threads.items(), key=lambda kv: -kv[1])},
@@ -237,13 +227,15 @@ class Harness:
         """Kill one rank (on node 1) or one node (node 2, or 1 with two nodes); time each phase
         of the generation that replaces it."""
         node = min(1 if kind == "rank" else 2, self.nodes_n - 1)
-        cpu0, own0, threads0 = self.cpu_s(), self.shards_cpu_s(), self.threads_cpu_s()
+        threads0 = self.threads_cpu_s()  # first: a question to every shard takes a while
+        cpu0, own0, seg0 = self.cpu_s(), self.shards_cpu_s(), tcp_segments()
         t_fail = time.time()
         self._ask(self.shard_of[node], "kill_rank" if kind == "rank" else "kill_node", node)
         if not self.wait_gen(gen, timeout_s):
             return {"kind": kind, "error": f"generation {gen} not complete in {timeout_s} s: "
                     f"{self.why_not_complete(gen)}"}
-        cpu, own = self.cpu_s() - cpu0, self.shards_cpu_s() - own0
+        cpu, own, seg = self.cpu_s() - cpu0, self.shards_cpu_s() - own0, tcp_segments() - seg0
+        t_seen = time.time()
         threads = {k: round(v - threads0.get(k, 0.0), 2) for k, v in self.threads_cpu_s().items()}
         failures = [f for f in self.ask()[1] if f["gen"] == gen]
         head = json.loads(self.store.get(protocol.plan_key(gen)))
@@ -258,6 +250,9 @@ class Harness:
                 "barrier_complete_s": round(t_barrier - head["t"], 4),
                 # from the detection: the decision's gather window and publication included
                 "decision_to_barrier_s": round(t_barrier - t_detect, 4),
+                # the messages sent from the kill until the harness saw every rank through,
+                # the steady state's among them (steady.tcp_segments_per_s times window_s)
+                "tcp_segments": seg, "window_s": round(t_seen - t_fail, 3),
                 # where the CPU went from the kill to every rank ready: the simulated ranks'
                 # own client work runs here on two cores, the coordinator's in its process
                 "cpu_s": {"coordinator": round(cpu, 3), "simulated_nodes_and_ranks": round(own, 3),
@@ -288,7 +283,7 @@ def measure(nodes: int, per_node: int, spare_nodes: int = 2, step_s: float = 1.0
     h = Harness(nodes, per_node, spare_nodes, step_s, node_timeout_s, shards)
     try:
         if not h.wait_gen(0, start_timeout_s):
-            raise RuntimeError(h.why_not_started(start_timeout_s))
+            raise RuntimeError(scale_text.not_started(h, start_timeout_s))
         started_s = time.time() - t0
         time.sleep(2 * max(step_s, record_interval_s(node_timeout_s)))  # every node reporting
         out = {"nodes": nodes, "ranks_per_node": per_node, "ranks": ranks,
@@ -299,9 +294,13 @@ def measure(nodes: int, per_node: int, spare_nodes: int = 2, step_s: float = 1.0
         # the coordinator's connections, as its process holds them (its own and the harness's
         # included): about one per node, through each node's door, whatever the ranks per node
         out["coordinator_connections"] = coordinator_connections(h.proc.pid, h.port)
+        out["cores"] = len(os.sched_getaffinity(0))
         out["rank_failure"] = h.failure("rank", 1, 60.0)
         time.sleep(1.0)
         out["node_failure"] = h.failure("node", 2, 60.0 + node_timeout_s)
+        for f in (out["rank_failure"], out["node_failure"]):
+            if "error" not in f:
+                scale_text.beyond_steady(out, f)
         given = min(REGROUP_S_GIVEN, key=lambda n: abs(n - ranks))
         out["given"] = {"regroup_s": REGROUP_S_GIVEN[given],
                         "regroup_source": f"communicator build at about {given} GPUs: NCCL's "
@@ -315,14 +314,11 @@ def measure(nodes: int, per_node: int, spare_nodes: int = 2, step_s: float = 1.0
 def node_timeout_for(nodes: int) -> float:
     """The node timeout the harness gives a size by default: the product's (3 s) up to 512
     nodes, 12 s per 512 nodes beyond. Every simulated node's real agent runs on this machine's
-    two cores. At 2,048 nodes with 3 s their records alone took more CPU than the machine has
-    (2026-12-06); with 12 s (and the shards' 5 ms switch interval then, scale_sim.shard_main),
-    forming generation 0 at the start left the agents of whole shards without a turn for 25-50
-    s, and the coordinator fenced from 19 to 850 healthy nodes in eight runs of twelve
-    (2026-12-06/07). With the 50 ms interval one 12 s run fenced none: not enough to go back. A
-    node's record comes six times per node timeout (agent.py), so a longer one sends fewer. A
-    cluster, whose nodes each have their own cores, needs no such thing. Detection then takes
-    longer; decision to barrier, which the harness reports apart, does not depend on it."""
+    cores: at 2,048 nodes with 3 s their records alone took more CPU than it has, and with 12 s
+    (and the shards' old 5 ms switch interval) forming generation 0 starved whole shards' agents
+    for 25-50 s, and healthy nodes were fenced (docs/scale.md). A record comes six times per
+    node timeout (agent.py). A cluster's nodes each have their own cores and need no such thing;
+    decision to barrier, reported apart from detection, does not depend on it."""
     d = protocol.DEFAULTS.node_timeout_s
     return d if nodes <= 512 else 4 * d * nodes / 512
 

@@ -9,10 +9,29 @@ import time
 
 def cpu_s(pid: int, tid: int | None = None) -> float:
     """A process's CPU time so far (user and system; its threads' included), or with `tid` one
-    of its threads'."""
-    with open(f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat") as f:
+    of its threads', in nanoseconds where the kernel keeps them (schedstat; a process's own
+    schedstat is its first thread's alone). A thread's `stat` counts whole clock ticks (10 ms):
+    summed over a shard's few hundred threads, each of which runs a few ms in a recovery, it
+    lost seconds and showed the plan relays' and node stores' threads at zero."""
+    if tid is not None:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                return int(f.read().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):  # gone, or a kernel without schedstats
+            pass
+    task = f"/proc/{pid}" if tid is None else f"/proc/{pid}/task/{tid}"
+    with open(f"{task}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def tcp_segments() -> int:
+    """TCP segments sent so far in this network namespace (every process of the harness shares
+    it: the coordinator, the shards, their loopback connections): what a recovery costs in
+    messages, each of which costs a send, a wake-up and a receive in the kernel."""
+    with open("/proc/net/snmp") as f:
+        rows = [line.split() for line in f if line.startswith("Tcp:")]
+    return int(rows[1][rows[0].index("OutSegs")])
 
 
 def coordinator_connections(pid: int, port: int) -> dict:

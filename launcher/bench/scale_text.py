@@ -7,6 +7,8 @@ import time
 
 from checkpointless.control.agent import record_interval_s
 
+from .scale_proc import fd_limit, sockets
+
 
 def print_row(row: dict) -> None:
     """One size's figures, as the harness prints them (its --out JSON has them all)."""
@@ -29,9 +31,33 @@ def print_row(row: dict) -> None:
               f"{f['decision_to_barrier_s']:.3f} s); CPU meanwhile: coordinator "
               f"{f['cpu_s']['coordinator']:.2f} s, simulated nodes and ranks "
               f"{f['cpu_s']['simulated_nodes_and_ranks']:.2f} s (the ranks "
-              f"{f['cpu_s']['simulated_ranks']:.2f} s of it)")
+              f"{f['cpu_s']['simulated_ranks']:.2f} s of it)" + _beyond(row, f))
     print(f"    given, not measured: regroup {row['given']['regroup_s']} s "
           f"({row['given']['regroup_source']})", flush=True)
+
+
+def beyond_steady(row: dict, f: dict) -> None:
+    """What a recovery `f` cost beyond the steady state's share of its window, added to it:
+    CPU (the coordinator's and the simulated side's), per node, and the least time that CPU
+    takes on this machine's cores; and the loopback TCP segments, per node. Every simulated
+    node's agent, door, node store and ranks run here on a few cores: a recovery that needs
+    more CPU than cores x seconds cannot be faster, whatever its protocol's latency."""
+    st, nodes = row["steady"], row["nodes"] + row["spare_nodes"]
+    steady = (st["coordinator_cpu_share"] + st["simulated_cpu_share"]) * f["window_s"]
+    cpu = f["cpu_s"]["coordinator"] + f["cpu_s"]["simulated_nodes_and_ranks"] - steady
+    segments = f["tcp_segments"] - st["tcp_segments_per_s"] * f["window_s"]
+    f["beyond_steady"] = {"cpu_s": round(cpu, 3), "cpu_ms_per_node": round(1e3 * cpu / nodes, 2),
+                          "cpu_bound_s": round(cpu / row["cores"], 3),
+                          "tcp_segments_per_node": round(segments / nodes, 1)}
+
+
+def _beyond(row: dict, f: dict) -> str:
+    b = f.get("beyond_steady")
+    if b is None:
+        return ""
+    return (f"; beyond the steady state: {b['cpu_ms_per_node']:.1f} ms of CPU and "
+            f"{b['tcp_segments_per_node']:.0f} TCP segments a node, at least "
+            f"{b['cpu_bound_s']:.2f} s of {row['cores']} cores")
 
 
 def ended(agents: dict) -> str:
@@ -62,3 +88,18 @@ def monitor(h) -> None:
         if stalled:
             print(f"[scale {time.strftime('%X')}] {sum(n for n, _ in stalled)} agent(s) wrote "
                   f"no record for {after:g} s; {stalled[0][1]}", file=sys.stderr, flush=True)
+
+
+def not_started(h, timeout_s: float) -> str:
+    """What stood at the start's deadline for the harness `h` (scale.Harness): the ranks up,
+    the coordinator alive, its sockets."""
+    try:
+        status = h._all("status", 0)
+        alive, done = sum(a for a, _ in status), sum(d for _, d in status)
+    except (OSError, EOFError):
+        alive = done = -1
+    coord = "alive" if h.proc.is_alive() else f"exited ({h.proc.exitcode})"
+    return (f"{h.nodes_n * h.per_node} simulated ranks did not all start within "
+            f"{timeout_s:g} s: {alive} held a rank, {done} passed generation 0's barrier; "
+            f"the coordinator's process {coord}, holding {sockets(h.proc.pid)} "
+            f"connections (this process may open {fd_limit()} files)")
