@@ -309,6 +309,7 @@ def test_the_supervisor_evicts_the_accused_and_carries_the_rewind_until_a_step_c
     sup = SimpleNamespace(store=store, cfg=SimpleNamespace(audit_every=1), pool=_Pool(),
                           ranks={7: 2, 8: 3}, _sdc_seen=0, _rewind=None, gen=3)
     sup.workers = {7: SimpleNamespace(wid=7), 8: SimpleNamespace(wid=8)}
+    sup._told = lambda key, n: FindingLosses._told(sup, key, n)  # noqa: E731
     accused = lambda lost: FindingLosses._accused(sup, lost)  # noqa: E731
     issue = lambda: FindingLosses._issue_rewind(sup)  # noqa: E731
     assert accused([]) == []  # nothing found: one counter read, nothing done

@@ -47,12 +47,18 @@ class FindingLosses:
         if errors == self._errors_seen:
             return []
         self._errors_seen, out = errors, []
-        for wid in list(self.ranks):
+        for wid in self._told(protocol.ERRORS, errors):
             w = self.workers[wid]
             if self.store.check([protocol.error_key(wid)]) and all(w is not x for x, _ in lost):
                 self.pool.kill(w)
                 out.append((w, False))
         return out
+
+    def _told(self, counter_key: str, count: int) -> list[int]:
+        """The active workers that reported under `counter_key` (membership.tell), in rank
+        order: the list's, or every active one where the list falls short of `count`."""
+        wids = membership.told(self.store, counter_key, count)
+        return [wid for wid in self.ranks if wids is None or wid in wids]
 
     def _accused(self, lost) -> list[tuple[Worker, bool]]:
         """Workers an audit found computing wrong (cause sdc, worker/audit.py): killed at once,
@@ -64,7 +70,7 @@ class FindingLosses:
         if found == self._sdc_seen:
             return []
         self._sdc_seen, out = found, []
-        for wid in list(self.ranks):
+        for wid in self._told(protocol.SDC, found):
             finding = protocol.read_json(self.store, protocol.sdc_key(wid))
             if finding is None or any(w.wid == wid for w, _ in lost):
                 continue

@@ -26,17 +26,18 @@ coordinator grows with nodes, or happens once per generation:
                                                  s ran t0..t1; the newest committed
                                            <---  rec/<g>/<rank>   how generation g was entered
                                            <---  recfirst/<g>/<r> first step committed in g
-                                           <---  error/<wid>, errors   an exception of its own
+                                           <---  error/<wid>, errors/who, errors   an
+                                                 exception of its own: who, then the count
                                            <---  diverged/<wid>   its replica left the majority
     lost             (counter)             --->  a worker was declared lost (before its plan)
     preempt          (a step)              --->  stop before this step (SIGTERM somewhere)
                                            <---  result/<rank>, done/<wid>, done
     shutdown                               --->  the job is over
 
-The node store: every node agent hosts a small TCPStore of its own for its workers (their
-heartbeats, the plans and barrier outcomes the agent copies from the job's store, the barrier's
-first gathering), so a new generation wakes one waiter per node in the job's store, not one per
-rank; on the coordinator's node, and on one machine, the supervisor's store is that node's store.
+The node store: every node agent hosts a small TCPStore for its workers (their heartbeats, the
+plans and barrier outcomes the agent copies from the job's store, the barrier's first gathering),
+so a new generation wakes one waiter per node in the job's store, not one per rank; on the
+coordinator's node, and on one machine, the supervisor's store is that node's store.
 
 Many machines: every node but the coordinator's runs an agent (agent.py) that the coordinator
 (cluster.py) talks to through keys of its own, one set per node k. The agent judges its own
@@ -81,7 +82,7 @@ ENV_NODE_STORE_PORT = "CL_NODE_STORE_PORT"  # its node store on 127.0.0.1 (unset
 SPEC = "spec"  # the job's Spec, JSON, written before any worker starts
 GEN = "gen"  # newest published generation (a plan is written before gen moves)
 LOST = "lost"  # counter: workers the supervisor declared lost so far
-ERRORS = "errors"  # counter: exceptions workers reported (error/<wid> holds each)
+ERRORS = "errors"  # counter: exceptions reported (error/<wid> holds each, who(ERRORS) the wids)
 DONE = "done"  # counter: workers that finished
 FIRST_STEP = "first_step"  # the step this launch's step records start at (resume from disk)
 FIRST_T = "first_t"  # when this launch's first step began (a rewind to it rewrites its record)
@@ -193,7 +194,11 @@ def diverged_key(wid: int) -> str:
 
 AUDITORS = "auditors"  # counter: spares that offered to audit (auditor/<i> says where each is)
 AUDIT_DONE = "audit_done"  # the newest step an auditor finished judging
-SDC = "sdc"  # counter: workers an audit found computing wrong (sdc/<wid> holds each finding)
+SDC = "sdc"  # counter: workers an audit found wrong (sdc/<wid> holds each finding, who(SDC) them)
+
+
+def who(counter: str) -> str:
+    return f"{counter}/who"  # the workers a counter of reports counts ("<wid> " each)
 
 
 def auditor_key(i: int) -> str:
@@ -217,8 +222,8 @@ def sdc_key(wid: int) -> str:
 
 
 def rewind_key(gen: int) -> str:
-    """Set by the supervisor for a generation that must go back to a state known clean:
-    {"at_most": STEP, "why": ...}; every rank loads the newest durable checkpoint <= STEP."""
+    """A generation's way back to a state known clean, from the supervisor: {"at_most": STEP,
+    "why": ...}; every rank loads the newest durable checkpoint <= STEP."""
     return f"rewind/{gen}"
 
 
@@ -228,8 +233,7 @@ def replicas_prefix(gen: int) -> str:
 
 
 def plain_prefix(restart) -> str:
-    """The store prefix of one torchrun restart of a job run without the supervisor (plain.py);
-    `restart` is torchrun's restart count."""
+    """The store prefix of torchrun's restart `restart` of a job without the supervisor."""
     return f"plainjob/restart{restart}"
 
 
@@ -283,12 +287,10 @@ def with_worker_defaults(env: dict) -> dict:
     """`env` with what every worker's environment gets unless the launcher's own sets it.
 
     torch's C++ side prints a 30-line stack for every store connection a failure closes (a lost
-    peer, a group cut short, a partition): each is handled and said in one line here.
-    TORCH_CPP_LOG_LEVEL=WARNING in the launcher's environment shows them again. torch reads it
-    once, when it loads: a fork server (control/forkserver.py) must be started with it, so its
-    environment gets these defaults too, and a worker's differs from it only in the per-worker
-    keys (otherwise each first worker would start a server of its own, and start fresh while
-    that one preloads: about 10 s more per start on 2 cores, seen after this default came)."""
+    peer, a group cut short, a partition), each handled and said in one line here;
+    TORCH_CPP_LOG_LEVEL=WARNING shows them again. torch reads it once, as it loads: a fork
+    server (forkserver.py) gets these defaults too, so that a worker's environment differs
+    from its only in the per-worker keys (else a first worker starts a server of its own)."""
     if "TORCH_CPP_LOG_LEVEL" not in os.environ:
         env = {**env, "TORCH_CPP_LOG_LEVEL": env.get("TORCH_CPP_LOG_LEVEL", "ERROR")}
     return env
@@ -330,7 +332,6 @@ def replica_offset(placement: str, procs_per_node: int) -> int:
     return DEFAULTS.replication_offset
 
 
-# what `from checkpointless import protocol` re-exports: every key, variable and helper above
 def placement_env(spec, rank: int, world_size: int) -> dict[str, str]:
     """What tools built on torch.distributed read from the environment (accelerate), as
     this job places the process: RANK and WORLD_SIZE are the job's; LOCAL_RANK counts the
@@ -345,4 +346,5 @@ def placement_env(spec, rank: int, world_size: int) -> dict[str, str]:
     return env
 
 
+# what `from checkpointless import protocol` re-exports: every key, variable and helper above
 __all__ = [n for n in dir() if not n.startswith("_") and n not in ("annotations", "json", "os", "DEFAULTS")]

@@ -26,6 +26,7 @@ from datetime import timedelta
 import torch
 
 from .. import protocol
+from ..protocol import membership
 from . import health
 from .audit import GradTap, checksum, judge, rewind_bound
 from .transfer import flatten_state, unflatten_state
@@ -311,7 +312,7 @@ class AuditServer:
                    "rewind_to": rewind_bound(last), "auditor": self.worker_id,
                    "replay_s": round(replay_s, 3), "t": time.time()}
         store.set(protocol.sdc_key(bad["wid"]), json.dumps(finding))
-        store.add(protocol.SDC, 1)
+        membership.tell(store, protocol.SDC, bad["wid"])
         self._log(f"[checkpointless] audit: rank {rank} (worker {bad['wid']}) computed a wrong "
                   f"gradient at step {step} (a replay on spare worker {self.worker_id} and the "
                   f"witness agree against it); its last audit that passed: "

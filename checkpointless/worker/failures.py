@@ -23,6 +23,7 @@ import time
 import traceback
 
 from .. import protocol
+from ..protocol import membership
 from .pace import waiting
 
 
@@ -118,7 +119,7 @@ def report_error(store, worker_id: int, exc: BaseException) -> None:
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     try:
         store.set(protocol.error_key(worker_id), json.dumps({"t": time.time(), "error": text}))
-        store.add(protocol.ERRORS, 1)
+        membership.tell(store, protocol.ERRORS, worker_id)
         _REPORTED.append(exc)
     except Exception:
         pass

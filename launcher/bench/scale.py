@@ -228,13 +228,18 @@ class Harness:
         of the generation that replaces it."""
         node = min(1 if kind == "rank" else 2, self.nodes_n - 1)
         threads0 = self.threads_cpu_s()  # first: a question to every shard takes a while
-        cpu0, own0, seg0 = self.cpu_s(), self.shards_cpu_s(), tcp_segments()
-        t_fail = time.time()
+        cpu0, own0 = self.cpu_s(), self.shards_cpu_s()
+        lost0, t_fail = int(self.store.add(protocol.LOST, 0)), time.time()
         self._ask(self.shard_of[node], "kill_rank" if kind == "rank" else "kill_node", node)
+        # the coordinator counts the loss first thing (replacing._handle): from there on the
+        # CPU and the messages are the recovery's (the steady state's share aside)
+        while int(self.store.add(protocol.LOST, 0)) == lost0 and time.time() < t_fail + timeout_s:
+            time.sleep(0.02)
+        at_lost = (time.time(), self.cpu_s() + self.shards_cpu_s(), tcp_segments())
         if not self.wait_gen(gen, timeout_s):
             return {"kind": kind, "error": f"generation {gen} not complete in {timeout_s} s: "
                     f"{self.why_not_complete(gen)}"}
-        cpu, own, seg = self.cpu_s() - cpu0, self.shards_cpu_s() - own0, tcp_segments() - seg0
+        cpu, own, seg = self.cpu_s() - cpu0, self.shards_cpu_s() - own0, tcp_segments()
         t_seen = time.time()
         threads = {k: round(v - threads0.get(k, 0.0), 2) for k, v in self.threads_cpu_s().items()}
         failures = [f for f in self.ask()[1] if f["gen"] == gen]
@@ -250,9 +255,12 @@ class Harness:
                 "barrier_complete_s": round(t_barrier - head["t"], 4),
                 # from the detection: the decision's gather window and publication included
                 "decision_to_barrier_s": round(t_barrier - t_detect, 4),
-                # the messages sent from the kill until the harness saw every rank through,
-                # the steady state's among them (steady.tcp_segments_per_s times window_s)
-                "tcp_segments": seg, "window_s": round(t_seen - t_fail, 3),
+                # from the loss counted until the harness saw every rank through: CPU (the
+                # coordinator's and the simulated side's) and TCP segments, the steady
+                # state's share among them (scale_text.beyond_steady takes it out)
+                "from_detection": {"window_s": round(t_seen - at_lost[0], 3),
+                                   "cpu_s": round(cpu + own + cpu0 + own0 - at_lost[1], 3),
+                                   "tcp_segments": seg - at_lost[2]},
                 # where the CPU went from the kill to every rank ready: the simulated ranks'
                 # own client work runs here on two cores, the coordinator's in its process
                 "cpu_s": {"coordinator": round(cpu, 3), "simulated_nodes_and_ranks": round(own, 3),

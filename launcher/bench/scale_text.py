@@ -37,15 +37,14 @@ def print_row(row: dict) -> None:
 
 
 def beyond_steady(row: dict, f: dict) -> None:
-    """What a recovery `f` cost beyond the steady state's share of its window, added to it:
+    """What a recovery `f` cost from its detection on, beyond the steady state's share, added:
     CPU (the coordinator's and the simulated side's), per node, and the least time that CPU
     takes on this machine's cores; and the loopback TCP segments, per node. Every simulated
     node's agent, door, node store and ranks run here on a few cores: a recovery that needs
     more CPU than cores x seconds cannot be faster, whatever its protocol's latency."""
-    st, nodes = row["steady"], row["nodes"] + row["spare_nodes"]
-    steady = (st["coordinator_cpu_share"] + st["simulated_cpu_share"]) * f["window_s"]
-    cpu = f["cpu_s"]["coordinator"] + f["cpu_s"]["simulated_nodes_and_ranks"] - steady
-    segments = f["tcp_segments"] - st["tcp_segments_per_s"] * f["window_s"]
+    st, nodes, d = row["steady"], row["nodes"] + row["spare_nodes"], f["from_detection"]
+    cpu = d["cpu_s"] - (st["coordinator_cpu_share"] + st["simulated_cpu_share"]) * d["window_s"]
+    segments = d["tcp_segments"] - st["tcp_segments_per_s"] * d["window_s"]
     f["beyond_steady"] = {"cpu_s": round(cpu, 3), "cpu_ms_per_node": round(1e3 * cpu / nodes, 2),
                           "cpu_bound_s": round(cpu / row["cores"], 3),
                           "tcp_segments_per_node": round(segments / nodes, 1)}
