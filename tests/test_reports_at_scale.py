@@ -108,6 +108,7 @@ def test_an_audit_finding_costs_a_few_calls_whatever_the_ranks(stores):
     auditor.set(protocol.sdc_key(2048), json.dumps(
         {"wid": 2048, "rank": 2048, "step": 14, "last_passed": 8, "rewind_to": 9, "auditor": 5}))
     membership.tell(auditor, protocol.SDC, 2048)
+    membership.tell(auditor, protocol.SDC, 2048)  # a second auditor accuses it too: two reports
     store.calls = 0
     (lost,) = FindingLosses._accused(sup, [])
     assert lost[0].wid == 2048 and sup.pool.killed == [2048]

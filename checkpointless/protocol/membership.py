@@ -203,9 +203,8 @@ def tell(store, counter_key: str, wid: int) -> None:
 def told(store, counter_key: str, count: int) -> set[int] | None:
     """The workers on `counter_key`'s list, once it holds at least `count` of them; None where
     it holds fewer (a report made without the list): then every rank is to be looked at."""
-    raw = peek(store, keys.who(counter_key))
-    wids = {int(w) for w in raw.split()} if raw else set()
-    return wids if len(wids) >= count else None
+    said = (peek(store, keys.who(counter_key)) or b"").split()  # one entry per report: a
+    return {int(w) for w in said} if len(said) >= count else None  # worker may report twice
 
 
 def barrier_steps(seat: Seat):
