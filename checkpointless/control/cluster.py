@@ -22,40 +22,9 @@ from .. import protocol
 from .bells import Bells
 from ..protocol.records import SILENT, NodeCommand, NodeOp, NodeRecord, NodeWord, Word, is_record
 from .processes import Worker, WorkerPool, stop_all
+from .remote_proc import RemoteProc
 
 D = protocol.DEFAULTS
-
-
-class RemoteProc:
-    """A worker process on another node, seen through its agent's exit notices (Popen's
-    interface as far as the supervisor uses it). Its exit code is what the pool last read from
-    the node's record (ClusterPool.refresh)."""
-
-    def __init__(self, pool: "ClusterPool", node: int, wid: int, pid: int | None = None,
-                 code: int | None = None):
-        self.pool, self.node, self.wid = pool, node, wid
-        self.returncode: int | None = code
-        self._pid: int | None = pid
-
-    @property
-    def pid(self) -> int:
-        key = protocol.node_pid_key(self.node, self.wid)
-        if self._pid is None and self.pool.store.check([key]):
-            self._pid = int(self.pool.store.get(key))
-        return self._pid if self._pid is not None else -1
-
-    def poll(self):
-        return self.returncode
-
-    def wait(self, timeout=None):
-        deadline = None if timeout is None else time.time() + timeout
-        while True:
-            self.pool.refresh(force=True)
-            if self.returncode is not None:
-                return self.returncode
-            if deadline is not None and time.time() > deadline:
-                raise subprocess.TimeoutExpired(f"worker {self.wid}", timeout)
-            time.sleep(D.exit_poll_s)
 
 
 @dataclass
@@ -96,6 +65,8 @@ class ClusterPool(WorkerPool):
         self._events = -1  # the agents' event counter when last read
         self._health_at = 0.0  # when every node's record was last read
         self.on_fence = lambda k, why: None  # the supervisor's facts (etcd) learn of a fence
+        self.exits: set[int] = set()  # remote workers known to have exited
+        self._locals: set[int] = set()  # node 0's workers, this process's children
 
     def adopted(self, wid: int, node: int, slot: int, now: float, pid: int | None = None,
                 code: int | None = None) -> Worker:
@@ -163,6 +134,18 @@ class ClusterPool(WorkerPool):
     def remote(self, node: int) -> bool:
         return node != 0 or not self.local
 
+    def spawn(self, *args, **kwargs) -> Worker:
+        w = super().spawn(*args, **kwargs)  # a local process: node 0's
+        self._locals.add(w.wid)
+        return w
+
+    def maybe_exited(self, wids) -> list[int]:
+        """Those of `wids` (in their order) that may have exited: node 0's, polled, and the
+        remote ones whose exit a record brought. Looked at on every turn of the loop: one pass
+        over every rank cost about 8 ms a turn at 16,384 ranks."""
+        found = {w for w in self.exits if w in wids} | {w for w in self._locals if w in wids}
+        return [w for w in wids if w in found] if found else []
+
     def _command(self, node: int, c: NodeCommand) -> None:
         """The node's next command, then its group's bell (its agent blocks on the bell: no
         polling)."""
@@ -209,7 +192,7 @@ class ClusterPool(WorkerPool):
             w.proc.returncode = -9
 
     def sleep(self, active, timeout_s: float) -> None:
-        local = [wid for wid in active if not self.remote(self.workers[wid].node)]
+        local = [wid for wid in active if wid in self._locals] if self.local else []
         if len(local) == len(active):
             return super().sleep(active, timeout_s)
         super().sleep(local, min(timeout_s, D.remote_poll_s))

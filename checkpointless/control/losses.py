@@ -24,7 +24,7 @@ class FindingLosses:
         result is in, it finished. `nodes`: only the workers of those nodes are looked at."""
         self.pool.refresh()
         out = []
-        for wid in list(self.ranks):
+        for wid in self.pool.maybe_exited(self.ranks):
             w = self.workers[wid]
             if nodes is not None and w.node not in nodes:
                 continue

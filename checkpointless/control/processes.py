@@ -176,6 +176,11 @@ class WorkerPool:
         self.workers[wid] = w
         return w
 
+    def maybe_exited(self, wids) -> list[int]:
+        """Those of `wids` that may have exited: each is a local process, polled (cluster.py
+        narrows it to the exits its nodes' records brought)."""
+        return list(wids)
+
     def sleep(self, active: list[int], timeout_s: float) -> None:
         """Sleep until one of the `active` workers exits or `timeout_s` passes."""
         close_reaped(self.workers.values())

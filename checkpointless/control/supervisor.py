@@ -87,7 +87,7 @@ class Supervisor(FindingLosses, Replacing):
         self.store = None
         self.port = 0
         self.t_start = 0.0
-        self.pids_at_start: dict[int, int] = {}
+        self.first_wids: dict[int, int] = {}  # rank -> the first generation's worker
         self.stop_asked: str | None = None  # why the job was asked to stop (a signal)
         self.preempted_at: int | None = None  # the step before which every rank stopped
         self.stragglers = Stragglers(cfg, log, on_straggler)
@@ -129,7 +129,7 @@ class Supervisor(FindingLosses, Replacing):
         """Go on from where a lost coordinator left the job (takeover.py)."""
         self.ranks, self.gen, self._plan = dict(t.ranks), t.gen, t.plan
         self._notices, self.moves = t.notices, t.moves
-        self.pids_at_start = {}
+        self.first_wids = {}
         self.ledger.resume(self.store, t.record)  # the record from the launch on
         self.placement = placement_of(t.plan, self.cfg.nproc)
         self.resizes = list(self.ledger.earlier_resizes)
@@ -165,8 +165,9 @@ class Supervisor(FindingLosses, Replacing):
                 self.facts.record_move(self.moves[0])
             for w in self.pool.start(self.store):
                 self.ranks[w.wid] = w.rank
-            self.pids_at_start = {w.rank: w.proc.pid for w in self.workers.values()
-                                  if w.rank >= 0}
+            # their pids are read for the report, at the end: a remote worker's costs two store
+            # calls (at 16,384 ranks 15 s before the first plan, when it was read here)
+            self.first_wids = {w.rank: w.wid for w in self.workers.values() if w.rank >= 0}
             self._publish()
         if self.on_start:
             self.on_start(self)
@@ -294,7 +295,8 @@ class Supervisor(FindingLosses, Replacing):
         return run_report(self.store, RunFacts(
             nproc=self.cfg.nproc, spares=self.cfg.spares, wall_s=time.time() - self.t_start,
             failures=self.failures, last_gen=self.gen, workers=list(self.workers.values()),
-            pids_at_start=self.pids_at_start, killed_after_done=self.killed_after_done,
+            pids_at_start={r: self.workers[wid].proc.pid for r, wid in self.first_wids.items()},
+            killed_after_done=self.killed_after_done,
             stragglers=self.stragglers.entries or [], check=self.stragglers.summary(),
             earlier=self.ledger.earlier(), processes=self.placement.processes,
             shrink=self.cfg.shrink, resizes=list(self.resizes)))
