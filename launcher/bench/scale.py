@@ -233,14 +233,15 @@ class Harness:
         self._ask(self.shard_of[node], "kill_rank" if kind == "rank" else "kill_node", node)
         # the coordinator counts the loss first thing (replacing._handle): from there on the
         # CPU and the messages are the recovery's (the steady state's share aside)
-        while int(self.store.add(protocol.LOST, 0)) == lost0 and time.time() < t_fail + timeout_s:
+        deadline = t_fail + timeout_s  # for the detection and the generation together
+        while int(self.store.add(protocol.LOST, 0)) == lost0 and time.time() < deadline:
             time.sleep(0.02)
         at_lost = (time.time(), self.cpu_s() + self.shards_cpu_s(), tcp_segments())
-        if not self.wait_gen(gen, timeout_s):
+        if not self.wait_gen(gen, max(1.0, deadline - time.time())):
             return {"kind": kind, "error": f"generation {gen} not complete in {timeout_s} s: "
                     f"{self.why_not_complete(gen)}"}
-        cpu, own, seg = self.cpu_s() - cpu0, self.shards_cpu_s() - own0, tcp_segments()
-        t_seen = time.time()
+        cpu1, own1, seg1, t_seen = self.cpu_s(), self.shards_cpu_s(), tcp_segments(), time.time()
+        cpu, own = cpu1 - cpu0, own1 - own0
         threads = {k: round(v - threads0.get(k, 0.0), 2) for k, v in self.threads_cpu_s().items()}
         failures = [f for f in self.ask()[1] if f["gen"] == gen]
         head = json.loads(self.store.get(protocol.plan_key(gen)))
@@ -259,8 +260,8 @@ class Harness:
                 # coordinator's and the simulated side's) and TCP segments, the steady
                 # state's share among them (scale_text.beyond_steady takes it out)
                 "from_detection": {"window_s": round(t_seen - at_lost[0], 3),
-                                   "cpu_s": round(cpu + own + cpu0 + own0 - at_lost[1], 3),
-                                   "tcp_segments": seg - at_lost[2]},
+                                   "cpu_s": round(cpu1 + own1 - at_lost[1], 3),
+                                   "tcp_segments": seg1 - at_lost[2]},
                 # where the CPU went from the kill to every rank ready: the simulated ranks'
                 # own client work runs here on two cores, the coordinator's in its process
                 "cpu_s": {"coordinator": round(cpu, 3), "simulated_nodes_and_ranks": round(own, 3),
