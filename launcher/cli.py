@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import sys
 
-from .recipes import RecipeError, load, recipe_names, resolve, to_yaml
+from launcher.recipe.load import RecipeError, load, recipe_names, resolve, to_yaml
+from launcher.run.exits import PREEMPTED
 
 USAGE = __doc__
-PREEMPTED = 143  # 128 + SIGTERM: stopped on request, resumable (checkpoint.resume=auto)
 
 
 def cmd_ls(_args) -> int:
@@ -71,8 +71,8 @@ def _startup(cfg) -> None:
     """The one check of the pre-flight that validate makes too, as it judges a key's value
     (startup_timeout_s) rather than the machine's contents: it measures the model on the meta
     device, so it imports torch and transformers (late: ls and show stay fast)."""
-    from .hub import offline_unless_reachable
-    from .startup import startup_problem
+    from models.hub import offline_unless_reachable
+    from launcher.plan.startup import startup_problem
     offline_unless_reachable(cfg)  # an unreachable hub: the built-in configs, no retries
     problem = startup_problem(cfg)
     if problem:
@@ -80,21 +80,21 @@ def _startup(cfg) -> None:
 
 
 def cmd_plan(args) -> int:
-    from .plan import main as plan_main  # imported late: it imports torch and transformers
+    from launcher.plan import main as plan_main  # imported late: it imports torch and transformers
     return plan_main(args)
 
 
 def cmd_train(args) -> int:
     if not args:
         raise RecipeError("train needs a recipe: python -m launcher train RECIPE [key=value ...]")
-    from .cluster_env import from_environment
+    from launcher.recipe.cluster_env import from_environment
     extra, said = from_environment(args[1:])
     cfg, notes = resolve(args[0], extra + args[1:])  # the command line's own overrides win
     if extra:
         print("[launcher] this node's place in the job:\n  " + "\n  ".join(said), flush=True)
     for note in notes:
         print(f"[launcher] {note}", flush=True)
-    from .launch import train  # imported late: ls/show stay fast
+    from launcher.run.launch import train  # imported late: ls/show stay fast
     report = train(cfg)
     if report is not None and report.get("status") == "preempted":
         return PREEMPTED
@@ -109,8 +109,8 @@ def cmd_prepare(args) -> int:
         raise RecipeError("prepare needs a recipe: python -m launcher prepare RECIPE "
                           "[key=value ...]")
     cfg = load(args[0], args[1:])
-    from .data import prepare_node
-    from .preflight import preflight_data
+    from launcher.data.prepare import prepare_node
+    from launcher.run.preflight import preflight_data
     preflight_data(cfg)  # the tokenizer and the dataset, each problem in one sentence
     prepare_node(cfg)
     return 0
@@ -123,7 +123,7 @@ def cmd_coordinator(args) -> int:
         raise RecipeError("coordinator needs a recipe: python -m launcher coordinator RECIPE "
                           "distributed.num_nodes=N distributed.master_port=PORT [key=value ...]")
     cfg = load(args[0], args[1:] + ["distributed.standalone_coordinator=true"])
-    from .launch import train
+    from launcher.run.launch import train
     report = train(cfg, coordinator=True)
     if report is not None and report.get("status") == "preempted":
         return PREEMPTED
@@ -131,7 +131,7 @@ def cmd_coordinator(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import bench
+    from launcher.bench import bench
     return bench(args)
 
 

@@ -28,7 +28,7 @@ def worker_pids(run_dir: Path, worker_id: int) -> list[int]:
             continue
         try:
             cmd = (p / "cmdline").read_bytes().decode(errors="replace")
-            if "launcher.loop" not in cmd or str(run_dir) not in cmd:
+            if "launcher.train.loop" not in cmd or str(run_dir) not in cmd:
                 continue
             env = (p / "environ").read_bytes().split(b"\0")
         except OSError:

@@ -212,7 +212,7 @@ def test_the_sdc_fault_parses_and_refuses_what_it_cannot_be():
     ("distributed.strategy=fsdp trainer.precision=bf16", "bit for bit"),
 ])
 def test_audits_are_refused_before_launch_where_they_cannot_work(override, says):
-    from launcher.recipes import RecipeError, load
+    from launcher.recipe.load import RecipeError, load
     base = ["checkpointless.audit.every=1", "checkpoint.interval=5"]
     with pytest.raises(RecipeError, match=says) as err:
         load("tiny-llama", base + override.split())

@@ -24,11 +24,11 @@ KILL_AFTER = 2 * EVERY  # kill once the step-8 checkpoint is on disk
 
 
 def test_torchrun_workers_finds_the_training_processes_by_rank():
-    # an agent with two "workers" (RANK set, launcher.loop on the command line) and a helper
+    # an agent with two "workers" (RANK set, launcher.train.loop on the command line) and a helper
     agent = subprocess.Popen([sys.executable, "-c", """
 import os, subprocess, sys, time
 sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
-kids = [subprocess.Popen(sleep + ["launcher.loop"], env={**os.environ, "RANK": str(r)})
+kids = [subprocess.Popen(sleep + ["launcher.train.loop"], env={**os.environ, "RANK": str(r)})
         for r in (0, 1)]
 helper = subprocess.Popen(sleep, env={**os.environ, "RANK": "7"})
 print(*[k.pid for k in kids], helper.pid, flush=True)

@@ -18,7 +18,7 @@ from launcher.bench.paired import Turns, paired_modes
 from launcher.bench.records import read_records, run_digest, steps_in_turns, summarize
 from launcher.bench.report import (against_plain, consistency_line, grad_copy_line, overlap_line,
                                    plain_line, table)
-from launcher.recipes import RecipeError
+from launcher.recipe.load import RecipeError
 
 
 def test_bench_keys_and_recipe_overrides_are_split_and_typed():
@@ -216,7 +216,7 @@ def test_plain_is_a_mode_run_by_torchrun_with_its_own_worker_script(tmp_path):
     cmd = torchrun_cmd(cfg, tmp_path / "plain", 0, PLAIN_LOOP)
     assert cmd[cmd.index("-m", 3):] == ["-m", "launcher.bench.plain_loop",
                                          str(tmp_path / "plain" / "recipe.yaml")]
-    assert "launcher.loop" in torchrun_cmd(cfg, tmp_path / "off", 0)  # off keeps the recipe loop
+    assert "launcher.train.loop" in torchrun_cmd(cfg, tmp_path / "off", 0)  # off keeps the recipe loop
     rc, out = mode_recipe(cfg, [], "plain")  # no supervisor, no spare, nothing injected
     assert not rc.checkpointless.enabled and rc.checkpointless.spares == 0
     assert rc.trainer.max_steps == 5 and (out / "recipe.yaml").exists()
@@ -306,7 +306,7 @@ def test_plain_loop_trains_the_recipe_loops_bits_with_torch_ddp(tmp_path):
                             "model.config.num_hidden_layers=1", "trainer.grad_accum_steps=2"])
     cfg.mode_timeout_s = 120
     digests = {}
-    for mode, module in (("plain", PLAIN_LOOP), ("off", "launcher.loop")):
+    for mode, module in (("plain", PLAIN_LOOP), ("off", "launcher.train.loop")):
         _, out = mode_recipe(cfg, overrides, mode)
         rc, _, _ = run_torchrun(cfg, out, None, cfg.steps, module=module)
         assert rc == 0, (out / "torchrun.log").read_text()[-3000:]
@@ -358,7 +358,7 @@ def test_the_straggler_table_puts_goodput_step_times_and_bits_side_by_side():
 
 
 def test_without_matplotlib_the_plot_is_skipped_in_one_line_said_up_front(monkeypatch):
-    from launcher import preflight
+    from launcher.run import preflight
     from launcher.bench.plot import plot_skipped
     assert plot_skipped() is None  # installed here (the bench extra)
     monkeypatch.setattr(preflight, "installed", lambda module: module != "matplotlib")

@@ -6,8 +6,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 
-from launcher.cluster_env import expand_nodelist, from_environment
-from launcher.recipes import RecipeError, load
+from launcher.recipe.cluster_env import expand_nodelist, from_environment
+from launcher.recipe.load import RecipeError, load
 
 
 @pytest.mark.parametrize("text, hosts", [
@@ -95,7 +95,7 @@ def test_a_world_size_that_disagrees_with_nodes_is_refused_before_anything_start
 
 
 def test_across_nodes_replicas_go_a_node_apart_and_a_factor_that_cannot_survive_is_refused():
-    from launcher.launch import supervisor_config
+    from launcher.run.supervise import supervisor_config
     nodes = ["distributed.num_nodes=2", "distributed.master_port=29400",
              "distributed.strategy=fsdp"]
     assert supervisor_config(load("tiny-llama")).replication["offset"] == 1  # ring, one node

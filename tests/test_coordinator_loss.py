@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 STEPS = 24
 # OMP_WAIT_POLICY=PASSIVE: the four nodes here share this machine's two cores. A spare's warm-up
-# checks that two CPU threads keep the bits (launcher/model_setup.py warm_up), and OpenMP's
+# checks that two CPU threads keep the bits (launcher/train/model_setup.py warm_up), and OpenMP's
 # threads spin at every barrier while the six ranks hold the cores: node 3's spares took 20-40 s
 # to be ready (about 4 s of CPU; a stack sampled then was in libgomp's barrier, in sgemm), so
 # node 0 was killed before they were, its ranks were hosted by a shrink, and the job grew back

@@ -1,6 +1,6 @@
 """Settings the launcher derives or checks against the machine before any worker starts:
 confirm_s under coordinator=etcd (derived when unset), startup_timeout_s against the model's
-estimated start-up (launcher/startup.py), and the bad inputs of issue 37 item 5."""
+estimated start-up (launcher/plan/startup.py), and the bad inputs of issue 37 item 5."""
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from launcher import cli
-from launcher.derive import etcd_confirm_s
-from launcher.recipes import RecipeError, load, resolve
+from launcher.recipe.derive import etcd_confirm_s
+from launcher.recipe.load import RecipeError, load, resolve
 
 ETCD = ["distributed.num_nodes=3", "distributed.nproc_per_node=2", "checkpointless.spare_nodes=1",
         "distributed.master_port=29400", "checkpointless.coordinator=etcd",
@@ -66,9 +66,9 @@ def test_show_validate_and_train_see_the_derived_value(capsys, monkeypatch):
     assert out.startswith("ok      tiny-llama\n") and "checkpointless.confirm_s=9: derived" in out
     assert cli.main(["validate", "tiny-llama", *ETCD, "checkpointless.confirm_s=5"]) == 1
     assert "INVALID tiny-llama: checkpointless.confirm_s=5.0" in capsys.readouterr().out
-    import launcher.launch
+    import launcher.run.launch
     seen = []
-    monkeypatch.setattr(launcher.launch, "train", lambda cfg: seen.append(cfg) or {"status": "ok"})
+    monkeypatch.setattr(launcher.run.launch, "train", lambda cfg: seen.append(cfg) or {"status": "ok"})
     assert cli.main(["train", "tiny-llama", *ETCD]) == 0
     assert seen[0].checkpointless.confirm_s == 9
     assert "[launcher] checkpointless.confirm_s=9: derived" in capsys.readouterr().out
@@ -80,7 +80,7 @@ def _facts(n_params: int, param_bytes: int = 2):
 
 
 def test_the_startup_estimate_follows_the_model_and_how_it_is_loaded():
-    from launcher.startup import IMPORT_S, estimate
+    from launcher.plan.startup import IMPORT_S, estimate
     tiny = estimate(load("tiny-llama"), _facts(10**6, 4), "cpu")
     assert IMPORT_S["cpu"] <= tiny.seconds < IMPORT_S["cpu"] + 1  # the imports, nearly all
     assert estimate(load("tiny-llama"), _facts(10**6, 4), "cuda").seconds >= IMPORT_S["cuda"]
@@ -99,7 +99,7 @@ def test_the_startup_estimate_follows_the_model_and_how_it_is_loaded():
 
 
 def test_a_startup_timeout_below_the_estimate_is_refused_naming_key_value_estimate_and_fix():
-    from launcher.startup import estimate, startup_problem
+    from launcher.plan.startup import estimate, startup_problem
     cfg = load("llama3-8b", ["checkpointless.startup_timeout_s=60"])
     est = estimate(cfg, _facts(8 * 10**9), "cuda")
     said = startup_problem(cfg, est)
@@ -117,7 +117,7 @@ def test_a_startup_timeout_below_the_estimate_is_refused_naming_key_value_estima
 
 
 def test_preflight_and_validate_refuse_a_startup_timeout_too_short_for_the_model(capsys):
-    from launcher.preflight import preflight
+    from launcher.run.preflight import preflight
     with pytest.raises(RecipeError) as err:
         preflight(load("tiny-llama", ["checkpointless.startup_timeout_s=5"]))
     assert "checkpointless.startup_timeout_s=5: a worker of this recipe needs about 15 s" in \
@@ -132,7 +132,7 @@ def test_preflight_and_validate_refuse_a_startup_timeout_too_short_for_the_model
 
 def test_every_shipped_recipe_that_fits_starts_within_the_default_timeout():
     from launcher.plan import model_facts, plan
-    from launcher.startup import estimate
+    from launcher.plan.startup import estimate
     for name in ("tiny-llama", "llama3-8b", "llama3-70b", "gpt-oss-20b"):  # the largest loads
         cfg = load(name)
         facts = model_facts(cfg)

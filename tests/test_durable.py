@@ -1,5 +1,5 @@
 """Sharded durable checkpoints (checkpointless/worker/durable.py) and the streamed digest and export
-(launcher/export.py), in real gloo processes.
+(launcher/train/export.py), in real gloo processes.
 
 The recipe-loop scenarios (a job stopped at 4 workers resumed at 2, a same-size resume ending
 with the failure-free bits, the durable-checkpoint fallback of a recovery) are in
@@ -97,7 +97,7 @@ def _digest_and_export(rank, port, q, out):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from checkpointless.worker.digest import state_sha256
-    from launcher.export import digest_and_export
+    from launcher.train.export import digest_and_export
     from models import build_tokenizer
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
@@ -137,8 +137,8 @@ def test_the_streamed_digest_is_the_gathered_one_and_the_sharded_export_reloads(
 
 
 def test_resume_over_old_single_file_checkpoints_is_refused_before_launch(tmp_path):
-    from launcher.preflight import _checkpoints
-    from launcher.recipes import load
+    from launcher.run.preflight import _checkpoints
+    from launcher.recipe.load import load
     (tmp_path / "step-00000008.pt").write_bytes(b"")
     cfg = load("tiny-llama", [f"checkpoint.dir={tmp_path}", "checkpoint.resume=auto"])
     msg = _checkpoints(cfg)
@@ -150,7 +150,7 @@ def test_resume_over_old_single_file_checkpoints_is_refused_before_launch(tmp_pa
 def test_a_checkpoint_of_another_model_is_refused_naming_the_tensor(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from launcher.checkpoints import CheckpointMismatch, refuse_another_model
+    from launcher.train.checkpoints import CheckpointMismatch, refuse_another_model
     saved = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 8))
     dcp.save({"model": saved.state_dict(), "step": 4}, checkpoint_id=str(tmp_path / "step"))
     refuse_another_model(tmp_path / "step", saved.state_dict())  # the same model: no error
@@ -165,7 +165,7 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_tensor(tmp_path):
 def _scaler_round_trip(rank, port, q, directory):
     from types import SimpleNamespace
 
-    from launcher.checkpoints import DurableCheckpoints
+    from launcher.train.checkpoints import DurableCheckpoints
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     cfg = SimpleNamespace(checkpoint=SimpleNamespace(dir=directory, keep=2))

@@ -1,5 +1,5 @@
 """Validation loss is the same figure whatever the world size: each row's loss lands in its own
-slot and the slots are summed in row order (launcher/evaluate.py). Plain torch and gloo."""
+slot and the slots are summed in row order (launcher/train/evaluate.py). Plain torch and gloo."""
 import math
 import types
 
@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from launcher.evaluate import evaluate
+from launcher.train.evaluate import evaluate
 
 ROWS, SEQ, VOCAB = 27, 16, 11
 

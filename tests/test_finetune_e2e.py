@@ -40,8 +40,8 @@ def test_tiny_lora_survives_a_kill_in_validation_moving_only_the_adapters(tmp_pa
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from launcher.model_setup import build
-    from launcher.schema import Recipe
+    from launcher.train.model_setup import build
+    from launcher.recipe.schema import Recipe
     cfg = OmegaConf.merge(OmegaConf.structured(Recipe), OmegaConf.load(out / "recipe.yaml"))
     _, fresh, _ = build(cfg, torch.device("cpu"))
     fresh_base = fresh.unload().state_dict()

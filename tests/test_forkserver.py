@@ -114,7 +114,7 @@ def test_start_process_forks_only_the_named_module_once_its_server_is_warm(tmp_p
     assert p.wait(20) == 0
     assert _read(tmp_path / "f")["preloaded_by"] is not None
     for i, other in enumerate((_env(CHECKPOINTLESS_FORKSERVER="0"),
-                               _env(CHECKPOINTLESS_FORKSERVER="launcher.loop:preload"))):
+                               _env(CHECKPOINTLESS_FORKSERVER="launcher.train.loop:preload"))):
         assert not processes.warm_server(CMD, other, 1)
         p = processes.start_process(CMD + [str(tmp_path / f"s{i}"), "4"], other)
         assert isinstance(p, subprocess.Popen) and p.wait(20) == 4
@@ -135,7 +135,7 @@ def test_a_workers_environment_keys_the_server_the_launcher_warmed_before_it(mon
     monkeypatch.setattr(forkserver, "_Server", lambda module, env, args: made.append(env) or
                         SimpleNamespace(proc=SimpleNamespace(poll=lambda: None)))
     servers = forkserver.ForkServers(per_worker_prefix=keys.ENV_PREFIX)
-    cmd = [sys.executable, "-m", "launcher.loop", "recipe.yaml"]
+    cmd = [sys.executable, "-m", "launcher.train.loop", "recipe.yaml"]
     base = {"PATH": "/usr/bin", "HF_HUB_OFFLINE": "1"}
     first = servers.server(cmd, base)  # warmed before the first generation
     for wid in range(3):

@@ -10,7 +10,7 @@ import pytest
 from checkpointless.worker import consistency
 from checkpointless.worker.mesh import Layout
 from checkpointless.worker.restore import pick_senders, restorable_step
-from launcher.recipes import RecipeError, load
+from launcher.recipe.load import RecipeError, load
 from tests.conftest import assert_replicas_agree, assert_same_bits, train
 
 HSDP_12 = ("distributed.strategy=hsdp", "distributed.shard_size=2", "trainer.max_steps=12",

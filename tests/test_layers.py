@@ -188,3 +188,81 @@ def _too_long(root: Path, file_limit: int) -> list[str]:
 @pytest.mark.parametrize("folder,limit", [("checkpointless", 350), ("launcher", 400)])
 def test_files_and_functions_stay_small(folder, limit):
     assert _too_long(ROOT / folder, limit) == []
+
+
+# The launcher by process, then by layer: a module imports its own folder or a floor below.
+# recipe/ and parallel/ are read by both processes; data/ and plan/ by both; train/ is the worker
+# process; run/ the launcher process; bench/ drives run/; cli is the front door.
+FLOORS = {"recipe": 0, "parallel": 0, "assets": 0, "data": 1, "plan": 1, "train": 2, "run": 3,
+          "bench": 4, "cli": 5, "__main__": 5}
+
+
+def floor(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[0] != "launcher":
+        return None
+    return FLOORS[parts[1]] if len(parts) > 1 else 5
+
+
+def upward(g: dict) -> list[str]:
+    """Every launcher import that climbs to a higher floor, or from models/ into the launcher."""
+    bad = []
+    for mod, imps in g.items():
+        for target, _, line in imps:
+            if mod.startswith("models") and target.startswith("launcher"):
+                bad.append(f"{mod}:{line} imports {target}")
+            here, there = floor(mod), floor(target)
+            if here is not None and there is not None and there > here:
+                bad.append(f"{mod}:{line} imports {target}")
+    return bad
+
+
+def launcher_graph() -> dict:
+    return {**graph(ROOT / "launcher"), **graph(ROOT / "models")}
+
+
+def test_the_launcher_imports_downward_only_and_has_no_cycle():
+    g = launcher_graph()
+    assert {m.split(".")[1] for m in g if m.count(".") >= 1 and m.startswith("launcher.")} \
+        <= set(FLOORS) | {"bench"}
+    assert upward(g) == []
+    assert cycles(g) == []
+
+
+def test_the_launcher_check_catches_a_worker_importing_the_launch():
+    """The rule fails when broken: the worker's loop importing the launch inside a function,
+    and two function-local imports making a cycle inside train/."""
+    g = launcher_graph()
+    g["launcher.train.loop"] = imports_of(
+        "launcher.train.loop", ast.parse("def f():\n    from launcher.run.launch import train\n"
+                                         "    from launcher.train import optim\n"), False)
+    g["launcher.train.optim"] = imports_of(
+        "launcher.train.optim", ast.parse("def g():\n    from launcher.train import loop\n"),
+        False)
+    assert upward(g) == ["launcher.train.loop:2 imports launcher.run.launch"]
+    assert any(set(c) == {"launcher.train.loop", "launcher.train.optim"} for c in cycles(g))
+
+
+def test_every_module_path_written_in_a_string_resolves():
+    """`python -m launcher.train.loop`, `launcher.train.loop:preload`, mock targets: a path named
+    in a string (code, tests, Makefile) is a module that exists, or an attribute of one."""
+    import re
+    pattern = re.compile(r"""["'](?:-m )?(launcher(?:\.\w+)+)(?::([A-Za-z_]\w*))?["' ]""")
+    files = [*sorted((ROOT / "launcher").rglob("*.py")), *sorted((ROOT / "tests").rglob("*.py")),
+             ROOT / "Makefile"]
+    bad = []
+    for path in files:
+        for dotted, attr in pattern.findall(path.read_text()):
+            parts = dotted.split(".")
+            if parts[-1] in ("log", "json", "jsonl", "yaml", "txt"):  # a file's name
+                continue
+            # the longest prefix that is a module; what follows must be its attributes
+            k = max(i for i in range(1, len(parts) + 1) if _is_module(".".join(parts[:i])))
+            rest = parts[k:] + ([attr] if attr else [])
+            try:
+                obj = importlib.import_module(".".join(parts[:k]))
+                for name in rest:
+                    obj = getattr(obj, name)
+            except (ImportError, AttributeError):
+                bad.append(f"{path.relative_to(ROOT)}: {dotted}{':' + attr if attr else ''}")
+    assert bad == []

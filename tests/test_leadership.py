@@ -198,7 +198,7 @@ def test_a_resumed_launch_clears_the_ended_job_and_a_new_one_is_refused(cluster)
     arriving after the new job began deletes nothing of it."""
     from omegaconf import OmegaConf
 
-    from launcher.etcd_node import ended_job
+    from launcher.run.etcd_node import ended_job
     etcd = Etcd(cluster.endpoints)
     ended = "preempted before step 10 (SIGTERM on node 0)"
     for name, value in {"gen": "3", "plan/3": "{}", "record/steps/0": "{}",

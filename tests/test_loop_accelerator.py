@@ -1,4 +1,4 @@
-"""The recipe loop's Accelerator (launcher/accelerator.py), built the way a worker builds it: on a
+"""The recipe loop's Accelerator (launcher/train/accelerator.py), built the way a worker builds it: on a
 process group that exists already (join formed it), in a fresh process, fast."""
 import json
 import os
@@ -9,8 +9,8 @@ from tests.conftest import ROOT
 
 WORKER = r"""
 import json, sys, torch, torch.distributed as dist
-from launcher.recipes import load
-from launcher.model_setup import setup
+from launcher.recipe.load import load
+from launcher.train.model_setup import setup
 cfg = load("tiny-llama", ["distributed.threads_per_worker=2", "distributed.num_processes=2",
                           "trainer.precision=bf16", "trainer.grad_accum_steps=3",
                           "run.output_dir=" + sys.argv[1]])
@@ -25,11 +25,11 @@ class Job:  # what build_accelerator reads of a supervised job
         return {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
                 "MASTER_ADDR": "127.0.0.1"}
 
-from launcher.accelerator import Autocast, build_accelerator, start_line
+from launcher.train.accelerator import Autocast, build_accelerator, start_line
 acc = build_accelerator(cfg, Job(), device)
 autocast = Autocast(acc)
 dtypes = []
-for _ in range(2):  # reusable, as launcher/evaluate.py uses it
+for _ in range(2):  # reusable, as launcher/train/evaluate.py uses it
     with autocast:
         dtypes.append(str(torch.nn.Linear(4, 4)(torch.ones(1, 4)).dtype))
 print(json.dumps({"threads": torch.get_num_threads(), "device": str(acc.device),

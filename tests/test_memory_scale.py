@@ -6,7 +6,7 @@ The model is built on the meta device and each rank fills only its shard (models
 worker's peak resident set above its baseline (after imports) must stay below the full model's
 fp32 parameter bytes (1.6 GB): a worker that built, initialized or gathered the whole model even
 once would reach it. The peak is read at the end of training, before the end-of-run digest and
-export (which gather one tensor at a time, launcher/model_setup.py).
+export (which gather one tensor at a time, launcher/train/model_setup.py).
 
 The resident set counts what glibc keeps after a free, too: without a fixed mmap threshold its
 heap keeps FSDP's freed all-gather buffers (4-16 MB tensors here; measured at 4 workers: a peak

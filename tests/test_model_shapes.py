@@ -8,7 +8,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from launcher.recipes import load, recipe_names
+from launcher.recipe.load import load, recipe_names
 from models import build_tokenizer, model_config
 
 FROM_CONFIG = [n for n in recipe_names() if load(n).model.config and not load(n).model.id]

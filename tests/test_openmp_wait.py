@@ -1,11 +1,11 @@
-"""OMP_WAIT_POLICY on an oversubscribed CPU node (launcher/launch.py quiet_openmp): set to
+"""OMP_WAIT_POLICY on an oversubscribed CPU node (launcher/run/launch.py quiet_openmp): set to
 PASSIVE when this node's workers and spares outnumber its cores, left alone otherwise."""
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from launcher.launch import quiet_openmp  # noqa: E402
-from launcher.recipes import load  # noqa: E402
+from launcher.run.launch import quiet_openmp  # noqa: E402
+from launcher.recipe.load import load  # noqa: E402
 
 
 def _cores(monkeypatch, n):

@@ -9,7 +9,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from checkpointless.worker.agreement import replicated_step  # noqa: E402
 from checkpointless.worker.mesh import Layout  # noqa: E402
-from launcher.recipes import RecipeError, load  # noqa: E402
+from launcher.recipe.load import RecipeError, load  # noqa: E402
 
 
 def test_stages_are_outermost_so_a_stage_is_consecutive_ranks_and_twins_stay_in_their_stage():
@@ -53,7 +53,7 @@ def _brute(layers, parts, per, first, last):
                                                      (12, 4, 7, 7), (5, 5, 100, 1)])
 def test_the_split_minimizes_the_largest_stage_counting_embedding_and_head(layers, parts,
                                                                           first, last):
-    from launcher.pipeline import split
+    from launcher.parallel.pipeline_split import split
     got = split(layers, parts, 10, first, last)
     assert sum(got) == layers and min(got) >= 1 and len(got) == parts
     worst = max(n * 10 + (first if i == 0 else 0) + (last if i == parts - 1 else 0)
@@ -62,7 +62,7 @@ def test_the_split_minimizes_the_largest_stage_counting_embedding_and_head(layer
 
 
 def test_the_split_of_tiny_llama_and_of_405b_by_parameter_count():
-    from launcher.pipeline import describe, layer_counts, split, summary
+    from launcher.parallel.pipeline_split import describe, layer_counts, split, summary
     from launcher.plan.model import hf_config
     cfg = load("tiny-llama", ["distributed.pp_size=2"])
     hf = hf_config(cfg)[0]
@@ -99,7 +99,7 @@ def test_pipeline_keys_that_cannot_apply_are_refused_before_launch_naming_the_ke
 
 
 def test_models_without_a_pipeline_plan_or_layers_enough_are_refused_with_the_reason():
-    from launcher.pipeline import refusal
+    from launcher.parallel.pipeline_split import refusal
     from launcher.plan.model import hf_config
     cfg = load("tiny-llama", ["distributed.pp_size=2"])
     assert refusal(cfg, hf_config(cfg)[0]) is None
@@ -112,7 +112,7 @@ def test_models_without_a_pipeline_plan_or_layers_enough_are_refused_with_the_re
 def test_the_stages_forward_in_sequence_gives_the_whole_models_logits_and_loss_to_the_bit():
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-    from launcher.pipeline import StagePart, StageView
+    from launcher.train.pipeline import StagePart, StageView
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                                          num_hidden_layers=4, num_attention_heads=4,

@@ -10,7 +10,7 @@ import pytest
 
 from launcher import plan as P
 from launcher.plan import stages as S
-from launcher.recipes import load
+from launcher.recipe.load import load
 
 
 @lru_cache(maxsize=None)
@@ -114,7 +114,7 @@ def test_interleaved_gives_each_worker_two_virtual_stages():
                              "trainer.grad_accum_steps=8"])
     counts = S.layer_split(cfg, f)
     assert len(counts) == 8 and sum(counts) == 32
-    from launcher.pipeline import describe
+    from launcher.parallel.pipeline_split import describe
     result = P.plan(cfg, f, search=False)
     assert len(result.stages) == 4 and describe(counts, 4) in result.summary
     assert "stage 1: layers " in result.summary and "+" in result.summary.split("stage 1:")[1]

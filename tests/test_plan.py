@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from launcher import plan as P
-from launcher.recipes import RECIPES_DIR, RecipeError, load
+from launcher.recipe.load import RECIPES_DIR, RecipeError, load
 from models.known_configs import known_config
 from tests.conftest import ROOT
 
@@ -204,7 +204,7 @@ def test_cli_plan_prints_the_table_and_the_verdict(capsys):
                        env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert "config: built-in table (offline)" in r.stdout, r.stderr
     assert "peer replicas" in r.stdout and "host/rank" in r.stdout
-    # with launcher/loop.py as it is the 70B recipe fits its 64 GPUs
+    # with launcher/train/loop.py as it is the 70B recipe fits its 64 GPUs
     assert r.returncode == 0 and "\nfits: " in r.stdout
 
 

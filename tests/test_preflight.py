@@ -8,9 +8,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 
-from launcher.hub import hub_problem
-from launcher.preflight import preflight
-from launcher.recipes import RecipeError, load
+from models.hub import hub_problem
+from launcher.run.preflight import preflight
+from launcher.recipe.load import RecipeError, load
 from tests.conftest import ROOT
 
 
@@ -82,7 +82,7 @@ def _checkpoint_of(cfg, directory, step=4):
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from launcher.preflight import meta_model_state
+    from launcher.run.preflight import meta_model_state
     import warnings
     state = {k: torch.zeros(v.shape) for k, v in meta_model_state(cfg).items()}
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
@@ -134,7 +134,7 @@ def test_a_hub_model_whose_weights_are_not_cached_is_refused_while_offline(tmp_p
 
     from huggingface_hub import constants
 
-    from launcher.preflight import _weights_problem
+    from launcher.run.preflight import _weights_problem
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     snap = tmp_path / "models--some-org--tiny" / "snapshots" / "abc"
@@ -160,7 +160,7 @@ def test_a_hub_model_whose_weights_are_not_cached_is_refused_while_offline(tmp_p
 
 
 def test_a_package_the_recipe_asks_for_is_named_with_its_install_command(monkeypatch):
-    from launcher import preflight as P
+    from launcher.run import preflight as P
     monkeypatch.setattr(P, "installed", lambda module: module not in ("wandb", "mlflow"))
     problems = P.missing_packages(load("tiny-llama",
                                        ["logging.trackers=[tensorboard,wandb,mlflow]"]))

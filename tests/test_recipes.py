@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher.recipes import RecipeError, load, recipe_names
-from launcher.schema import leaves
+from launcher.recipe.load import RecipeError, load, recipe_names
+from launcher.recipe.schema import leaves
 from tests.conftest import ROOT
 
 
@@ -400,7 +400,7 @@ def test_coordinator_etcd_on_too_few_nodes_for_the_embedded_members():
 def test_coordinator_etcd_without_an_etcd_binary_is_said_in_one_sentence_before_launch(
         monkeypatch):
     from checkpointless.protocol import keys
-    from launcher.preflight import _etcd_binary
+    from launcher.run.preflight import _etcd_binary
     cfg = load("tiny-llama", ETCD + ["checkpointless.etcd.member_hosts=a,b,c",
                                      "checkpointless.confirm_s=12"])
     monkeypatch.delenv(keys.ENV_ETCD, raising=False)

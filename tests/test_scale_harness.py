@@ -1,5 +1,5 @@
 """The control plane at a small scale: the real coordinator and node agents, simulated ranks
-(launcher/bench/scale.py), at a small size. A node's loss completes every phase, and the coordinator's steady
+(launcher/bench/scale/harness.py), at a small size. A node's loss completes every phase, and the coordinator's steady
 store calls do not grow with the ranks per node."""
 import os
 
@@ -68,7 +68,7 @@ def test_a_size_that_cannot_start_says_why_and_exits_non_zero(tmp_path):
 
 
 def test_coordinator_connections_counts_what_the_store_server_accepted():
-    from launcher.bench.scale_proc import coordinator_connections
+    from launcher.bench.scale.proc import coordinator_connections
     from checkpointless.protocol import membership
     server, own = membership.host("127.0.0.1")
     before = coordinator_connections(os.getpid(), server.port)
@@ -85,7 +85,7 @@ def test_a_threads_cpu_is_read_to_the_millisecond():
     ms in a recovery: whole clock ticks (10 ms, /proc's stat) lost seconds in the sum."""
     import threading
     import time
-    from launcher.bench.scale_proc import cpu_s
+    from launcher.bench.scale.proc import cpu_s
     got = {}
 
     def spin():

@@ -1,4 +1,4 @@
-"""The scale harness's own store client (launcher/bench/scale_wire.py) against torch's store: each
+"""The scale harness's own store client (launcher/bench/scale/wire.py) against torch's store: each
 call it makes is the call torch's client would make, as torch's server and client see it."""
 import os
 
@@ -9,7 +9,7 @@ import threading  # noqa: E402
 
 from checkpointless.protocol import membership  # noqa: E402
 from checkpointless import protocol
-from launcher.bench import scale_wire as wire  # noqa: E402
+from launcher.bench.scale import wire  # noqa: E402
 
 
 def _run(program_of, timeout_s: float = 20.0):

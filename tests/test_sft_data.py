@@ -1,4 +1,4 @@
-"""Chat and instruction data (launcher/data.py, launcher/sft_data.py): the byte tokenizer's chat
+"""Chat and instruction data (launcher/data/prepare.py, launcher/data/sft.py): the byte tokenizer's chat
 template, loss masks on the responses only, packed rows whose attention stays inside each
 example, padded rows, validation data, clear errors; and the raw-text rows left bit for bit as
 they were."""
@@ -15,9 +15,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from launcher import data as D
-from launcher.schema import Recipe
-from launcher.sft_data import IGNORE, check_messages
+from launcher.data import prepare as D
+from launcher.data import sampler as S
+from launcher.recipe.schema import Recipe
+from launcher.data.sft import IGNORE, check_messages
 from models import byte_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -232,7 +233,7 @@ def test_padded_rows_have_attention_mask_and_no_loss_on_padding(tok, tmp_path):
         assert row["attention_mask"].tolist() == [1] * n + [0] * (100 - n)
         assert row["input_ids"].tolist() == ids + [tok.pad_token_id] * (100 - n)
         assert (row["labels"][n:] == IGNORE).all()
-    batch = D.batch_of(ds, [0, 1])
+    batch = S.batch_of(ds, [0, 1])
     assert set(batch) == {"input_ids", "labels", "attention_mask", "use_cache"}
     assert batch["use_cache"] is False and batch["attention_mask"].shape == (2, 100)
 
@@ -254,7 +255,7 @@ def _tiny(kind):
 def test_packed_attention_stays_inside_each_example(tok, tmp_path, kind):
     ds = D.prepare(_chat_cfg(tmp_path, convs=[CONVS[2], CONVS[4]], seq_len=80), tok)
     assert len(ds) == 1
-    batch = D.batch_of(ds, [0])
+    batch = S.batch_of(ds, [0])
     (a, _), (b, _), *pad = _segments(ds[0])
     assert pad  # the row ends in padding, a run of positions of its own
     model = _tiny(kind)
@@ -272,13 +273,13 @@ def test_packed_attention_stays_inside_each_example(tok, tmp_path, kind):
 
 def test_the_batch_of_a_step_is_a_pure_function_of_the_seed(tok, tmp_path):
     ds = D.prepare(_chat_cfg(tmp_path, seq_len=100), tok)
-    one, two = D.StepSampler(ds, 5, 2, 2), D.StepSampler(ds, 5, 2, 2)
+    one, two = S.StepSampler(ds, 5, 2, 2), S.StepSampler(ds, 5, 2, 2)
     for step, rank, micro in [(0, 0, 0), (3, 1, 1), (7, 0, 1), (3, 1, 1)]:
         x, y = one.batch(step, rank, 2, micro), two.batch(step, rank, 2, micro)
         assert x.keys() == y.keys()
         for k in x:
             assert torch.equal(x[k], y[k]) if isinstance(x[k], torch.Tensor) else x[k] == y[k]
-    other = D.StepSampler(ds, 6, 2, 2)
+    other = S.StepSampler(ds, 6, 2, 2)
     assert any(not torch.equal(one.batch(s, 0, 2)["input_ids"], other.batch(s, 0, 2)["input_ids"])
                for s in range(4))
 
@@ -298,7 +299,7 @@ def test_text_rows_are_unchanged_and_their_cache_key_is_stable(tok, tmp_path):
     for r in ds["input_ids"]:
         h.update(r.numpy().astype("int64").tobytes())
     assert h.hexdigest() == "826f62aae1ca1151ab68d329e5a29e81c604e3619b50e7e6a61d106b24705e03"
-    batch = D.batch_of(ds, [0, 1])
+    batch = S.batch_of(ds, [0, 1])
     assert set(batch) == {"input_ids", "labels", "use_cache"}
     assert torch.equal(batch["labels"], batch["input_ids"])
 
@@ -342,11 +343,11 @@ def test_eval_files_are_processed_like_the_training_data(tok, tmp_path):
 
 def test_eval_rows_are_a_fixed_set_whatever_the_world_size(tok, tmp_path):
     ds = D.prepare(_cfg(tmp_path, {"seq_len": 64, "synthetic_docs": 100}), tok, part="eval")
-    rows = D.eval_rows(ds, max_batches=3, micro_batch_size=4)
+    rows = S.eval_rows(ds, max_batches=3, micro_batch_size=4)
     assert rows == list(range(12))
     for world in (1, 2, 3, 5):  # ranks split the one set; none is lost or counted twice
         assert sorted(r for k in range(world) for r in rows[k::world]) == rows
-    assert D.eval_rows(ds, 10_000, 8) == list(range(len(ds)))
+    assert S.eval_rows(ds, 10_000, 8) == list(range(len(ds)))
 
 
 def test_eval_data_the_recipe_does_not_name_is_refused(tok, tmp_path):

@@ -10,7 +10,7 @@ from tests.conftest import spawn_gloo
 
 
 def _tiny_cfg(**over):
-    from launcher.recipes import load
+    from launcher.recipe.load import load
     return load("tiny-llama", ["model.config.num_hidden_layers=2", "data.seq_len=32",
                                *[f"{k}={v}" for k, v in over.items()]])
 
@@ -21,8 +21,8 @@ def _digest(state: dict) -> str:
 
 
 def _sharded(rank, world, overrides):
-    from launcher.export import local_state
-    from launcher.model_setup import build, shard
+    from launcher.train.export import local_state
+    from launcher.train.model_setup import build, shard
     from models.init import is_meta
     cfg = _tiny_cfg(**{"distributed.strategy": "fsdp", "distributed.num_processes": world,
                        **overrides})
@@ -68,7 +68,7 @@ def two_ranks(tmp_path_factory):
 
 
 def _whole_digest(**overrides):
-    from launcher.model_setup import build
+    from launcher.train.model_setup import build
     _, model, _ = build(_tiny_cfg(**overrides), torch.device("cpu"))
     return _digest(model.state_dict()), sum(p.numel() for p in model.parameters())
 
@@ -103,8 +103,8 @@ def test_the_models_own_init_rules_are_kept():
     """transformers' rules (normal(initializer_range) for linear and embedding weights, ones for
     norms, zeros for biases, GPT-2's residual projections scaled by 1/sqrt(2 n_layer)), the
     padding row zeroed, tied embeddings tied, rotary buffers computed; peft's B = 0."""
-    from launcher.model_setup import build
-    from launcher.recipes import load
+    from launcher.train.model_setup import build
+    from launcher.recipe.load import load
     _, m, _ = build(load("tiny-gpt2"), torch.device("cpu"))
     n_layer = m.config.n_layer
     assert m.lm_head.weight is m.transformer.wte.weight
@@ -150,8 +150,8 @@ def test_an_init_that_cannot_be_replayed_is_refused_by_name():
 # ---- model.init=pretrained under fsdp: each rank reads its rows from the safetensors files ----
 
 def _pretrained(rank, world, folder):
-    from launcher.export import local_state
-    from launcher.model_setup import build, shard
+    from launcher.train.export import local_state
+    from launcher.train.model_setup import build, shard
     from models import pretrained
     read = []
     original = pretrained.SafetensorsFiles.read_part
@@ -176,7 +176,7 @@ def _save_pretrained(folder):
     files and an index, as save_pretrained writes a large model."""
     from transformers import AutoModelForCausalLM
 
-    from launcher.model_setup import build
+    from launcher.train.model_setup import build
     torch.manual_seed(123)  # other values than the seeded init would give
     _, like, _ = build(_tiny_cfg(), torch.device("cpu"))
     saved = AutoModelForCausalLM.from_config(like.config)
@@ -197,7 +197,7 @@ def test_pretrained_weights_are_read_shard_by_shard_and_equal_the_saved_model(tw
 def _mesh_on_a_gpu_machine(rank, port, q):
     import torch.distributed as dist
 
-    from launcher.model_setup import shard_mesh
+    from launcher.train.model_setup import shard_mesh
     dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", port, is_master=False),
                             rank=rank, world_size=2)
     torch.cuda.is_available = lambda: True  # what a GPU machine answers (distributed.device=cpu)

@@ -12,7 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from checkpointless.protocol import membership  # noqa: E402
 from checkpointless.worker.hosting import LogicalRanks  # noqa: E402
 from checkpointless.worker.logical import Placement  # noqa: E402
-from launcher.recipes import RecipeError, load  # noqa: E402
+from launcher.recipe.load import RecipeError, load  # noqa: E402
 
 
 @pytest.mark.parametrize("overrides,key", [
@@ -147,7 +147,7 @@ def test_the_memory_plan_counts_the_logical_reduction_and_bounds_the_hosted_rank
     """Under shrink=exact a ddp rank keeps its contribution and the sum (fp32) to the step's
     end; each logical rank hosted after a shrink keeps one more: the launcher bounds them by
     what the plan leaves free on the device (checkpointless.shrink_max_hosted unset)."""
-    from launcher.launch import shrink_max_hosted
+    from launcher.run.supervise import shrink_max_hosted
     from launcher.plan.fit import max_hosted, plan
     exact, off = plan(load("gpt2")), plan(load("gpt2", ["checkpointless.shrink=off"]))
     row = [i for i in exact.items if i.name == "logical reduction"]
@@ -183,7 +183,7 @@ def test_under_fsdp_a_shrink_stops_where_the_plan_no_longer_fits():
     """Fewer fsdp processes each hold a larger chunk and host more logical ranks: the launcher
     gives the supervisor the fewest processes whose plan fits with them (one fewer does not),
     and a smaller device budget raises it; cpu (no plan) and ddp keep 2 and 1."""
-    from launcher.launch import shrink_min_processes
+    from launcher.run.supervise import shrink_min_processes
     from launcher.plan.fit import _with, max_hosted, plan
     over = ["distributed.strategy=fsdp", "checkpointless.shrink=exact", "distributed.device=cuda",
             "distributed.num_processes=8"]

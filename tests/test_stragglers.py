@@ -244,8 +244,8 @@ def test_only_spares_whose_newest_check_passed_are_fit_to_take_a_rank():
 
 
 def test_a_launcher_on_an_unhealthy_node_is_refused_with_the_reason():
-    from launcher.launch import check_node_health
-    from launcher.recipes import RecipeError, load
+    from launcher.run.supervise import check_node_health
+    from launcher.recipe.load import RecipeError, load
     check_node_health(load("tiny-llama", []))
     with pytest.raises(RecipeError, match=r"node 0 is unhealthy: health command 'exit 3' "
                                           r"exited 3\. Fix the node"):

@@ -6,7 +6,7 @@ ending with the failure-free tp bits, the replacement at the lost rank's coordin
 import pytest
 
 from checkpointless.worker.mesh import Layout
-from launcher.recipes import RecipeError, load
+from launcher.recipe.load import RecipeError, load
 from tests.conftest import (FSDP_12, assert_replicas_agree, assert_same_bits, losses,
                             spawn_gloo, train)
 from tests.external_kill import seeded_moments, train_killing
@@ -52,7 +52,7 @@ def test_a_tp_size_that_cannot_apply_is_refused_before_launch_naming_the_key(ove
 
 def test_models_without_a_plan_or_with_heads_tp_does_not_divide_are_refused_with_the_reason():
     from launcher.plan.model import hf_config
-    from launcher.tensor_parallel import refusal
+    from launcher.parallel.mesh import refusal
     llama = hf_config(load("tiny-llama", ["distributed.strategy=fsdp"]))[0]
     assert refusal(2, llama) is None and refusal(1, llama) is None
     assert "num_key_value_heads=2 is not a multiple of 4" in refusal(4, llama)
@@ -63,7 +63,7 @@ def test_models_without_a_plan_or_with_heads_tp_does_not_divide_are_refused_with
 
 
 def test_report_coordinates_follow_the_mesh():
-    from launcher.tensor_parallel import coordinates, mesh_sizes
+    from launcher.parallel.mesh import coordinates, mesh_sizes
     d = load("tiny-llama", ["distributed.strategy=hsdp", "distributed.num_processes=8",
                             "distributed.shard_size=4", "distributed.tp_size=2"]).distributed
     assert mesh_sizes(d) == {"dp_replicate": 2, "dp_shard": 2, "tp": 2, "pp": 1}
@@ -82,7 +82,7 @@ def _clip_on_a_mesh(rank, port, q):
                                                    parallelize_module)
 
     from checkpointless.worker import mesh
-    from launcher.tensor_parallel import clip_grad_norm_
+    from launcher.train.tensor_parallel import clip_grad_norm_
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=4)

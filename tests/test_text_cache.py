@@ -1,4 +1,4 @@
-"""Raw-text data at scale (launcher/text_cache.py, launcher/data.py): any data.num_proc writes the
+"""Raw-text data at scale (launcher/data/text_cache.py, launcher/data/prepare.py): any data.num_proc writes the
 rows one process writes, which are the rows of the earlier single-process packing; the cache is
 reused, rebuilt when what decides it changes, never used half-built; progress is printed; the
 launcher builds it before workers start and workers only map it. Local files only."""
@@ -17,10 +17,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from launcher import data as D
-from launcher import text_cache as T
-from launcher.recipes import RecipeError, load
-from launcher.schema import Recipe
+from launcher.data import prepare as D
+from launcher.data import sampler as S
+from launcher.data import text_cache as T
+from launcher.recipe.load import RecipeError, load
+from launcher.recipe.schema import Recipe
 from models import byte_tokenizer
 
 DOCS = 2500  # three groups of 1000 documents: two or three processes each take whole groups
@@ -99,7 +100,7 @@ def test_any_num_proc_writes_the_rows_and_batches_of_one_process(tmp_path, files
         ds = D.prepare(cfg, tok, num_proc=procs)
         assert len(_manifest(cfg, tok)["shards"]) == procs  # it did split the work
         assert _rows(ds).tobytes() == _rows(ds1).tobytes()
-        a, b = D.StepSampler(ds1, 7, 3, 2), D.StepSampler(ds, 7, 3, 2)
+        a, b = S.StepSampler(ds1, 7, 3, 2), S.StepSampler(ds, 7, 3, 2)
         n = len(ds)
         for step, rank, world, micro in [(0, 0, 2, 0), (5, 1, 2, 1), (n // 4, 3, 4, 1),
                                          (n, 0, 1, 0), (3 * n + 1, 2, 3, 1)]:  # later epochs
@@ -259,7 +260,7 @@ def test_a_data_file_that_cannot_be_parsed_is_named_with_its_line(tmp_path, file
 
 def test_instruction_examples_tokenized_by_two_processes_give_the_same_rows(tmp_path, tok,
                                                                           monkeypatch):
-    from launcher import sft_data
+    from launcher.data import sft as sft_data
     monkeypatch.setattr(sft_data, "MIN_EXAMPLES_PER_PROC", 100)  # two processes for 300 examples
     pairs = [{"prompt": f"q: {i} plus {i % 7}\na: ", "response": str(i + i % 7)}
              for i in range(300)]

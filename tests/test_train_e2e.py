@@ -201,7 +201,7 @@ def test_on_accelerate_bf16_with_accumulation_rank_0_replaced_keeps_the_bits_and
     assert events.Scalars("recovery/bytes_received")[0].value > 1e6
     # W&B offline: rank 0's run and its replacement's, one run id, each step in one of them once
     # (what the killed rank 0's W&B had not written out, its replacement gave it again)
-    from launcher.wandb_refill import offline_history
+    from launcher.train.wandb_refill import offline_history
     runs = sorted((out / "logs" / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and len({p.name.split("-")[3] for p in runs}) == 1
     rows = [row for p in runs for row in offline_history(next(p.glob("run-*.wandb")))]

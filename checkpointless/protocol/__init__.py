@@ -6,12 +6,13 @@ process (worker/) and the control plane (control/) build on it without seeing ea
 
 `from checkpointless import protocol; protocol.plan_key(g)` reads a key here as before.
 """
-from . import faults, keys, membership, records, settings
+from . import faults, keys, layout, membership, records, settings
 from .faults import Fault, FaultError, parse_fault, parse_faults, split_fault
 from .keys import *  # noqa: F401,F403  (every key and helper: keys.__all__)
 from .keys import __all__ as _keys
+from .layout import Layout
 from .settings import DEFAULTS, Defaults, Spec, SupervisorConfig, default_replication, recovery_timeout_s
 
 __all__ = [*_keys, "DEFAULTS", "Defaults", "Spec", "SupervisorConfig", "default_replication",
            "recovery_timeout_s", "Fault", "FaultError", "parse_fault", "parse_faults", "split_fault",
-           "faults", "keys", "membership", "records", "settings"]
+           "faults", "keys", "layout", "membership", "records", "settings", "Layout"]

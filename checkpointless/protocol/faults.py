@@ -79,7 +79,7 @@ class FaultError(ValueError):
 @dataclass(frozen=True)
 class Fault:
     """One scheduled failure: what (kind), where (rank), when (step, phase). Also the shape of a
-    recipe's `faults:` entries (launcher/schema.py), hence the defaults."""
+    recipe's `faults:` entries (launcher/recipe/schema.py), hence the defaults."""
     kind: str = "kill"  # kill (SIGKILL), hang (SIGSTOP), raise (in the step), corrupt (a bit)
     rank: int = 0  # rank that fails
     step: int = 0  # step in which it fails

@@ -131,7 +131,7 @@ def run(steps, stores: dict):
     """Carry out a protocol's steps against blocking store clients. `steps` is a generator that
     yields each store call as (which store, method, *args) and is sent its result: the protocol
     is written once, and the scale harness runs the same steps over thousands of connections
-    from one event loop (launcher/bench/scale_wire.py)."""
+    from one event loop (launcher/bench/scale/wire.py)."""
     try:
         call = next(steps)
         while True:

@@ -302,7 +302,7 @@ class Job(LogicalRanks):
     def catching_up(self) -> int:
         """How many ranks compute this step while every other rank waits on them, if this rank
         is one of them, else 0: a replacement's first step when the survivors redo it from kept
-        gradients (on CPU it may use the idle cores: launcher/loop.py)."""
+        gradients (on CPU it may use the idle cores: launcher/train/loop.py)."""
         return self._rec.catching_up
 
     def all_reduce_grads(self, params, extra: torch.Tensor | None = None):

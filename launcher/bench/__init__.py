@@ -21,13 +21,13 @@ The parts, each a module (arrows are imports; there are no cycles):
   modes     the recipe of each mode; a supervised run     -> failures
   baseline  the torchrun baseline: command, run, workers  -> failures, model
   paired    off, on (and plain) taking turns              -> modes, baseline, records
-  plain_loop the plain mode's worker (torch only)         -> launcher.loop, launcher.data
+  plain_loop the plain mode's worker (torch only)         -> launcher.train.loop, launcher.data.prepare
   failures  the seeded failure schedule and the killer    -> records
   records   figures from step records (metrics.jsonl)     -> checkpointless.control.goodput
   report    the tables and bench.json                     -> config, model, plot
   plot      steps over time, failures marked
   model     the goodput model at cluster scale, arithmetic only
 """
-from .command import bench
+from launcher.bench.command import bench
 
 __all__ = ["bench"]

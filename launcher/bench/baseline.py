@@ -15,11 +15,11 @@ import sys
 import time
 from pathlib import Path
 
-from .failures import Killer
-from .model import young_interval_s
+from launcher.bench.failures import Killer
+from launcher.bench.model import young_interval_s
 
 
-RECIPE_LOOP = "launcher.loop"
+RECIPE_LOOP = "launcher.train.loop"
 PLAIN_LOOP = "launcher.bench.plain_loop"  # the `plain` mode: torch's DDP or FSDP2, nothing else
 
 
@@ -54,7 +54,7 @@ def torchrun_workers(agent_pid: int) -> dict[int, int]:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"launcher.loop" in cmd:
+        if b"launcher.train.loop" in cmd:
             for e in env:
                 if e.startswith(b"RANK="):
                     out[int(e[5:])] = pid

@@ -6,17 +6,17 @@ import json
 import os
 from pathlib import Path
 
-from ..recipes import load
-from .baseline import (PLAIN_LOOP, checkpoint_every, measure_consistency, measure_grad_copy,
+from launcher.recipe.load import load
+from launcher.bench.baseline import (PLAIN_LOOP, checkpoint_every, measure_consistency, measure_grad_copy,
                        measure_save_cost, run_torchrun)
-from .config import parse
-from .plot import plot_skipped
-from .failures import schedule
-from .modes import mode_recipe, run_supervised
-from .paired import paired_modes, run_paired, run_paired_launchers
-from .records import read_records, run_digest, summarize
-from .shrink import MODES as SHRINK_MODES
-from .report import report
+from launcher.bench.config import parse
+from launcher.bench.plot import plot_skipped
+from launcher.bench.failures import schedule
+from launcher.bench.modes import mode_recipe, run_supervised
+from launcher.bench.paired import paired_modes, run_paired, run_paired_launchers
+from launcher.bench.records import read_records, run_digest, summarize
+from launcher.bench.shrink import MODES as SHRINK_MODES
+from launcher.bench.report import report
 
 
 def bench(args: list[str]) -> int:

@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Optional
 
-from ..recipes import RecipeError
+from launcher.recipe.load import RecipeError
 
 # plain: the recipe's model, data and optimizer in a torch-only loop (torch's DDP, or FSDP2 under
 # distributed.strategy=fsdp) under torchrun, the speed a user would get without this project

@@ -1,4 +1,4 @@
-"""How fast raw text is prepared (launcher/text_cache.py), offline, and what that makes for a split
+"""How fast raw text is prepared (launcher/data/text_cache.py), offline, and what that makes for a split
 of a given size.
 
     python -m launcher.bench.data_rate [--docs 20000] [--num-proc 1] [--tokens 10e9] [--earlier]
@@ -95,8 +95,8 @@ def main(argv=None) -> int:
     import pyarrow.parquet as pq
     from omegaconf import OmegaConf
 
-    from launcher import data as D
-    from launcher.schema import Recipe
+    from launcher.data import prepare as D
+    from launcher.recipe.schema import Recipe
     from models import build_tokenizer
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

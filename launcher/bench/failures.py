@@ -13,7 +13,7 @@ import threading
 import time
 from pathlib import Path
 
-from .records import read_records
+from launcher.bench.records import read_records
 
 
 def schedule(cfg, horizon_s: float) -> list[tuple[float, float]]:

@@ -28,7 +28,7 @@ SCENARIOS = [
 
 def young_interval_s(save_s: float, mtbf_s: float) -> float:
     """Young's checkpoint interval (goodput_sim's)."""
-    from . import goodput_sim  # imported on use: `python -m launcher.bench.goodput_sim` runs it
+    from launcher.bench import goodput_sim  # imported on use: `python -m launcher.bench.goodput_sim` runs it
     return goodput_sim.young_interval_s(save_s, mtbf_s)
 
 
@@ -36,7 +36,7 @@ def scenario(name, params, gpus, spares, tokens, mtbf_h, source, restart_min, re
              detect_s, overhead):
     """One scenario through the simulator: the job's MTBF spread over its GPUs, split into
     process, node and rack failures as goodput_sim's defaults say."""
-    from .goodput_sim import BYTES_PER_PARAM, Inputs, simulate, trace
+    from launcher.bench.goodput_sim import BYTES_PER_PARAM, Inputs, simulate, trace
     nodes = max(1, gpus // GPUS_PER_NODE)
     inp = Inputs(nodes=nodes, gpus_per_node=gpus // nodes, params=params,
                  tokens_per_step=tokens, failures_per_gpu_hour=1 / (mtbf_h * gpus),

@@ -7,9 +7,9 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from ..recipes import load
-from .failures import Killer
-from .shrink import overrides as shrink_overrides
+from launcher.recipe.load import load
+from launcher.bench.failures import Killer
+from launcher.bench.shrink import overrides as shrink_overrides
 
 
 def mode_recipe(cfg, overrides: list[str], mode: str, tau_steps: int = 0,
@@ -70,7 +70,7 @@ def mode_recipe(cfg, overrides: list[str], mode: str, tau_steps: int = 0,
 def run_supervised(rc_cfg, out: Path, cfg, killer_plan=None, steps: int = 0):
     """Train under the supervisor, killing workers on `killer_plan` if given;
     returns (exit code, kills, seconds, report)."""
-    from ..launch import train  # imported late: it pulls in torch
+    from launcher.run.launch import train  # imported late: it pulls in torch
     killer = None
 
     def on_start(sup):

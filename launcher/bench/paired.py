@@ -18,9 +18,9 @@ import time
 
 from checkpointless.control.detection import process_stopped
 
-from .baseline import PLAIN_LOOP, RECIPE_LOOP, torchrun_cmd, tree_pids
-from .modes import mode_recipe
-from .records import read_records, run_digest, steps_in_turns
+from launcher.bench.baseline import PLAIN_LOOP, RECIPE_LOOP, torchrun_cmd, tree_pids
+from launcher.bench.modes import mode_recipe
+from launcher.bench.records import read_records, run_digest, steps_in_turns
 
 
 class Turns(threading.Thread):
@@ -98,7 +98,7 @@ def run_paired(cfg, overrides: list[str], modes=("off", "on")) -> dict:
     loop) and on (supervisor + spare) at the same time, taking turns on the machine; returns the median step time of each
     over the steps that ran inside its own turns (keys step_s_median_<mode>,
     steps_counted_<mode>), or {} if a mode had fewer than 5 such steps."""
-    from ..launch import train  # imported late: it pulls in torch
+    from launcher.run.launch import train  # imported late: it pulls in torch
     steps = cfg.paired_steps
     modules = {"off": RECIPE_LOOP, "flat": RECIPE_LOOP, "plain": PLAIN_LOOP}
     runs = [m for m in PAIRABLE if m in modes and m in modules]  # torchrun jobs

@@ -3,14 +3,14 @@
     torchrun --nproc_per_node N -m launcher.bench.plain_loop RUN_DIR/recipe.yaml
 
 The same model, tokenizer, data order, threads, precision, AdamW groups and lr schedule as
-launcher/loop.py (imported from it, so the two cannot drift apart), but the step is torch alone:
+launcher/train/loop.py (imported from it, so the two cannot drift apart), but the step is torch alone:
 `torch.nn.parallel.DistributedDataParallel` with its default settings for ddp, FSDP2's
 `fully_shard` for fsdp, no supervisor, no join, nothing of checkpointless in the step (only the
 final digest is checkpointless.worker.digest's, so equal bits show equal digests, and the count of local
 parameters is checkpointless.worker.tensors'). It writes the recipe loop's metrics.jsonl records and
 results/rank<r>.json, so the benchmark reads both the same way.
 
-`launcher.loop` imports checkpointless at module level, so the package is loaded here, but nothing
+`launcher.train.loop` imports checkpointless at module level, so the package is loaded here, but nothing
 in it runs: the step below calls torch only.
 """
 from __future__ import annotations
@@ -28,11 +28,12 @@ from omegaconf import OmegaConf
 from checkpointless.worker.digest import state_sha256
 from checkpointless.worker.tensors import local_tensor
 
-from ..data import to_device
-from ..loop import Metrics, build_optimizer, lr_at
-from ..export import local_state
-from ..model_setup import build, setup, shard
-from ..schema import Recipe
+from launcher.data.sampler import to_device
+from launcher.train.metrics import Metrics
+from launcher.train.optim import build_optimizer, lr_at
+from launcher.train.export import local_state
+from launcher.train.model_setup import build, setup, shard
+from launcher.recipe.schema import Recipe
 
 
 def main(recipe_file: str) -> None:

@@ -8,7 +8,7 @@ COLORS = {"off": "#888888", "on": "#bbbbbb", "checkpointless": "#1f77b4", "resta
 
 def plot_skipped() -> str | None:
     """The one line said when the timeline cannot be drawn (everything else is still written)."""
-    from launcher.preflight import installed
+    from launcher.run.preflight import installed
     if installed("matplotlib"):
         return None
     return ("[bench] matplotlib is not installed: timeline.png will not be drawn (bench.json and "

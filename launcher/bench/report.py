@@ -10,10 +10,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
-from .config import MODES
-from .model import model_rows
-from .plot import plot, plot_skipped
-from .shrink import MODES as SHRINK_MODES, shrink_line
+from launcher.bench.config import MODES
+from launcher.bench.model import model_rows
+from launcher.bench.plot import plot, plot_skipped
+from launcher.bench.shrink import MODES as SHRINK_MODES, shrink_line
 
 
 def table(rows: list[list], header: list[str]) -> str:

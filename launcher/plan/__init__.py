@@ -15,11 +15,11 @@ numbers and the overrides that fit. What is counted, and why: docs/memory-plan.m
     fit.py     plan(), the fix search, check_fits, the command line
     stages.py  a pipelined recipe's plan: each worker stage's, the heaviest the rank's
 """
-from .budget import DEFAULT_DEVICE_GB
-from .fit import candidates, check_fits, find_fix, main, plan
-from .items import CURRENT_LOOP, LoopFacts, layer_bytes_per_token
-from .model import ModelFacts, hf_config, lora_params, lora_targets, model_facts
-from .report import GB, PHASES, Item, Plan
+from launcher.plan.budget import DEFAULT_DEVICE_GB
+from launcher.plan.fit import candidates, check_fits, find_fix, main, plan
+from launcher.plan.items import CURRENT_LOOP, LoopFacts, layer_bytes_per_token
+from launcher.plan.model import ModelFacts, hf_config, lora_params, lora_targets, model_facts
+from launcher.plan.report import GB, PHASES, Item, Plan
 
 __all__ = ["plan", "check_fits", "main", "find_fix", "candidates", "model_facts", "hf_config",
            "lora_params", "lora_targets", "layer_bytes_per_token", "ModelFacts", "LoopFacts",

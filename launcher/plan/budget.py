@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 import os
 
-from ..recipes import RecipeError
-from .report import GB, fmt_gb
+from launcher.recipe.load import RecipeError
+from launcher.plan.report import GB, fmt_gb
 
 DEFAULT_DEVICE_GB = 80.0
 

@@ -6,13 +6,21 @@ import copy
 
 from omegaconf import OmegaConf
 
-from ..hub import offline_unless_reachable
-from ..recipes import RecipeError, load
-from .budget import detect_device
-from .items import CURRENT_LOOP, LoopFacts, build_plan
-from .model import ModelFacts, model_facts
-from .report import Plan, fmt_gb
-from .stages import splits_evenly
+from models.hub import offline_unless_reachable
+from launcher.recipe.load import RecipeError, load
+from launcher.plan.budget import detect_device
+from launcher.plan.items import CURRENT_LOOP, HOSTED_BYTES, LoopFacts, unpipelined_plan
+from launcher.plan.model import ModelFacts, model_facts
+from launcher.plan.report import Plan, fmt_gb
+from launcher.plan.stages import pipeline_plan, splits_evenly
+
+
+def build_plan(cfg, facts: ModelFacts, loop: LoopFacts, device: str) -> Plan:
+    """The plan of a resolved recipe on `device` (cuda or cpu), without looking for a fix;
+    pipelined (distributed.pp_size > 1), its heaviest stage's (stages.py)."""
+    if cfg.distributed.pp_size > 1:
+        return pipeline_plan(cfg, facts, loop, device)
+    return unpipelined_plan(cfg, facts, loop, device)
 
 
 def plan(cfg, facts: ModelFacts | None = None, loop: LoopFacts = CURRENT_LOOP,
@@ -131,7 +139,6 @@ def max_hosted(result: Plan) -> int:
     this plan leaves room for: each beyond the first keeps one more fp32 contribution to the
     step's end, at every phase; under fsdp the process also holds the whole model gathered
     for a shrunk step (hosted_base)."""
-    from .items import HOSTED_BYTES
     per = max(1, result.trainable * HOSTED_BYTES)
     room = result.budget - result.peak - result.hosted_base
     return max(1, 1 + room // per) if room > 0 else 1
@@ -170,7 +177,7 @@ def main(args: list[str]) -> int:
         raise RecipeError("plan needs a recipe: python -m launcher plan RECIPE [key=value ...]")
     cfg = load(args[0], args[1:])
     offline_unless_reachable(cfg)  # an unreachable hub: the built-in table at once, no retries
-    from ..startup import estimate, startup_line
+    from launcher.plan.startup import estimate, startup_line
     facts = model_facts(cfg)
     result = plan(cfg, facts)
     result.overrides = list(args[1:])

@@ -9,11 +9,11 @@ from dataclasses import dataclass, replace
 from checkpointless.worker import KEEP as KEEP_VERSIONS  # versions of each replica kept
 from checkpointless.worker import ROLLBACK_KEEP as ROLLBACK_VERSIONS  # hsdp's own snapshots
 
-from .budget import device_budget, host_budget, ranks_per_node
-from .model import ModelFacts, lora_targets
-from .report import PHASES, Item, Plan, fmt_gb
-from ..schema import SHARDED
-from ..tensor_parallel import mesh_sizes
+from launcher.plan.budget import device_budget, host_budget, ranks_per_node
+from launcher.plan.model import ModelFacts, lora_targets
+from launcher.plan.report import PHASES, Item, Plan, fmt_gb
+from launcher.recipe.schema import SHARDED
+from launcher.parallel.mesh import mesh_sizes
 
 CUDA_RUNTIME = 2 * 10 ** 9  # CUDA context, NCCL buffers, allocator slack: an allowance
 CPU_RUNTIME = 10 ** 9 // 2  # Python, torch, transformers and datasets in one worker process
@@ -289,12 +289,8 @@ def _summary(s: _Setup, cfg, facts: ModelFacts, device: str, quadratic: bool) ->
             f"(activations {s.p} bytes, residual stream {s.r}); attention {attn}")
 
 
-def build_plan(cfg, facts: ModelFacts, loop: LoopFacts, device: str) -> Plan:
-    """The plan of a resolved recipe on `device` (cuda or cpu), without looking for a fix;
-    pipelined (distributed.pp_size > 1), its heaviest stage's (stages.py)."""
-    if cfg.distributed.pp_size > 1:
-        from .stages import pipeline_plan
-        return pipeline_plan(cfg, facts, loop, device)
+def unpipelined_plan(cfg, facts: ModelFacts, loop: LoopFacts, device: str) -> Plan:
+    """The plan of a resolved recipe without stages on `device` (cuda or cpu)."""
     budget, budget_source = device_budget(cfg, device)
     s = _setup(cfg, facts)
     quadratic = _quadratic(facts, device, s.masked)

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from models.known_configs import KNOWN_CONFIGS, known_config
 
-from ..recipes import RecipeError
+from launcher.recipe.load import RecipeError
 
 
 @dataclass
@@ -89,7 +89,7 @@ def hf_config(cfg):
 
 
 def _blocks(model):
-    """The decoder blocks, found as launcher.model_setup.shard finds them."""
+    """The decoder blocks, found as launcher.train.model_setup.shard finds them."""
     for attr in ("model.layers", "transformer.h"):
         obj = model
         try:

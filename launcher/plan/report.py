@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .model import ModelFacts
+from launcher.plan.model import ModelFacts
 
 GB = 10 ** 9
 

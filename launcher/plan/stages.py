@@ -14,11 +14,12 @@ import math
 from dataclasses import replace
 from types import SimpleNamespace
 
-from ..recipes import RecipeError
-from .budget import device_budget, host_budget, ranks_per_node
-from .items import _at, _end_items, _layer_bytes, _quadratic, _setup, _state_items, _summary
-from .model import ModelFacts
-from .report import PHASES, Item, Plan, fmt_gb
+from launcher.parallel import pipeline_split as pipeline
+from launcher.recipe.load import RecipeError
+from launcher.plan.budget import device_budget, host_budget, ranks_per_node
+from launcher.plan.items import _at, _end_items, _layer_bytes, _quadratic, _setup, _state_items, _summary
+from launcher.plan.model import ModelFacts
+from launcher.plan.report import PHASES, Item, Plan, fmt_gb
 
 _PASSES = ("forward", "loss backward", "layer backward")
 
@@ -36,7 +37,6 @@ def config_of(facts: ModelFacts) -> SimpleNamespace:
 
 def layer_split(cfg, facts: ModelFacts) -> list[int]:
     """Decoder layers per (virtual) stage, first to last, as the loop splits them."""
-    from .. import pipeline
     d = cfg.distributed
     stages = d.pp_size * pipeline.virtual_stages(d)
     try:
@@ -53,7 +53,6 @@ def layer_split(cfg, facts: ModelFacts) -> list[int]:
 def splits_evenly(cfg) -> bool:
     """Whether the worker's rows per step divide into the pipeline's microbatches (and, under
     interleaved 1F1B, the microbatches into rounds of pp_size), as validation requires."""
-    from .. import pipeline
     d = cfg.distributed
     if d.pp_size <= 1:
         return True
@@ -100,7 +99,6 @@ def _stage_setup(cfg, sf: ModelFacts, n_micro: int):
     d = cfg.distributed
     world = d.num_processes // d.pp_size
     ways = d.shard_size if d.strategy == "hsdp" and d.shard_size else world
-    from .. import pipeline
     tokens = math.ceil(pipeline.rows_per_step(cfg) * cfg.data.seq_len / n_micro)
     return replace(_setup(cfg, sf), world=world, ways=ways, groups=max(1, world // ways),
                    accum=n_micro, tokens=tokens, grad_sync_buckets=False)
@@ -189,7 +187,6 @@ def _activations(s, sf: ModelFacts, cfg, where: dict) -> list:
 
 def stage_plan(cfg, facts: ModelFacts, loop, device: str, counts: list[int], p: int) -> Plan:
     """Worker stage p's plan, per rank."""
-    from .. import pipeline
     d = cfg.distributed
     pp, v, n_micro = d.pp_size, len(counts) // d.pp_size, pipeline.microbatches(cfg)
     sf = stage_facts(facts, counts, p, pp)
@@ -216,7 +213,6 @@ def stage_plan(cfg, facts: ModelFacts, loop, device: str, counts: list[int], p: 
 def pipeline_plan(cfg, facts: ModelFacts, loop, device: str) -> Plan:
     """The plan of each worker stage; the heaviest (by what it needs of the budget) is returned
     as the rank's plan, its summary naming the split, the schedule and each stage's need."""
-    from .. import pipeline
     d = cfg.distributed
     counts = layer_split(cfg, facts)
     plans = [stage_plan(cfg, facts, loop, device, counts, p) for p in range(d.pp_size)]
