@@ -28,7 +28,7 @@ def shard_mesh_of(cfg, job):
     to its twins itself (fsdp_logical.py), and FSDP2 adds no replica all-reduce of its own."""
     mesh = job.device_mesh()
     names = mesh.mesh_dim_names or ()
-    if cfg.checkpointless.shrink == "exact" and "dp_replicate" in names:
+    if job.spec.shrink == "exact" and "dp_replicate" in names:
         return mesh["dp_shard"]
     return mesh
 
@@ -61,7 +61,7 @@ class Logical(DataParallel):
                     run.micro(run.model, step, share, job.logical_world, micro, loss_sum)
             contributions[share] = job.flat_grads(params, extra=loss_sum, keep=(step, share))
         return job.reduce_logical(params, contributions,
-                                  exact=run.cfg.checkpointless.shrink == "exact")
+                                  exact=job.spec.shrink == "exact")
 
 
 class LogicalSharded(DataParallel):
@@ -92,7 +92,7 @@ class LogicalSharded(DataParallel):
 def install(run) -> None:
     """Under fsdp or hsdp with shrink=exact: the logical reduce-scatter on the model, and the
     rebuild a shrink or grow calls (launcher/train/rebuild.py)."""
-    if run.cfg.distributed.strategy not in SHARDED or run.cfg.checkpointless.shrink != "exact":
+    if run.cfg.distributed.strategy not in SHARDED or run.job.spec.shrink != "exact":
         return
     from checkpointless.worker import LogicalFSDP
 
@@ -104,6 +104,6 @@ def install(run) -> None:
 def eval_share(cfg, job) -> tuple[int, int]:
     """(share, shares) of the validation rows this process computes: by process where the job
     may shrink (each row is summed once, whoever computes it), else by data-parallel rank."""
-    if cfg.checkpointless.shrink != "off" and cfg.distributed.strategy in ("ddp", *SHARDED):
+    if job.spec.shrink != "off" and cfg.distributed.strategy in ("ddp", *SHARDED):
         return job.rank, job.world_size
     return job.data_rank, job.data_world

@@ -131,7 +131,7 @@ def join(cfg, out_dir: Path) -> Run:
     d, t = cfg.distributed, cfg.trainer
     tokenizer, model, sampler, evalset, device, catch_up_threads = warm(cfg)
     # a spare replays sampled ranks' steps while it waits, when audits are on (audit_replay.py)
-    replay = LoopReplay(cfg, model, sampler, device) if cfg.checkpointless.audit.every else None
+    replay = LoopReplay(cfg, model, sampler, device)  # used if the job audits (its Spec says)
     job = checkpointless.join(seed=cfg.run.seed, replay=replay)
     if job.logical_world != d.num_processes or dist.get_world_size() != job.world_size:
         raise RuntimeError(f"torch.distributed reports world size {dist.get_world_size()} "
@@ -182,7 +182,7 @@ def train_step(run: Run, step: int):
     lr = lr_at(step, cfg)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
-    if step == 0 and run.ckpt and cfg.checkpointless.audit.every:
+    if step == 0 and run.ckpt and int(run.job.spec.audit_every):
         # the launch's state on disk: a rank found computing wrong before any audit of it
         # passed is undone by going back here (audit.rewind_bound)
         run.ckpt.save(0)

@@ -39,7 +39,7 @@ def place_model(cfg, job, model):
         shard(model, cfg, shard_mesh_of(cfg, job), receives_state=not job.builds_own_state,
               roots=pipe.views if pipe else None)
         return model, model, pipe
-    if d.grad_sync == "buckets" and not pipe and cfg.checkpointless.shrink != "exact":
+    if d.grad_sync == "buckets" and not pipe and job.spec.shrink != "exact":
         # averaged in fixed buckets during backward (under shrink=exact: by logical rank)
         return model, checkpointless.DistributedDataParallel(
             model, bucket_cap_mb=d.bucket_cap_mb), pipe
@@ -59,7 +59,8 @@ def digest_and_export(run, export_to):
 
 def choose(cfg, job, pipelined: bool):
     """This generation's strategy: the same answer on every process of the job."""
-    d, shrink = cfg.distributed, cfg.checkpointless.shrink
+    # checkpointless.shrink as the supervisor has it: the job's Spec, from the store
+    d, shrink = cfg.distributed, job.spec.shrink
     if pipelined:
         return Pipelined()
     if d.strategy in SHARDED:
