@@ -21,7 +21,6 @@ import torch.distributed as dist
 
 from . import consistency
 from .. import protocol
-from .data import END, Cursor, LoaderPosition
 from .ddp import DistributedDataParallel
 from .failures import report_error
 from .audit_rank import RankAudits
@@ -31,9 +30,10 @@ from .hosting import LogicalRanks
 from .outside import OutsideSteps
 from .recovery import Recovery
 from .reporter import Reporter
-from .steploop import StepLoop, StepScope
+from .steploop import StepLoop
 from .seeding import seed_all, step_seed
 from .state import ProtectedState
+from .turns import LoopTurns, StepScope
 
 
 class Job(LogicalRanks):
@@ -63,10 +63,9 @@ class Job(LogicalRanks):
         # the step boundary, the public API the drop-in Accelerator drives too (steploop.py)
         self.steploop = StepLoop(store, worker_id, spec, self._rec, self._state, self._injector,
                                  self._audits)
-        self._scope_used = False
         self._ddp: DistributedDataParallel | None = None
-        self._preempted = False
         self._outside = OutsideSteps(self.steploop, self._rec, store, worker_id)
+        self._turns = LoopTurns(self.steploop, self._rec, self._state, self._outside)  # turns.py
 
     @property
     def on_recovered(self):
@@ -185,70 +184,22 @@ class Job(LogicalRanks):
     def preempted(self) -> bool:
         """The job was asked to stop (SIGTERM, SIGINT) and this loop ended at the agreed step:
         write a durable checkpoint now, then finish()."""
-        return self._preempted
-
-    def _stop_here(self, step: int) -> bool:
-        """The job is being stopped and every rank stops before `step` or sooner."""
-        stop = self._rec.watch.preempt_at  # the watch learns of it (no store call per step)
-        if stop is None:
-            return False
-        self._preempted = step >= stop
-        return self._preempted
+        return self._turns.preempted
 
     def steps(self, max_steps: int):
         """Yield step numbers until `max_steps` steps are committed, recovering on failure."""
-        self.steploop.start()
-        while True:
-            step = self.steploop.next()
-            if step >= max_steps or self._stop_here(step):
-                if self.steploop.secure() and (self._preempted or
-                                               self.steploop.audits_settled()):
-                    return
-                continue  # a peer failed at the end: recover, and redo what the restore says
-            if not self.steploop.ready(step):
-                continue
-            self._new_step()
-            yield step
-            self._after_body()
+        return self._turns.steps(max_steps)
 
     def epochs(self, num_epochs: int, max_steps: int | None = None, loader=None):
         """Yield epoch numbers of the protected loader's position (data.py), from the agreed
         one after a recovery, until `num_epochs` epochs (or `max_steps` steps) are done."""
-        self.steploop.start()
-        pos = self._position(loader)
-        while True:
-            self.steploop.next()
-            if pos.epoch >= num_epochs or (max_steps is not None and
-                                           self.completed_steps >= max_steps) \
-                    or self._stop_here(self.completed_steps):
-                if self.steploop.secure():
-                    return
-                continue
-            epoch = pos.epoch
-            yield epoch
-            if pos.epoch == epoch:  # its batches ran out here, not moved on by a recovery
-                pos.epoch, pos.epoch_start = epoch + 1, self._rec.completed
+        return self._turns.epochs(num_epochs, max_steps, loader)
 
     def batches(self, loader, max_steps: int | None = None):
         """Yield the protected `loader`'s batches of the current epoch, one per step, like
         `steps()`: a step redone after a recovery gets the same batch again, and a replacement
         starts at the batch after the last committed one (data.py)."""
-        self.steploop.start()
-        pos = self._position(loader)
-        epoch, cursor = pos.epoch, Cursor(loader)
-        while True:
-            step = self.steploop.next()
-            if pos.epoch != epoch or (max_steps is not None and step >= max_steps) or \
-                    self._stop_here(step):
-                return  # the position moved to a later epoch in a recovery, or the run is done
-            batch = cursor.batch(step - pos.epoch_start)  # this epoch's batch for this step
-            if batch is END:
-                return
-            if not self.steploop.ready(step):
-                continue
-            self._new_step()
-            yield batch
-            self._after_body()
+        return self._turns.batches(loader, max_steps)
 
     def between_steps(self, fn):
         """Run `fn()`, which may use collectives, outside any step (a final evaluation, a
@@ -259,29 +210,10 @@ class Job(LogicalRanks):
         state here is first copied whole to peers, so a failure here restores exactly it."""
         return self._outside.run(fn)
 
-    def _new_step(self) -> None:  # what ran between the steps before it is never run again
-        self._scope_used = False
-        self._outside.new_step()
-
-    def _after_body(self) -> None:  # a body run without `with job.step():` commits here
-        if not self._scope_used:
-            self.steploop.close()
-
-    def _position(self, loader) -> LoaderPosition:
-        found = [o for o in self._state.objects.values() if isinstance(o, LoaderPosition) and
-                 (loader is None or o.loader is loader)]
-        if len(found) != 1:
-            what = "this loader" if loader is not None else "one loader"
-            raise RuntimeError(f"job.epochs()/job.batches(): protect {what} first, with "
-                               "job.protect(..., loader=loader), so a replacement can resume at "
-                               "its position" + ("" if loader is not None or not found else
-                                                 "; with several, pass epochs(loader=...)"))
-        return found[0]
-
     def step(self):
         """The scope of one step: it commits when the body ends without error; a peer's failure
         inside it is recovered (the step is redone); any other error is reported and raised."""
-        return StepScope(self)
+        return StepScope(self._turns)
 
     def seed_step(self, step: int, micro: int = 0, share: int | None = None) -> int:
         """Seed every generator for (step, micro, data share): a tensor-parallel group's ranks

@@ -18,8 +18,9 @@ Accelerator and a loop of your own alike.
                                         # update landed (then the step is redone)
 
 The phase of the recovery state machine (recovery.py) changes only through its own transitions;
-this class only asks for them. `PlainStepLoop` (plain.py) is the same surface under torchrun,
-where a failure ends the job.
+this class only asks for them. Its other duties (replica exchange, consistency check, securing
+the state, settling audits) are duties.py's; the loops a script writes over it are turns.py's.
+`PlainStepLoop` (plain.py) is the same surface under torchrun, where a failure ends the job.
 """
 from __future__ import annotations
 
@@ -27,19 +28,15 @@ import signal
 import sys
 import time
 
-import torch
-import torch.distributed as dist
-
-from . import consistency
-from ..protocol import membership
 from .. import protocol
-from .failures import communicating, report_error
+from .duties import BoundaryDuties
+from .failures import report_error
 from .injector import FaultInjector, InjectedFault, die_here
-from .group import side_group
 from .pace import Pace, watch_collectives
 from .recovery import Phase, Recovery
 from .seeding import seed_all, step_seed
 from .state import ProtectedState
+from .turns import StepScope  # noqa: F401  (the `with job.step():` scope, now in turns.py)
 
 
 class StepLoop:
@@ -54,7 +51,7 @@ class StepLoop:
         self.audits = audits  # audit_rank.RankAudits: taps the gradients of audited steps
         self.started = False  # start() ran: the state is agreed
         self.step_started_at = 0.0
-        self._secured: tuple[int, int] | None = None  # (gen, step) whose state peers hold whole
+        self.duties = BoundaryDuties(self)  # replica exchange, consistency, securing, audits
         self.pace = Pace()  # this worker's own time per step, for the straggler check
         watch_collectives()
 
@@ -121,7 +118,7 @@ class StepLoop:
         self.injector.before_step(self.rec.rank, step)
         self.step_started_at = time.time()  # the replica snapshot (and any wait) is in the step
         self.state.update_applied = False
-        return self._replicate(step) and self._consistent(step)
+        return self.duties.replicate(step) and self.duties.consistent(step)
 
     def open(self, step: int) -> None:
         """The step's body starts: seeded per step (a redone step draws the same numbers), and a
@@ -212,124 +209,14 @@ class StepLoop:
             self.report(exc)
             raise
 
-    # ---- duties at the boundary ---------------------------------------------------------------
+    # ---- duties at the boundary (duties.py) ---------------------------------------------------
     def secure(self) -> bool:
         """At a boundary outside the loop's steps (its end, a between_steps call): make the
-        state of this step restorable, whole, from peers' memory, once per generation.
-
-        Under sharded state the snapshots are taken at a step's start, so the state after the
-        last step exists nowhere but in the live shards: a failure after the loop would roll
-        every rank back to a step no loop is left to redo. Here each rank snapshots and sends
-        its slice, waits for its exchange, and all confirm in one collective: once that returns
-        on any rank, every copy is complete, and any later failure restores exactly this step.
-        False when a peer failed meanwhile (the next turn recovers; inside a loop, the restore
-        may send it back to redo a step)."""
-        rec, replicas = self.rec, self.state.replicas
-        if self._secured == (rec.gen, rec.completed) or replicas is None or replicas.factor <= 1:
-            return True
-        rec.enter_step()  # a hung peer is caught here as in a step
-        try:
-            if not self._replicate(rec.completed, force=True):
-                return False
-            replicas.wait(lambda: rec.watch.moved(rec.gen))
-            with communicating("confirming every copy of the state at the loop's end"):
-                dist.all_reduce(torch.zeros(1))
-        except Exception as exc:
-            self.fail_or_raise(exc)
-            return False
-        finally:
-            rec.leave_step()
-        self._secured = (rec.gen, rec.completed)
-        return True
+        state of this step restorable, whole, from peers' memory, once per generation (duties.py
+        says how). False when a peer failed meanwhile (the next turn recovers)."""
+        return self.duties.secure()
 
     def audits_settled(self) -> bool:
-        """At the loop's end with audits on: the spares judged the last audited step
-        (audit_rank.settle; a wrong gradient found then is still recovered). False when a peer
-        failed meanwhile (the next turn recovers, and the loop may go on)."""
-        rec = self.rec
-        if self.audits is None or self.audits.every <= 0:
-            return True
-
-        def failed() -> bool:
-            rec.reporter.beat(rec.completed, rec.gen, "recover")  # waiting, not hung
-            return rec.watch.moved(rec.gen)
-
-        if self.audits.settle(rec.completed, rec.world_size, failed):
-            return True
-        rec.fail()
-        return False
-
-    def _replicate(self, step: int, force: bool = False) -> bool:
-        """Snapshot this rank's shard when due (or `force`d, with copies at all) and start
-        copying it to its peers in the background (redundancy.py); False when a peer failed
-        meanwhile."""
-        replicas, rec = self.state.replicas, self.rec
-        if replicas is None or not (replicas.due(step) or force and replicas.factor > 1):
-            return True
-        self.rec.reporter.kick()  # the heartbeat out before a collective that may hang
-        if replicas.on_exchange is None:
-            replicas.on_exchange = self._exchange_fault
-        gen, rank, world, watch = rec.gen, rec.rank, rec.world_size, rec.watch
-        try:
-            replicas.replicate(
-                step, self.state.state, rank, world, gen=gen,
-                connect=lambda: side_group(watch.host, watch.port, gen, rank, world,
-                                           self.spec.pg_timeout_s),
-                moved=lambda: watch.moved(gen))
-            return True
-        except Exception as exc:
-            self.fail_or_raise(exc)
-            return False
-
-    def _exchange_fault(self, rank: int, step: int) -> None:
-        """In the exchange thread: a kill or hang scheduled `@exchange` fires here, claimed over
-        a store connection of the thread's own."""
-        if self.injector.scheduled("exchange", rank, step):
-            store = membership.connect(self.rec.watch.host, self.rec.watch.port)
-            self.injector.at("exchange", rank, step, kinds=("kill", "hang"), store=store)
-
-    def _consistent(self, step: int) -> bool:
-        """Every `consistency_every` steps, check that all replicas hold the same parameters; a
-        rank off the majority reports itself and leaves (the supervisor replaces it). False when
-        a peer failed meanwhile."""
-        every, rec = self.spec.consistency_every, self.rec
-        if every <= 0 or step % every or (groups := self.state.compared(rec.world_size)) is None:
-            return True  # not due, or fsdp's slices exist once each: nothing to compare
-        self.rec.reporter.kick()  # the heartbeat out before a collective that may hang
-        try:
-            sums = consistency.gather(self.state.modules(), rec.world_size)
-        except Exception as exc:
-            self.fail_or_raise(exc)
-            return False
-        try:
-            consistency.judge_groups(sums, groups, rec.rank, step)
-        except consistency.Diverged as exc:
-            self.store.set(protocol.diverged_key(self.worker_id), str(exc))
-            self.report(exc)
-            raise
-        except consistency.NoMajority as exc:
-            self.report(exc)
-            raise
-        return True
-
-
-class StepScope:
-    """The `with job.step():` scope over the step boundary: commit, or absorb a peer's failure
-    (the step is redone after the recovery); any other error is reported and raised."""
-
-    def __init__(self, job):
-        self.job = job
-
-    def __enter__(self):
-        self.job._scope_used = True
-        self.job.steploop.open(self.job.completed_steps)
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        loop = self.job.steploop
-        absorbed = exc is not None and loop.absorb(exc)
-        if exc is not None and not absorbed:
-            loop.body(False)
-            return False
-        loop.close()
-        return absorbed
+        """At the loop's end with audits on: the spares judged the last audited step. False when
+        a peer failed meanwhile (the next turn recovers, and the loop may go on)."""
+        return self.duties.audits_settled()
