@@ -23,7 +23,7 @@ def quiet_openmp(cfg) -> bool:
     threads wait asleep rather than spinning (OMP_WAIT_POLICY=PASSIVE, unless set): a spare's
     warm-up runs two threads (model_setup.warm_up), which spun at every barrier while the ranks
     held the cores, and took 20-40 s to be ready instead of about 5 (4 processes of 2 cores
-    each on a 2-core machine; docs/log.md). Read when the fork server imports torch."""
+    each on a 2-core machine; docs/journal/log.md). Read when the fork server imports torch."""
     import torch
     d = cfg.distributed
     if "OMP_WAIT_POLICY" in os.environ or (d.device != "cpu" and torch.cuda.is_available()):
