@@ -143,6 +143,32 @@ def test_a_redone_step_reuses_the_contributions_kept_until_the_state_moves():
     assert host.kept_contribution(5, 2) is None
 
 
+def test_one_call_reduces_by_logical_rank_and_a_redo_computes_only_what_was_not_kept():
+    """`reduce_by_logical_rank` gives what the explicit calls give (the gradients and the loss
+    bit for bit); redoing the same step after a peer's failure computes no hosted rank again."""
+    from checkpointless.worker.grads import KeptGrads
+    model, host = _model(), _Host(Placement(4, ((0, 1, 2, 3),)))
+    host._kept = KeptGrads()
+    by_hand = {r: _contribution(host, model, r) for r in host.logical_ranks}
+    want_loss = host.reduce_logical(model.parameters(), by_hand)
+    want = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    computed = []
+
+    def compute(share):
+        computed.append(share)
+        g = torch.Generator().manual_seed(share)
+        x, y = torch.randn(4, 8, generator=g) * 10 ** share, torch.randn(4, 1, generator=g)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss.detach().reshape(1)
+
+    for _ in range(2):  # the step, then its redo on the same state
+        loss = host.reduce_by_logical_rank(model.parameters(), 7, compute)
+        got = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        assert torch.equal(got, want) and torch.equal(loss, want_loss)
+    assert computed == [0, 1, 2, 3]
+
+
 def test_the_memory_plan_counts_the_logical_reduction_and_bounds_the_hosted_ranks():
     """Under shrink=exact a ddp rank keeps its contribution and the sum (fp32) to the step's
     end; each logical rank hosted after a shrink keeps one more: the launcher bounds them by

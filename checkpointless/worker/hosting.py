@@ -12,6 +12,9 @@ reduction of the hosted contributions:
         contributions[r] = job.flat_grads(params, extra=loss_sum)   # the grads are cleared
     loss_total = job.reduce_logical(params, contributions)         # averaged into the .grads
 
+or, in one call that also reuses what a redone step kept, `job.reduce_by_logical_rank(params,
+step, compute)` with `compute(r)` running logical rank r's micro-batches and returning its loss.
+
 `shrink=exact`: every process sums the L contributions in logical order (logical.py), the
 failure-free run included, so a shrunk run ends with its bits. `shrink=fast`: a process sums its
 hosted ranks in logical order, then one plain all-reduce over the processes; the batch is the
@@ -83,6 +86,24 @@ class LogicalRanks:
         if keep is not None and kept is not None:
             kept.keep_contribution(*keep, flat)
         return flat
+
+    def reduce_by_logical_rank(self, params, step: int, compute, exact: bool = True):
+        """A step's gradients by logical rank, in one call: for each hosted logical rank `r`
+        this process has not computed yet for `step` (a redo keeps what was computed before a
+        peer's failure cut the step short), `compute(r)` runs its forward and backward and
+        returns its summed loss; its gradients are kept apart, then averaged over the logical
+        world into the `.grad`s. Returns the loss summed over every logical rank."""
+        params = [p for p in params if p.requires_grad]
+        contributions = {}
+        for r in self.logical_ranks:
+            kept = self.kept_contribution(step, r)
+            if kept is not None:
+                contributions[r] = kept
+                continue
+            for p in params:  # a redone step (or the last hosted rank) leaves nothing behind
+                p.grad = None
+            contributions[r] = self.flat_grads(params, extra=compute(r), keep=(step, r))
+        return self.reduce_logical(params, contributions, exact=exact)
 
     def reduce_logical(self, params, contributions: dict[int, torch.Tensor], exact: bool = True,
                        extra_numel: int = 1) -> torch.Tensor:

@@ -44,24 +44,17 @@ class Logical(DataParallel):
         failure cut it short: only a rank new here (a replacement's, or one a shrink moved) is
         computed again."""
         job, accum = run.job, run.cfg.trainer.grad_accum_steps
-        params = [p for p in run.model.parameters() if p.requires_grad]
-        contributions = {}
-        for share in job.logical_ranks:
-            kept = job.kept_contribution(step, share)
-            if kept is not None:
-                contributions[share] = kept
-                continue
+
+        def compute(share: int) -> torch.Tensor:
             loss_sum = torch.zeros(1, device=run.accelerator.device)
-            for p in params:  # a redone step (or the last hosted rank) leaves nothing behind
-                p.grad = None
             # no reduction inside backward: the buckets would sum this rank's gradients alone
             with run.accelerator.no_sync(run.wrapped) if run.overlapped else nullcontext(), \
                     cpu_threads(catch_up_threads(run)):
                 for micro in range(accum):
                     run.micro(run.model, step, share, job.logical_world, micro, loss_sum)
-            contributions[share] = job.flat_grads(params, extra=loss_sum, keep=(step, share))
-        return job.reduce_logical(params, contributions,
-                                  exact=job.spec.shrink == "exact")
+            return loss_sum
+        return job.reduce_by_logical_rank(run.model.parameters(), step, compute,
+                                          exact=job.spec.shrink == "exact")
 
 
 class LogicalSharded(DataParallel):
