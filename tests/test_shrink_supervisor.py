@@ -7,25 +7,21 @@ with its key; the report counts the processes there are, the shrinks and grows, 
 lost while shrunk; a takeover keeps the placement; stragglers are not judged while shrunk."""
 import json
 import time
-from datetime import timedelta
 
 import pytest
-import torch.distributed as dist
 
 from checkpointless import protocol
 from checkpointless.control.facts import NoFacts
 from checkpointless.control.ledger import Ledger
-from checkpointless.control.processes import Worker
 from checkpointless.protocol.placement import Placement
 from checkpointless.control.report import Failure, new_recoveries, recovery_entry, \
     shrunk_capacity_lost
 from checkpointless.control.stragglers import Stragglers
-from checkpointless.control.supervisor import JobFailed, Supervisor, SupervisorConfig, \
-    placement_of
+from checkpointless.control.supervisor import JobFailed, SupervisorConfig, placement_of
 from checkpointless.control.takeover import _plan_of
 from checkpointless.protocol import membership
 from checkpointless.protocol.records import Entered
-from tests.test_supervisor import FakeProc  # a process as the supervisor sees one
+from tests.fakes_supervisor import at_generation_zero
 
 
 class Facts(NoFacts):
@@ -48,28 +44,13 @@ def shrinkable(nproc=4, spares=1, ready_spares=(), shrink="exact", max_hosted=0,
     workers of those ids, spares after them, only `ready_spares` warm."""
     cfg = SupervisorConfig(nproc=nproc, spares=spares, refill=False, heartbeat_timeout_s=0.5,
                            shrink=shrink, shrink_max_hosted=max_hosted)
-    said = []
-    sup = Supervisor(["true"], cfg, env={}, log=said.append, facts=facts)
-    sup.said = said
-    sup.store = sup.pool.store = store = dist.TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-    sup.stragglers.store = store
-    for wid in range(nproc + spares):
-        sup.workers[wid] = Worker(wid=wid, proc=FakeProc(wid), slot=wid, started=0.0,
-                                  rank=wid if wid < nproc else -1)
-        if wid < nproc:
-            sup.ranks[wid] = wid
-        if wid < nproc or wid in ready_spares:
-            store.set(protocol.ready_key(wid), "1")
-    sup.pool.next_wid = nproc + spares
-    sup._publish()
-    return sup, store
+    return at_generation_zero(cfg, ready_spares, facts)
 
 
 def lose(sup, *wids):
     for wid in wids:
         sup.workers[wid].proc.returncode = -9
-    sup._handle([(w, False) for w in sup._exited()])
+    sup.replacer.handle([(w, False) for w in sup.losses.exited()])
 
 
 def grow(sup, store) -> None:
@@ -77,17 +58,17 @@ def grow(sup, store) -> None:
     generation stops before the step after next), then the job at that step, where the plan
     comes. Nothing is published before the job is there."""
     gen = sup.gen
-    sup._grow_if_ready()
+    sup.grower.grow_if_ready()
     if sup.grow_at is None:
         return
     _, before = sup.grow_at
-    notice = json.loads(store.get(protocol.notice_key(sup._notices - 1)))
+    notice = json.loads(store.get(protocol.notice_key(sup.notices.count - 1)))
     assert notice == {"kind": "regroup", "gen": gen, "before_step": before}
     store.set(protocol.LAST_STEP, str(before - 2))  # the step before: still on its way
-    sup._grow_if_ready()
+    sup.grower.grow_if_ready()
     assert sup.gen == gen and sup.grow_at == (gen, before)
     store.set(protocol.LAST_STEP, str(before - 1))  # every worker stops there
-    sup._grow_if_ready()
+    sup.grower.grow_if_ready()
     assert sup.grow_at is None
 
 
@@ -102,7 +83,7 @@ def test_no_spare_ready_the_lost_logical_rank_moves_to_a_survivor_in_a_plan_of_f
     assert (head["world_size"], head["logical_world"]) == (3, 4)
     assert sup.ranks == {0: 0, 2: 1, 3: 2} and sup.workers[2].rank == 1
     assert sup.placement.hosts == ((0, 1), (2,), (3,))
-    assert sup._plan.hosts == {0: [0, 1], 2: [2], 3: [3]}
+    assert sup.state.plan.hosts == {0: [0, 1], 2: [2], 3: [3]}
     # what each survivor reads of generation 1, as it would
     s0, s2 = seat(store, 0, 0, 0), seat(store, 2, 2, 0)
     assert (s0.rank, s0.world_size, s0.logical_ranks, s0.logical_size) == (0, 3, (0, 1), 4)
@@ -120,7 +101,7 @@ def test_no_spare_ready_the_lost_logical_rank_moves_to_a_survivor_in_a_plan_of_f
 def test_a_spare_that_warms_up_grows_the_job_back_and_hosts_stay_published():
     sup, store = shrinkable()
     lose(sup, 1)
-    sup._grow_if_ready()
+    sup.grower.grow_if_ready()
     assert sup.gen == 1  # no spare ready yet: nothing changes
     store.set(protocol.ready_key(4), "1")
     grow(sup, store)
@@ -128,16 +109,16 @@ def test_a_spare_that_warms_up_grows_the_job_back_and_hosts_stay_published():
     assert sup.workers[4].took_over_gen == 2 and sup.workers[4].rank == 3
     # one logical rank a process, but not each its own: workers still need their hosts
     assert sup.placement.hosts == ((0,), (2,), (3,), (1,))
-    assert sup._plan.hosts == {0: [0], 2: [2], 3: [3], 4: [1]}
+    assert sup.state.plan.hosts == {0: [0], 2: [2], 3: [3], 4: [1]}
     s4 = seat(store, 4, -1, 1)
     assert (s4.rank, s4.world_size, s4.logical_ranks) == (3, 4, (1,))
     assert seat(store, 0, 0, 1).logical_ranks == (0,)
     assert ("[checkpointless] spare ready: logical rank 1 moves to process 3 (spare worker 4); "
             "4 processes host 4 logical ranks (checkpointless.shrink=exact)") in sup.said
     assert not sup.stragglers.paused
-    sup._grow_if_ready()
+    sup.grower.grow_if_ready()
     assert sup.gen == 2  # nothing left to grow
-    report = sup._report()
+    report = sup.record.report()
     assert report["shrink"] == {"mode": "exact"} and report["processes_at_end"] == 4
     assert report["shrinks"] == [{"step": 0, "from_processes": 4, "to_processes": 3,
                                   "logical_ranks_moved": [1]}]
@@ -153,7 +134,7 @@ def test_no_grow_once_the_job_is_ending():
     assert sup.placement.processes == 3
     store.set(protocol.ready_key(5), "1")
     store.set(protocol.result_key(0), "{}")
-    sup._grow_if_ready()
+    sup.grower.grow_if_ready()
     assert sup.gen == 2
     store.delete_key(protocol.result_key(0))
     grow(sup, store)
@@ -169,7 +150,7 @@ def test_the_ready_spares_take_what_they_cover_and_the_rest_shrinks():
     assert (f1.new_wid, f1.shrunk, f2.new_wid, f2.shrunk) == (4, False, 0, True)
     assert sup.workers[4].took_over_gen == 1
     assert seat(store, 4, -1, 0).logical_ranks == (1,)
-    assert sup._report()["shrink"]["bits"].startswith("may differ")
+    assert sup.record.report()["shrink"]["bits"].startswith("may differ")
 
 
 def test_with_shrink_off_the_plan_is_todays():
@@ -178,7 +159,7 @@ def test_with_shrink_off_the_plan_is_todays():
     head = json.loads(store.get(protocol.plan_key(1)))
     assert (head["world_size"], head["logical_world"]) == (4, 0)
     assert "hosted" not in json.loads(store.get(protocol.plan_node_key(1, 0)))
-    assert sup.ranks == {0: 0, 4: 1, 2: 2, 3: 3} and "shrinks" not in sup._report()
+    assert sup.ranks == {0: 0, 4: 1, 2: 2, 3: 3} and "shrinks" not in sup.record.report()
 
 
 def test_a_shrink_over_the_hosting_limit_waits_for_a_spare_saying_why():
@@ -210,7 +191,7 @@ def test_a_recovery_by_shrink_counts_the_members_its_generation_had():
     for r in range(3):
         store.set(protocol.result_key(r), json.dumps({"r": r}))
     assert membership.results_in(store, sup.placement.processes)
-    assert sorted(sup._report()["results_by_rank"]) == [0, 1, 2]
+    assert sorted(sup.record.report()["results_by_rank"]) == [0, 1, 2]
 
 
 def test_capacity_lost_while_shrunk_counts_the_missing_processes_share():
@@ -279,18 +260,18 @@ def test_an_announced_grow_is_published_at_its_step_even_with_no_spare_left():
     sup, store = shrinkable()
     lose(sup, 1)
     store.set(protocol.ready_key(4), "1")
-    sup._grow_if_ready()
+    sup.grower.grow_if_ready()
     gen, before = sup.grow_at
     store.delete_key(protocol.ready_key(4))
     store.set(protocol.LAST_STEP, str(before - 1))
-    sup._grow_if_ready()
+    sup.grower.grow_if_ready()
     assert sup.gen == gen + 1 and sup.placement.processes == 3 and sup.grow_at is None
     assert "no longer ready" in " ".join(sup.said)
     store.set(protocol.ready_key(4), "1")
-    sup._grow_if_ready()
+    sup.grower.grow_if_ready()
     assert sup.grow_at == (sup.gen, int(store.get(protocol.LAST_STEP)) + 3)
     lose(sup, 2)  # a failure first: its plan, and the grow forgotten for its generation
-    sup._grow_if_ready()
+    sup.grower.grow_if_ready()
     assert sup.grow_at is None
 
 
@@ -300,9 +281,9 @@ def test_an_announced_grow_is_dropped_once_the_job_ended_before_its_step():
     sup, store = shrinkable()
     lose(sup, 1)
     store.set(protocol.ready_key(4), "1")
-    sup._grow_if_ready()
+    sup.grower.grow_if_ready()
     gen = sup.gen
-    sup.grow_at = (gen, 0)  # as a takeover sets it
+    sup.grower.grow_at = (gen, 0)  # as a takeover sets it
     store.set(protocol.result_key(0), "{}")
-    sup._grow_if_ready()
+    sup.grower.grow_if_ready()
     assert sup.grow_at is None and sup.gen == gen and sup.placement.processes == 3

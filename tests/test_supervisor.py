@@ -1,5 +1,5 @@
 """The supervisor's side of a recovery, in one process: a real TCPStore, the real Supervisor with
-its loss-finding and replacing halves, and stand-in processes (no worker is started, nothing is
+its loss finder and replacer, and stand-in processes (no worker is started, nothing is
 trained). A worker that exits is a loss of cause exit and a silent one behind a stalled job is
 hung; a lost rank goes to the first ready spare in a new generation of the same world size, as
 read back from the store the way a worker reads it; and a coordinator taking over from etcd's
@@ -24,26 +24,9 @@ from checkpointless.control.takeover import adopt, take_over
 from checkpointless.protocol import membership
 from checkpointless.control.report import goodput_from_steps
 from checkpointless.protocol.records import Entered, NodeWord, Word
+from tests.fakes_supervisor import FakeProc, at_generation_zero, beat, new_store
 
 TIMEOUT_S = 0.5  # heartbeat_timeout_s and node_timeout_s: short, so each test takes a second
-
-
-class FakeProc:
-    """A worker's process as far as the supervisor and an agent look at one: its pid is past the
-    kernel's largest (/proc has no such process), and a kill (kill_tree) only sets its code."""
-
-    def __init__(self, wid: int):
-        self.pid, self.returncode = 2 ** 22 + wid, None
-
-    def poll(self):
-        return self.returncode
-
-    def wait(self, timeout=None):
-        return self.returncode
-
-    def signal_tree(self, sig):
-        if self.returncode is None:
-            self.returncode = -int(sig)
 
 
 class Facts(NoFacts):
@@ -68,35 +51,12 @@ class Facts(NoFacts):
         return True
 
 
-def new_store():
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                         timeout=timedelta(seconds=10))
-
-
-def beat(store, wid: int, step: int, t: float) -> None:
-    store.set(protocol.heartbeat_key(wid), json.dumps(
-        {"t": t, "step": step, "gen": 0, "phase": "step"}))
-
-
 def one_machine(nproc=2, spares=2, ready_spares=(3,), facts=None):
     """A supervisor on one machine, in generation 0: ranks 0..nproc-1 held by workers of the
     same ids, spares after them (only `ready_spares` warmed up)."""
     cfg = SupervisorConfig(nproc=nproc, spares=spares, refill=False,
                            heartbeat_timeout_s=TIMEOUT_S)
-    said = []
-    sup = Supervisor(["true"], cfg, env={}, log=said.append, facts=facts)
-    sup.said = said
-    sup.store = sup.pool.store = store = new_store()
-    for wid in range(nproc + spares):
-        sup.workers[wid] = Worker(wid=wid, proc=FakeProc(wid), slot=wid, started=0.0,
-                                  rank=wid if wid < nproc else -1)
-        if wid < nproc:
-            sup.ranks[wid] = wid
-        if wid < nproc or wid in ready_spares:
-            store.set(protocol.ready_key(wid), "1")
-    sup.pool.next_wid = nproc + spares
-    sup._publish()
-    return sup, store
+    return at_generation_zero(cfg, ready_spares, facts)
 
 
 def part(store, gen: int, node: int) -> dict:
@@ -106,11 +66,11 @@ def part(store, gen: int, node: int) -> dict:
 # ---- losses ----------------------------------------------------------------------------------
 def test_a_worker_that_exits_is_a_loss_of_cause_exit():
     sup, store = one_machine()
-    assert sup._exited() == []
+    assert sup.losses.exited() == []
     sup.workers[1].proc.returncode = -9
-    lost = sup._exited()
+    lost = sup.losses.exited()
     assert [w.wid for w in lost] == [1]
-    f = sup._record_failure(lost[0], False, time.time())
+    f = sup.replacer.record_failure(lost[0], False, time.time())
     assert (f.cause, f.wid, f.rank, f.error) == ("exit", 1, 1, None)
     assert sup.ranks == {0: 0} and sup.workers[1].rank == -2
     assert any("rank 1 lost (exit, worker 1" in line for line in sup.said)
@@ -120,7 +80,7 @@ def test_a_worker_that_exits_after_its_done_is_no_loss():
     sup, store = one_machine()
     sup.workers[0].proc.returncode = 0
     store.set(protocol.done_key(0), "1")
-    assert sup._exited() == []
+    assert sup.losses.exited() == []
 
 
 def test_a_worker_silent_past_the_timeout_and_behind_a_stalled_job_is_hung():
@@ -128,12 +88,12 @@ def test_a_worker_silent_past_the_timeout_and_behind_a_stalled_job_is_hung():
     now = time.time()
     beat(store, 0, 5, now)
     beat(store, 1, 4, now)
-    assert sup._hung() == []  # one step behind, but beating
+    assert sup.losses.hung() == []  # one step behind, but beating
     beat(store, 0, 5, now - 2 * TIMEOUT_S)
     beat(store, 1, 4, now - 2 * TIMEOUT_S)
-    hung = sup._hung()
+    hung = sup.losses.hung()
     assert [(w.wid, was_hung) for w, was_hung in hung] == [(1, True)]
-    f = sup._record_failure(hung[0][0], True, time.time())
+    f = sup.replacer.record_failure(hung[0][0], True, time.time())
     assert (f.cause, f.rank, f.step) == ("hang", 1, 5)  # the job's step, not its own
 
 
@@ -141,7 +101,7 @@ def test_a_worker_silent_past_the_timeout_and_behind_a_stalled_job_is_hung():
 def test_a_lost_rank_goes_to_the_first_ready_spare_in_a_plan_of_the_same_world_size():
     sup, store = one_machine(ready_spares=(3,))  # spare 2 is still warming up
     sup.workers[1].proc.returncode = -9
-    sup._handle([(w, False) for w in sup._exited()])
+    sup.replacer.handle([(w, False) for w in sup.losses.exited()])
 
     assert membership.current_gen(store) == 1
     head = json.loads(store.get(protocol.plan_key(1)))
@@ -227,7 +187,7 @@ def test_a_takeover_republishes_the_known_plan_and_resumes_from_it():
     assert (part(store, 3, 0)["members"], part(store, 3, 1)["members"]) == (2, 2)
     assert int(store.add(protocol.LOST, 0)) == 1
 
-    assert (sup.gen, sup.ranks, sup._notices) == (3, {0: 0, 4: 1, 2: 2, 3: 3}, 2)
+    assert (sup.gen, sup.ranks, sup.notices.count) == (3, {0: 0, 4: 1, 2: 2, 3: 3}, 2)
     assert sup.pool.next_wid == 9
     move = sup.moves[-1]
     assert len(sup.moves) == 2 and facts.moves == [move]
@@ -251,7 +211,7 @@ def test_the_node_that_never_said_hello_is_fenced_and_its_ranks_move_to_the_spar
     while not lost and time.time() < t0 + 8 * TIMEOUT_S:  # the watch loop's order of looks
         for agent in agents.values():  # the nodes that answered go on reporting
             assert agent.health(news=False).kind is Word.RUN
-        lost = sup._exited() + [w for w, _ in sup._silent_nodes([])]
+        lost = sup.losses.exited() + [w for w, _ in sup.losses.silent_nodes([])]
         time.sleep(0.02)
     assert sorted(w.wid for w in lost) == [2, 3]
     assert all(w.node_lost and w.proc.poll() == -9 for w in lost)
@@ -260,7 +220,7 @@ def test_the_node_that_never_said_hello_is_fenced_and_its_ranks_move_to_the_spar
     assert word.kind is Word.FENCED and word.why.startswith("silent for")
     assert facts.fences == [(1, str(word))]
 
-    sup._handle([(w, False) for w in lost])
+    sup.replacer.handle([(w, False) for w in lost])
     assert membership.current_gen(store) == 4
     head = json.loads(store.get(protocol.plan_key(4)))
     assert (head["world_size"], head["lost"]) == (4, 3)
@@ -279,7 +239,7 @@ def test_the_node_that_never_said_hello_is_fenced_and_its_ranks_move_to_the_spar
 # ---- two takeover bugs this file found, fixed ---------------------------------------------------
 def test_the_node_that_never_said_hello_is_lost_at_the_first_look_dated_when_it_was_last_heard():
     sup, store, facts, agents, lost_at = taken_over()
-    lost = sup._exited() + [w for w, _ in sup._silent_nodes([])]
+    lost = sup.losses.exited() + [w for w, _ in sup.losses.silent_nodes([])]
     assert sorted(w.wid for w in lost) == [2, 3]
     assert all(w.lost_at == lost_at for w in lost)
 
@@ -312,18 +272,18 @@ def test_a_takeover_keeps_the_runs_record_from_the_launch():
     store.set(protocol.FIRST_STEP, "0")
     steps_done(store, range(80), t0)
     first.workers[1].proc.returncode = -9
-    first._handle([(w, False) for w in first._exited()])
+    first.replacer.handle([(w, False) for w in first.losses.exited()])
     for rank, wid in ((0, 0), (1, 3)):  # both members entered generation 1 and went on
         store.set(protocol.entered_key(1, rank), Entered(
             worker_id=wid, resumed_step=40, t_plan=t0 + 40.1, t_group=t0 + 40.2,
             t_ready=t0 + 40.3, bytes_received=1000 * (rank == 1)).to_json())
         store.set(protocol.first_commit_key(1, rank), f"{t0 + 41:.6f}")
-    first._say_recoveries()
+    first.record.say_recoveries()
     slow = {"rank": 0, "worker": 0, "from_step": 60, "until_step": 62, "action": "evicted"}
     first.stragglers.entries.append(slow)
-    first.ledger.tick(store, first.failures, first._reported, 2, first.gen, force=True,
+    first.ledger.tick(store, first.failures, first.record.reported, 2, first.gen, force=True,
                       stragglers=first.stragglers.entries)
-    had = first._report()
+    had = first.record.report()
     assert had["steps_completed"] == 80 and len(had["recoveries"]) == 1
     assert set(facts.records) == {"steps/0", "steps/1", "failure/1", "recovery/1",  # 64 a chunk
                                   "stragglers/2"}
@@ -332,7 +292,7 @@ def test_a_takeover_keeps_the_runs_record_from_the_launch():
     # the new store's step records start after the known ones (not at 0, which it lacks)
     assert int(store2.get(protocol.FIRST_STEP)) == 80
     steps_done(store2, range(80, 120), t0)
-    rep = sup._report()
+    rep = sup.record.report()
     assert rep["steps_completed"] == 120
     assert rep["step_times"] == {s: (round(t0 + s, 6), round(t0 + s + 0.9, 6))
                                  for s in range(120)}
@@ -351,7 +311,7 @@ def test_a_preemption_asked_before_a_takeover_still_stops_the_job_there():
     facts = Facts()
     first, store = one_machine(facts=facts)
     first.request_stop("SIGTERM on node 1")
-    first._preempt_if_asked()
+    first.stops.preempt_if_asked()
     stop = first.preempted_at
     assert json.loads(facts.records["notice/0"]) == {
         "kind": "preempt", "before_step": stop, "why": "SIGTERM on node 1"}

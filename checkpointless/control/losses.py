@@ -1,6 +1,6 @@
 """The supervisor's eyes: which active workers are lost, and why (an exit, an exception of their
-own, silence, a stopped process, a straggler, a silent node). A half of `Supervisor`
-(supervisor.py), kept apart for its size; what to make of what it sees is policy.py's."""
+own, an audit's accusation, silence, a stopped process, a straggler, a silent node). What to make
+of what it sees is policy.py's; acting on a loss is the replacer's (replacer.py)."""
 from __future__ import annotations
 
 import json
@@ -9,15 +9,48 @@ import time
 from ..protocol import membership
 from . import policy
 from .. import protocol
+from .job_state import JobState, Notices
 from .processes import Worker
+from .spares import Spares
+from .stragglers import Stragglers
 
 D = protocol.DEFAULTS
 
 
-class FindingLosses:
-    """Mixed into `Supervisor`: reads its store, pool, ranks and stragglers."""
+class LossFinder:
+    """Looks at the `pool`'s active workers (the ranks of `state`) and the store: each look
+    returns the workers lost, with whether each was hung. It keeps what it has seen (the error
+    and audit counters) and the rewind an audit asked for, issued with the next plan
+    (issue_rewind). `remote(node)`: whether a node has an agent of its own (None on one
+    machine)."""
 
-    def _exited(self, nodes: set | None = None) -> list[Worker]:
+    def __init__(self, cfg, state: JobState, pool, stragglers: Stragglers, spares: Spares,
+                 notices: Notices, log=print, remote=None):
+        self.cfg, self.state, self.pool, self.log = cfg, state, pool, log
+        self.stragglers, self.spares, self.notices, self.remote = \
+            stragglers, spares, notices, remote
+        self._exit_seen: dict[int, float] = {}  # when a worker that left a result was seen dead
+        self._errors_seen = 0  # the ERRORS counter when last looked at
+        self._sdc_seen = 0  # the SDC counter when last looked at (audits' findings)
+        self._rewind: dict | None = None  # a rewind an audit asked for, until carried out
+
+    @property
+    def store(self):
+        return self.state.store
+
+    @property
+    def ranks(self) -> dict[int, int]:
+        return self.state.ranks
+
+    @property
+    def gen(self) -> int:
+        return self.state.gen
+
+    @property
+    def workers(self) -> dict[int, Worker]:
+        return self.pool.workers
+
+    def exited(self, nodes: set | None = None) -> list[Worker]:
         """Ranks' workers that exited before they were done: lost. One that died after its
         result was in (killed on its way out) is lost only while some other rank's result is
         still missing, a moment later (those ranks may need it again, job.finish); once every
@@ -28,12 +61,12 @@ class FindingLosses:
             w = self.workers[wid]
             if nodes is not None and w.node not in nodes:
                 continue
-            if w.alive() or wid in self.killed_after_done or \
+            if w.alive() or wid in self.state.killed_after_done or \
                     self.store.check([protocol.done_key(wid)]):
                 continue
             if self.store.check([protocol.result_key(self.ranks[wid])]):
-                if membership.results_in(self.store, self.placement.processes):
-                    self.killed_after_done.append(wid)
+                if membership.results_in(self.store, self.state.placement.processes):
+                    self.state.killed_after_done.append(wid)
                     continue
                 seen = self._exit_seen.setdefault(wid, time.time())
                 if time.time() - seen < D.result_grace_s:
@@ -41,7 +74,7 @@ class FindingLosses:
             out.append(w)
         return out
 
-    def _reported_errors(self, lost) -> list[tuple[Worker, bool]]:
+    def reported_errors(self, lost) -> list[tuple[Worker, bool]]:
         """Workers that reported an exception of their own: killed at once, no need to wait."""
         errors = membership.counter(self.store, protocol.ERRORS)
         if errors == self._errors_seen:
@@ -60,10 +93,10 @@ class FindingLosses:
         wids = membership.told(self.store, counter_key, count)
         return [wid for wid in self.ranks if wids is None or wid in wids]
 
-    def _accused(self, lost) -> list[tuple[Worker, bool]]:
+    def accused(self, lost) -> list[tuple[Worker, bool]]:
         """Workers an audit found computing wrong (cause sdc, worker/audit.py): killed at once,
         and the generation that replaces them goes back to the state known clean before the
-        worker's first wrong step (`_rewind`, written with the next plan)."""
+        worker's first wrong step (issue_rewind, with the next plan)."""
         if self.cfg.audit_every <= 0:
             return []
         found = membership.counter(self.store, protocol.SDC)
@@ -89,7 +122,7 @@ class FindingLosses:
             out.append((w, False))
         return out
 
-    def _issue_rewind(self) -> None:
+    def issue_rewind(self) -> None:
         """With the plan of generation `self.gen`: the rewind an audit asked for, until a
         generation that carried it out has committed a step (a failure during the rewind
         itself leaves it to the next generation)."""
@@ -102,7 +135,7 @@ class FindingLosses:
         r["gen"] = self.gen
         self.store.set(protocol.rewind_key(self.gen), json.dumps(r))
 
-    def _hung(self) -> list[tuple[Worker, bool]]:
+    def hung(self) -> list[tuple[Worker, bool]]:
         """Judged from the heartbeats of every active worker (a node's agent reports its own,
         and which of its processes are stopped: only that node's /proc shows it)."""
         active = {wid: self.workers[wid] for wid in self.ranks}
@@ -123,8 +156,8 @@ class FindingLosses:
                 hung.append(wid)
         return [(active[wid], True) for wid in hung]
 
-    def _slow(self) -> list[tuple[Worker, bool]]:
-        """Stragglers to evict (stragglers.py judges them from the beats `_hung` read). One is
+    def slow(self) -> list[tuple[Worker, bool]]:
+        """Stragglers to evict (stragglers.py judges them from the beats `hung` read). One is
         asked to leave at the next step boundary but one (a notice every worker learns of): it
         exits there, the others wait there for the plan that gives its rank to a spare, and no
         step is cut short. One that has not left within stragglers.LEAVE_S (it missed the
@@ -132,22 +165,31 @@ class FindingLosses:
         the node is fenced, so that its ranks move together to a spare node."""
         active = {wid: self.workers[wid] for wid in self.ranks}
         evict, nodes = self.stragglers.judge(
-            active, self._job_step,
-            lambda: len(self._healthy(self.pool.spares(self.store, ready=True))),
-            self.pool.remote if self.cluster else None)
+            active, self._job_step, lambda: len(self.spares.fit()), self.remote)
         for k in nodes:
             self.pool.fence(k, "slow: every rank of the node is a straggler")
         out = [(w, False) for w in evict if w.node in nodes]
         for w in evict:
             if w.node not in nodes:  # as for a preemption, two steps on: all learn of it first
-                self.stragglers.ask_to_leave(w, self._job_step() + 2, self.gen, self._notice)
+                self.stragglers.ask_to_leave(w, self._job_step() + 2, self.gen,
+                                            self.notices.send)
         return out + [(self.workers[wid], False) for wid in self.stragglers.overdue(self.ranks)]
 
-    def _silent_nodes(self, lost) -> list[tuple[Worker, bool]]:
+    def silent_nodes(self, lost) -> list[tuple[Worker, bool]]:
         """The workers of nodes just fenced as silent (each said in the log): one pass over
         those nodes' ranks, not one over every rank per silent node (at 16,384 ranks that
         stalled the coordinator, docs/scale.md)."""
         nodes = set(self.pool.fence_silent_nodes())
         if not nodes:
             return []
-        return [(w, False) for w in self._exited(nodes) if all(w is not x for x, _ in lost)]
+        return [(w, False) for w in self.exited(nodes) if all(w is not x for x, _ in lost)]
+
+    def _job_step(self) -> int:
+        return self.state.job_step(self.pool)
+
+    # the names these had as a mixin of Supervisor: tests call them on a stand-in object
+    # (tests/test_audit.py, tests/test_reports_at_scale.py)
+    _reported_errors, _accused, _issue_rewind = reported_errors, accused, issue_rewind
+
+
+FindingLosses = LossFinder
