@@ -95,6 +95,7 @@ def _setup(cfg, facts: ModelFacts) -> _Setup:
     targets = lora_targets(facts, pf.target_modules) if lora else []
     adapters = sum(pf.r * (i + o) for _, i, o, _ in targets)
     trainable = adapters if lora else facts.n_params
+    # the sharded state's slices over the whole world (a pipeline's stages are planned apart)
     ways = d.shard_size if d.strategy == "hsdp" and d.shard_size else world
     tp = d.tp_size
     return _Setup(

@@ -7,6 +7,7 @@ from omegaconf import OmegaConf
 from checkpointless.control import SupervisorConfig
 from checkpointless.protocol import replica_offset
 
+from launcher.parallel.mesh import parallelism_of
 from launcher.recipe.load import RecipeError
 from launcher.recipe.schema import SHARDED
 
@@ -64,7 +65,7 @@ def supervisor_config(cfg) -> SupervisorConfig:
     if backend == "auto":
         import torch
         backend = "nccl" if d.device != "cpu" and torch.cuda.is_available() else "gloo"
-    per_node = d.num_processes // d.num_nodes
+    par = parallelism_of(d)
     placement = c.replication.placement
     if placement == "auto":  # across nodes, copies a node apart: a lost node keeps no slice
         placement = "nodes" if d.num_nodes > 1 else "ring"
@@ -88,10 +89,8 @@ def supervisor_config(cfg) -> SupervisorConfig:
         standalone=d.standalone_coordinator,
         replication={"factor": max(1, c.replication.factor),
                      "interval": c.replication.interval,
-                     "offset": replica_offset(placement, per_node)},
-        # under ddp every rank of a pipeline stage is a replica group of its own (mesh.py)
-        shard_size=d.shard_size if d.strategy == "hsdp" else
-        (1 if d.strategy == "ddp" and d.pp_size > 1 else 0),
+                     "offset": replica_offset(placement, par.per_node)},
+        shard_size=par.replica_group_size,
         tp_size=d.tp_size, pp_size=d.pp_size,
         straggler_factor=c.straggler.factor, straggler_window=c.straggler.window,
         audit_every=c.audit.every if c.enabled else 0,
@@ -99,6 +98,6 @@ def supervisor_config(cfg) -> SupervisorConfig:
         shrink_min_processes=shrink_min_processes(cfg),
         health=health_settings(cfg),
         tokens_per_step=cfg.trainer.micro_batch_size * cfg.trainer.grad_accum_steps *
-        cfg.data.seq_len * (d.num_processes // d.tp_size),  # pp keeps the batch (pipeline.py)
+        cfg.data.seq_len * par.data_world,
         straggler_action=c.straggler.action if c.enabled else "report",
         faults=[dict(f) for f in OmegaConf.to_container(cfg.faults)])
