@@ -303,15 +303,16 @@ class _Pool:
 
 
 def test_the_supervisor_evicts_the_accused_and_carries_the_rewind_until_a_step_commits(store):
-    """losses._accused and _issue_rewind on a stand-in supervisor over a real store."""
+    """The supervisor's loss finder (control/losses.py) over a real store: accused() and
+    issue_rewind()."""
     from types import SimpleNamespace
-    from checkpointless.control.losses import FindingLosses
-    sup = SimpleNamespace(store=store, cfg=SimpleNamespace(audit_every=1), pool=_Pool(),
-                          ranks={7: 2, 8: 3}, _sdc_seen=0, _rewind=None, gen=3)
-    sup.workers = {7: SimpleNamespace(wid=7), 8: SimpleNamespace(wid=8)}
-    sup._told = lambda key, n: FindingLosses._told(sup, key, n)  # noqa: E731
-    accused = lambda lost: FindingLosses._accused(sup, lost)  # noqa: E731
-    issue = lambda: FindingLosses._issue_rewind(sup)  # noqa: E731
+    from checkpointless.control.job_state import JobState
+    from checkpointless.control.losses import LossFinder
+    pool = _Pool()
+    pool.workers = {7: SimpleNamespace(wid=7), 8: SimpleNamespace(wid=8)}
+    state = JobState(nproc=2, store=store, gen=3, ranks={7: 2, 8: 3})
+    sup = LossFinder(SimpleNamespace(audit_every=1), state, pool, None, None, None)
+    accused, issue = sup.accused, sup.issue_rewind
     assert accused([]) == []  # nothing found: one counter read, nothing done
     store.set(protocol.sdc_key(7), json.dumps({"wid": 7, "rank": 2, "step": 14,
                                                "last_passed": 8, "rewind_to": 9, "auditor": 4}))
@@ -319,13 +320,13 @@ def test_the_supervisor_evicts_the_accused_and_carries_the_rewind_until_a_step_c
     (lost,) = accused([])
     assert lost[0].wid == 7 and sup.pool.killed == [7]
     assert "wrong gradient at step 14" in json.loads(store.get(protocol.error_key(7)))["error"]
-    sup.gen = 4
+    state.gen = 4
     issue()
     assert json.loads(store.get(protocol.rewind_key(4)))["at_most"] == 9
-    sup.gen = 5  # generation 4 failed before committing a step: the rewind goes on to 5
+    state.gen = 5  # generation 4 failed before committing a step: the rewind goes on to 5
     issue()
     assert json.loads(store.get(protocol.rewind_key(5)))["at_most"] == 9
     store.set(protocol.first_commit_key(5, 0), "1")
-    sup.gen = 6  # generation 5 carried it out and committed: nothing for 6
+    state.gen = 6  # generation 5 carried it out and committed: nothing for 6
     issue()
-    assert sup._rewind is None and not store.check([protocol.rewind_key(6)])
+    assert sup.rewind_pending is None and not store.check([protocol.rewind_key(6)])

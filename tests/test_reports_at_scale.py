@@ -13,7 +13,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest  # noqa: E402
 
 from checkpointless import protocol  # noqa: E402
-from checkpointless.control.losses import FindingLosses  # noqa: E402
+from checkpointless.control.job_state import JobState  # noqa: E402
+from checkpointless.control.losses import LossFinder  # noqa: E402
 from checkpointless.protocol import membership  # noqa: E402
 from checkpointless.worker.failures import report_error  # noqa: E402
 
@@ -51,16 +52,17 @@ def stores():
 
 
 def _supervisor(store):
+    """The supervisor's loss finder (control/losses.py) over `store`, RANKS ranks active."""
     ranks = {wid: wid for wid in range(RANKS)}
-    sup = SimpleNamespace(store=store, pool=_Pool(), ranks=ranks, _errors_seen=0, _sdc_seen=0,
-                          _rewind=None, cfg=SimpleNamespace(audit_every=1),
-                          workers={wid: SimpleNamespace(wid=wid) for wid in ranks})
-    sup._told = lambda key, n: FindingLosses._told(sup, key, n)
-    return sup
+    pool = _Pool()
+    pool.workers = {wid: SimpleNamespace(wid=wid) for wid in ranks}
+    return LossFinder(SimpleNamespace(audit_every=1), JobState(nproc=RANKS, store=store,
+                                                                ranks=ranks), pool, None, None,
+                      None)
 
 
 def _errors(sup):
-    return FindingLosses._reported_errors(sup, [])
+    return sup.reported_errors([])
 
 
 def test_a_reported_exception_costs_a_few_calls_whatever_the_ranks(stores):
@@ -110,7 +112,7 @@ def test_an_audit_finding_costs_a_few_calls_whatever_the_ranks(stores):
     membership.tell(auditor, protocol.SDC, 2048)
     membership.tell(auditor, protocol.SDC, 2048)  # a second auditor accuses it too: two reports
     store.calls = 0
-    (lost,) = FindingLosses._accused(sup, [])
+    (lost,) = sup.accused([])
     assert lost[0].wid == 2048 and sup.pool.killed == [2048]
     # the counter, the list, the finding, the error written for the report
     assert store.calls <= 5, store.calls

@@ -70,10 +70,10 @@ def lose_silent_node(sup, agents) -> None:
     while not lost and time.time() < t0 + 8 * TIMEOUT_S:
         for agent in agents.values():  # the nodes that answered go on reporting
             agent.health(news=False)
-        lost = sup._exited() + [w for w, _ in sup._silent_nodes([])]
+        lost = sup.losses.exited() + [w for w, _ in sup.losses.silent_nodes([])]
         time.sleep(0.02)
     assert sorted(w.wid for w in lost) == [2, 3]
-    sup._handle([(w, False) for w in lost])
+    sup.replacer.handle([(w, False) for w in lost])
 
 
 @pytest.mark.parametrize("warm", [SPARES, SPARES[:1]])
@@ -93,14 +93,14 @@ def test_spares_still_warming_at_the_hello_grow_the_job_back_once_they_say_so():
     assert sup.pool.spares(store, ready=False) and not sup.pool.spares(store, ready=True)
     lose_silent_node(sup, agents)
     assert sup.placement.processes == 2 and sup.placement.logical_world == 4
-    sup._grow_if_ready()
+    sup.grower.grow_if_ready()
     assert sup.placement.processes == 2  # nothing warm yet: no grow
     for wid in SPARES:  # warm now: each says so in the store it reaches, the new one
         store.set(protocol.ready_key(wid), f"{time.time():.6f}")
-    sup._grow_if_ready()  # the notice: every worker stops before the step after next
+    sup.grower.grow_if_ready()  # the notice: every worker stops before the step after next
     assert sup.placement.processes == 2 and sup.grow_at is not None
     store.set(protocol.LAST_STEP, str(sup.grow_at[1] - 1))  # the job is there
-    sup._grow_if_ready()
+    sup.grower.grow_if_ready()
     assert sup.placement.processes == 4
     assert sorted(sup.ranks) == [0, 1, 4, 5]
     assert [(e["kind"], e["to_processes"]) for e in sup.resizes] == [("shrink", 2), ("grow", 4)]

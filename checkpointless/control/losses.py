@@ -47,6 +47,11 @@ class LossFinder:
         return self.state.gen
 
     @property
+    def rewind_pending(self) -> dict | None:
+        """The rewind an audit asked for that no generation has carried out yet."""
+        return self._rewind
+
+    @property
     def workers(self) -> dict[int, Worker]:
         return self.pool.workers
 
@@ -186,10 +191,3 @@ class LossFinder:
 
     def _job_step(self) -> int:
         return self.state.job_step(self.pool)
-
-    # the names these had as a mixin of Supervisor: tests call them on a stand-in object
-    # (tests/test_audit.py, tests/test_reports_at_scale.py)
-    _reported_errors, _accused, _issue_rewind = reported_errors, accused, issue_rewind
-
-
-FindingLosses = LossFinder

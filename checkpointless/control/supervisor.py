@@ -249,18 +249,5 @@ class Supervisor:
         self.grower.grow_if_ready()
         return self.stops.finished()
 
-    # ---- one look at a time, as tests/test_takeover_spares.py drives them -----------------
-    def _exited(self):
-        return self.losses.exited()
-
-    def _silent_nodes(self, lost):
-        return self.losses.silent_nodes(lost)
-
-    def _handle(self, lost) -> None:
-        self.replacer.handle(lost)
-
-    def _grow_if_ready(self) -> None:
-        self.grower.grow_if_ready()
-
 
 __all__ = ["Supervisor", "SupervisorConfig", "JobFailed", "Failure"]
