@@ -10,7 +10,7 @@ straggler; a node all of whose ranks are stragglers is a slow node.
 What is done (`straggler_action`): `evict` hands the straggler's rank to a ready spare through the
 path of any failure (cause `slow`): the supervisor asks it to leave at a step boundary, where the
 others wait for the plan that replaces it and the spare receives the state, so no step is cut
-short and the run keeps the failure-free bits (supervisor._slow); a slow node is fenced and its
+short and the run keeps the failure-free bits (LossFinder.slow, losses.py); a slow node is fenced and its
 ranks move together to a spare node. With no spare ready it is reported, and evicted once one
 is. A rank slot slow again soon after an eviction is reported only (policy.straggler_action).
 `report` only says it; `off` judges nothing. Every straggler is an entry of `report.json`'s
