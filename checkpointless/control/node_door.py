@@ -5,9 +5,10 @@ The coordinator's connections must grow with nodes, not ranks. The node agent ho
 127.0.0.1 and gives its workers (and its own threads) its port as the coordinator's. Every local
 client's calls go up one connection in the order they arrive (torch's server answers a
 connection's calls in order), a turn of the loop's in one write. Waits go up the same connection,
-one per key however many clients wait for it (`_wait`). A wait's wake-up byte may come between any
-two answers, so calls that expect one go up behind a CANCEL_WAIT (whose answer follows every
-wake-up sent before it), and the waits are armed again behind them: no byte is ever in doubt.
+one per key however many clients wait for it (door_waits.py). A wait's wake-up byte may come
+between any two answers, so calls that expect one go up behind a CANCEL_WAIT (whose answer
+follows every wake-up sent before it), and the waits are armed again behind them: no byte is
+ever in doubt.
 
 When the coordinator moves (`retarget`, coordinator=etcd), the calls not yet answered and the
 waits go to the new one, as if made there. Nothing is replayed to the *same* coordinator (an add
@@ -25,7 +26,8 @@ import time
 from collections import deque
 
 from . import store_wire as w
-from .door_parts import Client as _Client, Wait as _Wait
+from .door_parts import Client as _Client
+from .door_waits import DoorWaits
 
 
 class StoreDoor:
@@ -54,12 +56,7 @@ class StoreDoor:
         self._unsent: deque = deque()  # (owner, call, shape): a _Client, or a _Wait's check
         self._pending: deque = deque()  # (owner, call, shape, when) sent, in order
         self._out = bytearray()  # upstream, at the end of the turn
-        self._waits: dict[bytes, _Wait] = {}  # by keys; those not over
-        self._checking = 0  # checks out for the waits
-        self._present: dict[bytes, bool] = {}  # their answers
-        self._woke = False  # a wake-up byte came while checks were out
-        self._armed: set[bytes] = set()  # keys waited for upstream since the last CANCEL_WAIT
-        self._to_arm: set[bytes] = set()  # keys to wait for upstream at the end of the turn
+        self.waits = DoorWaits(self)  # the keys local clients wait for, and their checks
         self._stop = False
         self.thread = threading.Thread(target=self._run, daemon=True, name="store-door")
         self.thread.start()
@@ -118,7 +115,7 @@ class StoreDoor:
 
     def _drop(self, c: _Client) -> None:
         self._clients.discard(c)
-        self._unwait(c)
+        self.waits.unwait(c)
         self._forget(c.sock)
 
     def _forget(self, sock: socket.socket) -> None:
@@ -160,9 +157,9 @@ class StoreDoor:
     def _take(self, c: _Client, call: bytes, shape: str) -> None:
         self.stats["calls"] += 1
         if call[0] == w.WAIT:
-            return self._wait(c, call)
+            return self.waits.wait(c, call)
         if call[0] == w.CANCEL_WAIT:  # its wait ends here; the upstream one may go on
-            self._unwait(c)
+            self.waits.unwait(c)
             c.out.append(w.WAIT_CANCELED)
             self._outq.add(c)
             return self._release(c)
@@ -171,69 +168,6 @@ class StoreDoor:
     def _release(self, c: _Client) -> None:
         while c.held and c.waiting is None:
             self._take(c, *c.held.popleft())
-
-    # ---- waits -------------------------------------------------------------------------------
-    # torch's server keeps one count of awaited keys per connection, set by its newest wait, and
-    # answers a wait when the count reaches 0. So the door waits for each missing key alone: the
-    # newest leaves the count at 1, and a byte comes as soon as any of the keys appears. Which
-    # one, `check`s say (one per key); then each key still missing is waited for again, a key
-    # that appeared meanwhile answering at once.
-    def _wait(self, c: _Client, call: bytes) -> None:
-        key = call[1:]
-        wt = self._waits.get(key)
-        self.stats["waits"] += 1
-        if wt is None:
-            wt = self._waits[key] = _Wait(call)
-            self._check(wt.keys)  # there already: answered in one round trip; else armed then
-        else:
-            self.stats["waits_shared"] += 1
-        wt.clients.append(c)
-        c.waiting = wt
-
-    def _unwait(self, c: _Client) -> None:
-        wt, c.waiting = c.waiting, None
-        if wt is not None and c in wt.clients:
-            wt.clients.remove(c)
-            if not wt.clients:  # nobody waits for it any more
-                self._waits.pop(wt.call[1:], None)
-
-    def _arm(self, keys) -> None:
-        self._to_arm.update(keys)
-
-    def _check(self, keys) -> None:
-        for k in keys:
-            self._checking += 1
-            self._unsent.append((k, w.one_key(w.CHECK, k), "b"))
-
-    def _checked(self, key: bytes, there: bool) -> None:
-        self._present[key] = there
-        self._checking -= 1
-        if self._checking:
-            return
-        missing = set()
-        for wt in list(self._waits.values()):
-            if all(self._present.get(k) for k in wt.keys):
-                self._waits.pop(wt.call[1:], None)
-                for c in wt.clients:
-                    c.out.append(w.STOP_WAITING)
-                    self._outq.add(c)
-                    c.waiting = None
-                    self._release(c)
-            else:
-                missing.update(k for k in wt.keys if self._present.get(k) is False)
-        self._present.clear()
-        self._arm(missing)
-        if self._woke:  # a byte came while these checks were out: look again
-            self._from_waits(again=True)
-
-    def _from_waits(self, again: bool = False) -> None:
-        """A wake-up came (`again`: while checks were out): the checks say which keys are in."""
-        self._woke = self._checking > 0
-        if not self._woke:
-            self._check(self._waited())
-
-    def _waited(self) -> set[bytes]:
-        return {k for wt in self._waits.values() for k in wt.keys}
 
     # ---- the coordinator's side --------------------------------------------------------------
     def _connect_up(self) -> None:
@@ -249,8 +183,7 @@ class StoreDoor:
         self._up, self._up_epoch = up, self.epoch
         self._upbuf.clear()
         self._sel.register(up, selectors.EVENT_READ, "up")
-        self._woke = False
-        self._check(self._waited())  # the keys still missing are armed once answered
+        self.waits.reconnected()  # the keys still missing are armed once answered
 
     def _up_lost(self, broke: bool) -> None:
         if self._up is not None:
@@ -258,14 +191,11 @@ class StoreDoor:
         was_up = self._up is not None
         self._up = None
         self._out.clear()
-        self._armed.clear()
-        self._to_arm.clear()
+        self.waits.reset()
         # the calls not answered go first next time, in their order; checks are asked again
         back = [(o, c, shape) for o, c, shape, _ in self._pending if isinstance(o, _Client)]
         self._unsent = deque(back + [e for e in self._unsent if isinstance(e[0], _Client)])
         self._pending.clear()
-        self._checking, self._woke = 0, False
-        self._present.clear()
         if not broke or not was_up:
             return
         self._broken_epoch = self._up_epoch
@@ -275,7 +205,7 @@ class StoreDoor:
             for c in list(self._clients):
                 self._drop(c)
             self._unsent.clear()
-            self._waits.clear()
+            self.waits.by_keys.clear()
 
     def _from_up(self) -> None:
         data = w.recv(self._up)
@@ -305,34 +235,28 @@ class StoreDoor:
             del self._upbuf[:end]
             self._pending.popleft()
             if isinstance(owner, bytes):  # a key's check, for the waits
-                self._checked(owner, answer[0] == w.READY)
+                self.waits.checked(owner, answer[0] == w.READY)
             elif owner in self._clients:
                 owner.out += answer
                 self._outq.add(owner)
         if woke:
-            self._from_waits()
+            self.waits.woken()
 
     def _flush(self) -> None:
         """What this turn gathered leaves in one write."""
         if self._up is not None:
             now = time.monotonic()
-            if self._armed and any(shape for _, _, shape in self._unsent):
+            if self.waits.cancel_due(self._unsent):
                 # an answer is due: no wake-up byte may come among the answers, so the waits
-                # armed so far end first (their bytes, if any, come before the cancel's own)
+                # armed so far end first
                 self._out.append(w.CANCEL_WAIT)
                 self._pending.append((None, b"", "c", now))
-                checked = {o for o, _, _ in self._unsent if isinstance(o, bytes)}  # keys
-                self._to_arm |= (self._armed & self._waited()) - checked
-                self._armed = set()
             while self._unsent:
                 owner, call, shape = self._unsent.popleft()
                 self._out += call
                 if shape:
                     self._pending.append((owner, call, shape, now))
-            for k in self._to_arm:  # behind the calls: their answers come first
-                self._out += w.one_key(w.WAIT, k)
-            self._armed |= self._to_arm
-            self._to_arm = set()
+            self._out += self.waits.arm_calls()  # behind the calls: their answers come first
             if self._out:
                 try:
                     self._up.sendall(self._out)
