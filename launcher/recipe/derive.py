@@ -17,6 +17,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from checkpointless.protocol import DEFAULTS as CL_DEFAULTS
 
+from launcher.recipe.validate_shrink import refusal as shrink_refusal
+
 
 def derive(cfg: DictConfig, given: DictConfig, overrides) -> list[str]:
     """Fill in `cfg`'s derived values in place; the notes of those worth saying."""
@@ -82,18 +84,13 @@ def shrink_default(cfg: DictConfig) -> None:
     2 cores: 290.1 vs 283.6 ms side by side), within the 3% that makes it the default. A torchrun
     run (checkpointless.enabled=false) reduces the same way, so its bits compare with a
     supervised run's; it never shrinks."""
-    c, d = cfg.checkpointless, cfg.distributed
+    c = cfg.checkpointless
     if c.shrink != "auto":
         return
-    one_per_rank = d.tp_size == 1 and d.pp_size == 1
-    built = one_per_rank and (
-        (d.strategy == "ddp" and d.num_processes >= 2) or
-        # fsdp: FSDP's reduce-scatter in logical order, -1.7% beside fsdp-replicated's step;
-        # hsdp: summed over the world and handed to the twins, -5.4% beside hsdp's own (bench
-        # fsdp-exact and hsdp-exact, side by side); what validate_shrink.py refuses stays off
-        (d.strategy in ("fsdp", "hsdp") and d.num_processes >= 3 and
-         cfg.peft.method == "none" and cfg.trainer.precision != "fp16"))
-    c.shrink = "exact" if built else "off"
+    # fsdp: FSDP's reduce-scatter in logical order, -1.7% beside fsdp-replicated's step; hsdp:
+    # summed over the world and handed to the twins, -5.4% beside hsdp's own (bench fsdp-exact
+    # and hsdp-exact, side by side). Where it is built is validate_shrink.py's to say
+    c.shrink = "off" if shrink_refusal(cfg, "exact") else "exact"
 
 
 def world_from_nodes(cfg: DictConfig, overrides) -> None:
