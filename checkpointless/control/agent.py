@@ -26,6 +26,7 @@ import time
 from datetime import timedelta
 
 from . import detection
+from .agent_threads import follow_commands, relay_plans
 from ..protocol import membership
 from .. import protocol
 from ..protocol.records import (RUN, AgentExit, NodeCommand, NodeOp, NodeRecord, NodeWord, Word,
@@ -75,7 +76,7 @@ class NodeAgent:
         # the node store: its workers' heartbeats and the barrier's first gathering
         self.node_server, self.node_store = membership.host("127.0.0.1")
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
-        self._leaving = False
+        self.leaving = False  # run() is over: a broken relay connection is the end
         self._wake_r, self._wake_w = os.pipe()  # the command thread wakes the loop through it
         os.set_blocking(self._wake_r, False)
         if starter is start_process:  # the fork server preloads while the agent connects
@@ -91,14 +92,14 @@ class NodeAgent:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):  # preemption: the coordinator stops it
                 signal.signal(sig, lambda s, _f: asked.append(signal.Signals(s).name))
-        threading.Thread(target=self._follow_commands, daemon=True,
+        threading.Thread(target=follow_commands, args=(self,), daemon=True,
                          name=f"node{self.node}-commands").start()
-        threading.Thread(target=self._relay_plans, daemon=True,
+        threading.Thread(target=relay_plans, args=(self,), daemon=True,
                          name=f"node{self.node}-plans").start()
         try:
             return self._serve(asked)
         finally:
-            self._leaving = True  # the relay's broken connection from here on is the end
+            self.leaving = True
             stop_all(list(self.workers.values()))
             try:  # the coordinator waits for these exits as the job ends
                 self.health(news=bool(self.new_exits()), final=True)
@@ -183,57 +184,10 @@ class NodeAgent:
             wait_for_exit(list(self.workers.values()), max(0.0, next_health - time.time()),
                           extra_fds=[self._wake_r])
 
-    def _follow_commands(self) -> None:
-        """Block on this node's group's next bell (keys.bell_key), on a connection of its own;
-        at each ring, queue this node's new commands and wake the loop. Where the rings stand
-        is read before the commands: a command written after that read is followed by a ring
-        at or after it, so none waits unread. The rings are walked one by one (a takeover
-        rings again every one its nodes said they wait for: bells.py)."""
-        try:
-            store = self.connect(self.host, self.port)
-            group = self.node // protocol.NODES_PER_BELL
-            # written by the coordinator before any command (a new one's store: after the
-            # hellos, which may take long on a big job: waited for as a command is)
-            store.wait([protocol.bell_next_key(group)], timedelta(days=1))
-            self.bell_at = int(store.get(protocol.bell_next_key(group)))
-            while True:
-                # each new command in one round trip (peek), the first absent one ends the turn
-                while (raw := membership.peek(
-                        store, protocol.node_cmd_key(self.node, self.next_cmd))) is not None:
-                    c = NodeCommand.parse(raw)
-                    self.next_cmd += 1
-                    self._cmds.put(c)
-                    os.write(self._wake_w, b"c")
-                    if c.op is NodeOp.SHUTDOWN:  # nothing follows; a thread still blocked in
-                        return  # the store as the coordinator exits would abort us
-                store.wait([protocol.bell_key(group, self.bell_at)], timedelta(days=1))
-                self.bell_at += 1
-        except Exception:  # noqa: BLE001  the coordinator is gone: the loop sees it too
-            return
-
-    def _relay_plans(self) -> None:
-        """Copy every generation's plan and barrier outcome into the node store, in order
-        (membership.relay), on connections of its own. A broken connection is made again and
-        the generation in hand copied again (each copy is idempotent): a relay that stopped
-        would leave this node's workers waiting for a plan while the others form the group
-        without them. Once the coordinator is gone for good, the loop in `_serve` ends the
-        agent (this thread is a daemon)."""
-        gen, tries = 0, 0
-        while True:
-            try:
-                store = self.connect(self.host, self.port)
-                node_store = self.connect("127.0.0.1", self.node_server.port)
-                while True:
-                    membership.relay(store, node_store, self.node, gen)
-                    gen, tries = gen + 1, 0
-            except Exception as exc:  # noqa: BLE001
-                tries += 1
-                if self._leaving:
-                    return
-                if tries == 1:  # once per outage
-                    self.log(f"[node {self.node}] the plan relay broke at generation {gen} "
-                             f"({type(exc).__name__}: {exc}); connecting again")
-                time.sleep(min(1.0, D.reconnect_step_s * tries))
+    def command_came(self, c: NodeCommand) -> None:
+        """From the command thread (agent_threads.py): queue `c` and wake the loop."""
+        self._cmds.put(c)
+        os.write(self._wake_w, b"c")
 
     def serve_commands(self) -> NodeWord | None:
         """Carry out the queued commands; the word of a shutdown (the job is over, or it
@@ -322,6 +276,7 @@ class NodeAgent:
             # then answers what it expected), or the coordinator wrote one for a silent node
             self._held = "" if text == self._held else text
         raise RuntimeError(f"node {self.node}'s health record could not be written")
+
 
 def run_agent(node: int, cmd: list[str], host: str, port: int, node_timeout_s: float,
               procs_here: int, connect_timeout_s: float = 300.0) -> int:
