@@ -7,16 +7,21 @@ import sys
 
 from tests.conftest import ROOT
 
-WORKER = r"""
-import json, sys, torch, torch.distributed as dist
+# a worker's start, in a fresh process: the recipe (sys.argv[3]: its thread count), set-up, and
+# the process group join would have formed
+PREAMBLE = r"""
+import json, sys, types, torch, torch.distributed as dist
 from launcher.recipe.load import load
 from launcher.train.model_setup import setup
-cfg = load("tiny-llama", ["distributed.threads_per_worker=2", "distributed.num_processes=2",
-                          "trainer.precision=bf16", "trainer.grad_accum_steps=3",
-                          "run.output_dir=" + sys.argv[1]])
+cfg = load("tiny-llama", ["distributed.threads_per_worker=" + sys.argv[3],
+                          "distributed.num_processes=2", "trainer.precision=bf16",
+                          "trainer.grad_accum_steps=3", "run.output_dir=" + sys.argv[1]])
 _, device = setup(cfg)
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0,
                         world_size=1)
+"""
+
+WORKER = PREAMBLE + r"""
 
 class Job:  # what build_accelerator reads of a supervised job
     rank, world_size, is_replacement = 0, 1, False
@@ -39,18 +44,24 @@ print(json.dumps({"threads": torch.get_num_threads(), "device": str(acc.device),
 """
 
 
-def test_the_accelerator_uses_the_existing_group_and_keeps_the_workers_threads(tmp_path):
+def run_worker(code: str, tmp_path, threads: int) -> dict:
+    """Run `code` (PREAMBLE + what it checks) in a fresh process on a free port, without the
+    launcher's variables; the JSON of its last line."""
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "RANK",
                                                            "WORLD_SIZE", "LOCAL_RANK")}
-    r = subprocess.run([sys.executable, "-c", WORKER, str(tmp_path), str(port)], cwd=ROOT,
-                       env=dict(env, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path), str(port), str(threads)],
+                       cwd=ROOT, env=dict(env, PYTHONPATH=str(ROOT)), capture_output=True,
+                       text=True, timeout=180)
     assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_the_accelerator_uses_the_existing_group_and_keeps_the_workers_threads(tmp_path):
+    got = run_worker(WORKER, tmp_path, threads=2)
     # accelerate, with OMP_NUM_THREADS unset, would have set cores / local processes = 1
     assert got["threads"] == 2
     assert got["device"] == "cpu" and got["mixed_precision"] == "bf16" and got["main"]

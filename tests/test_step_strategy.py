@@ -2,24 +2,11 @@
 generation from the job's layout, one micro-batch routine for the loop and the audit replay, and a
 loop with no branch on the parallelism."""
 import ast
-import json
-import os
-import socket
-import subprocess
-import sys
 
 from tests.conftest import ROOT
+from tests.test_loop_accelerator import PREAMBLE, run_worker
 
-WORKER = r"""
-import json, sys, types, torch, torch.distributed as dist
-from launcher.recipe.load import load
-from launcher.train.model_setup import setup
-cfg = load("tiny-llama", ["distributed.threads_per_worker=1", "distributed.num_processes=2",
-                          "trainer.precision=bf16", "trainer.grad_accum_steps=3",
-                          "run.output_dir=" + sys.argv[1]])
-_, device = setup(cfg)
-dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0,
-                        world_size=1)
+WORKER = PREAMBLE + r"""
 from checkpointless.worker.job import Job as RealJob
 
 class Job:  # what the loop's pieces read of a supervised job
@@ -88,16 +75,7 @@ def test_the_replay_runs_the_loops_micro_batches_bit_for_bit_and_the_strategy_is
     is the loop's with the seeding, autocast and backward built from the recipe, and must give
     the loop's gradients and loss bit for bit (bf16, three accumulated micro-batches, dropout),
     or a healthy rank would be accused of silent corruption."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "RANK",
-                                                           "WORLD_SIZE", "LOCAL_RANK")}
-    r = subprocess.run([sys.executable, "-c", WORKER, str(tmp_path), str(port)], cwd=ROOT,
-                       env=dict(env, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
-                       timeout=180)
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got = run_worker(WORKER, tmp_path, threads=1)
     assert got["same"] and got["seed_matters"]
     assert got["choices"] == ["DataParallel", "Logical", "DataParallel", "Logical", "Sharded",
                               "LogicalSharded", "LogicalSharded", "Pipelined", "Pipelined"]
