@@ -7,16 +7,13 @@ beside the recipe, else a shipped one in recipes/. Overrides are OmegaConf dotli
 deletes the key so it falls back to the base or the schema. A recipe must choose its model
 (model.name, model.id or model.config, itself or through `extends`); an empty file is refused.
 Every problem raises RecipeError with the key, the value and the fix, before any worker starts:
-the shape of the YAML here, its values in launcher/recipe/validate.py.
+the shape of the YAML in launcher/recipe/shape.py, its values in launcher/recipe/validate.py.
 """
 from __future__ import annotations
 
 import difflib
 import io
 import os
-import types
-import typing
-from dataclasses import fields, is_dataclass
 from pathlib import Path
 
 import yaml
@@ -28,6 +25,7 @@ from checkpointless.protocol import split_fault
 from launcher.recipe.derive import derive
 from launcher.recipe.rules import get
 from launcher.recipe.schema import Recipe, RecipeError, leaves
+from launcher.recipe.shape import check_shape, schema_keys, suggest
 from launcher.recipe.validate import validate
 
 # RecipeError and validate live below this module (no cycle) and are imported from here too
@@ -102,7 +100,7 @@ def _read_yaml(path: Path) -> DictConfig:
     if _blank(raw):
         raise RecipeError(f"recipe {path} is empty: its keys ({', '.join(map(str, raw))}) have no "
                           f"values. {_HOW_TO_WRITE}")
-    _check_shape(raw, Recipe, "", f"recipe {path}")
+    check_shape(raw, Recipe, "", f"recipe {path}")
     return own
 
 
@@ -137,125 +135,6 @@ def _read_chain(path: Path, seen=()) -> DictConfig:
     return merged
 
 
-def _kind(hint):
-    """(kind, inner, optional) of a schema type: map (a dataclass), dict, list or scalar."""
-    optional = False
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        optional = len(args) < len(typing.get_args(hint))
-        hint = args[0] if len(args) == 1 else typing.Any
-    if is_dataclass(hint):
-        return "map", hint, optional
-    origin = typing.get_origin(hint)
-    if origin in (dict, typing.Dict):
-        return "dict", None, optional
-    if origin in (list, typing.List):
-        return "list", (typing.get_args(hint) or (typing.Any,))[0], optional
-    return "scalar", hint, optional
-
-
-def _describe(value) -> str:
-    kind = "mapping" if isinstance(value, dict) else "list" if isinstance(value, list) else \
-        type(value).__name__
-    return f"{kind} {value!r}"
-
-
-def _check_shape(node, cls, prefix: str, origin: str) -> None:
-    """Mappings where the schema has sections, lists where it has lists, single values elsewhere;
-    named by key and by where they came from (a recipe file or an override)."""
-    hints = typing.get_type_hints(cls)
-    for key, value in node.items():
-        full = f"{prefix}{key}"
-        if not isinstance(key, str) or key not in hints:
-            hint = _suggest(full) if "[" not in full else ""
-            if prefix and (not hint or hint == f" Did you mean '{prefix[:-1]}'?"):
-                hint = f" The keys of {prefix[:-1]} are: {', '.join(hints)}."
-            raise RecipeError(f"unknown recipe key '{full}' in {origin}.{hint} "
-                              "Run `python -m launcher show RECIPE` to see every key.")
-        _check_value(value, hints[key], full, origin)
-
-
-def _check_value(value, hint, full: str, origin: str) -> None:
-    kind, inner, optional = _kind(hint)
-    if isinstance(value, str) and "${" in value:
-        return  # an interpolation; checked once resolved
-    if value is None:
-        if optional:
-            return
-        example = {"map": f"`{full}: {{...}}`", "dict": f"`{full}: {{}}`",
-                   "list": f"`{full}: []`"}.get(kind, f"`{full}: <value>`")
-        raise RecipeError(f"recipe key '{full}' is blank (null) in {origin}; give it a value "
-                          f"(e.g. {example}) or delete it to keep the default")
-    if kind == "map":
-        if not isinstance(value, dict):
-            names = [f.name for f in fields(inner)]
-            first = names[0]
-            raise RecipeError(
-                f"recipe key '{full}' must be a mapping of keys ({', '.join(names)}), "
-                f"not {_describe(value)}, in {origin}. Write e.g. `{full}: {{{first}: ...}}` in "
-                f"YAML or `{full}.{first}=...` on the command line")
-        _check_shape(value, inner, full + ".", origin)
-    elif kind == "dict":
-        if not isinstance(value, dict):
-            raise RecipeError(f"recipe key '{full}' must be a mapping of keys, not "
-                              f"{_describe(value)}, in {origin}. Write e.g. `{full}: "
-                              f"{{hidden_size: 128}}` in YAML or `{full}.hidden_size=128` on the "
-                              "command line")
-    elif kind == "list":
-        if not isinstance(value, list):
-            example = "'faults=[kill:1:5]'" if full == "faults" else f"'{full}=[a.jsonl,b.jsonl]'"
-            raise RecipeError(f"recipe key '{full}' must be a list, not {_describe(value)}, in "
-                              f"{origin}. Write e.g. `{full}: [...]` in YAML or {example} on the "
-                              "command line")
-        for i, item in enumerate(value):
-            if is_dataclass(inner) and isinstance(item, str) and full == "faults":
-                continue  # kind:rank:step shorthand, expanded by _normalize_faults
-            if is_dataclass(inner) and not isinstance(item, dict):
-                names = ", ".join(f.name for f in fields(inner))
-                raise RecipeError(f"recipe key '{full}[{i}]' must be a mapping ({names}) or "
-                                  "kind:rank:step, "
-                                  f"not {_describe(item)}, in {origin}; e.g. "
-                                  "{kind: kill, rank: 1, step: 5} or kill:1:5")
-            _check_value(item, inner, f"{full}[{i}]", origin)
-    elif isinstance(value, (dict, list)):
-        expects = getattr(inner, "__name__", str(inner))
-        raise RecipeError(f"recipe key '{full}' must be a single value ({expects}), not "
-                          f"{_describe(value)}, in {origin}")
-
-
-def _schema_keys(cls=Recipe, prefix="") -> list[str]:
-    keys = []
-    for f in fields(cls):
-        full = f"{prefix}{f.name}"
-        keys.append(full)
-        default = f.default_factory() if callable(f.default_factory) else f.default
-        if is_dataclass(default):
-            keys += _schema_keys(type(default), full + ".")
-    return keys
-
-
-# Names people bring from other tools, mapped to ours.
-_ALIASES = {"learning_rate": "lr", "batch_size": "micro_batch_size", "steps": "max_steps",
-            "num_steps": "max_steps", "nproc": "num_processes", "world_size": "num_processes",
-            "gradient_accumulation_steps": "grad_accum_steps", "max_grad_norm": "grad_clip",
-            "warmup": "warmup_steps", "seed": "seed", "block_size": "seq_len"}
-
-
-def _suggest(key: str) -> str:
-    head, _, last = key.rpartition(".")
-    if last in _ALIASES:
-        alias = f"{head}.{_ALIASES[last]}" if head else _ALIASES[last]
-        hits = [k for k in _schema_keys() if k == alias or k.endswith("." + _ALIASES[last])]
-        if hits:
-            best = alias if alias in hits else hits[0]
-            return f" Did you mean '{best}'?"
-    near = difflib.get_close_matches(key, _schema_keys(), n=1, cutoff=0.6)
-    if not near:
-        last = key.rsplit(".", 1)[-1]
-        near = [k for k in _schema_keys() if k.rsplit(".", 1)[-1] == last][:1]
-    return f" Did you mean '{near[0]}'?" if near else ""
-
-
 def _delete(cfg: DictConfig, dotted: str) -> None:
     parts = dotted.split(".")
     node = cfg
@@ -265,8 +144,8 @@ def _delete(cfg: DictConfig, dotted: str) -> None:
         node = node[p]
     if isinstance(node, DictConfig) and parts[-1] in node:
         del node[parts[-1]]
-    elif dotted not in _schema_keys() and not dotted.startswith("model.config."):
-        raise RecipeError(f"cannot delete '~{dotted}': no such key.{_suggest(dotted)}")
+    elif dotted not in schema_keys() and not dotted.startswith("model.config."):
+        raise RecipeError(f"cannot delete '~{dotted}': no such key.{suggest(dotted)}")
 
 
 def _normalize_faults(cfg: DictConfig) -> None:
@@ -310,7 +189,7 @@ def resolve(name_or_path: str, overrides: list[str] = ()) -> tuple[DictConfig, l
             one = OmegaConf.from_dotlist([o])
         except OmegaConfBaseException as exc:
             raise RecipeError(f"override {o!r} could not be parsed: {exc}") from None
-        _check_shape(OmegaConf.to_container(one, resolve=False), Recipe, "", f"override {o!r}")
+        check_shape(OmegaConf.to_container(one, resolve=False), Recipe, "", f"override {o!r}")
         cfg = OmegaConf.merge(cfg, one)
     for o in overrides:
         if o.startswith("~"):
@@ -372,7 +251,7 @@ def _explain(exc: OmegaConfBaseException, overrides) -> RecipeError:
     where = f" (from override '{origin}')" if origin else ""
     name = type(exc).__name__
     if "ConfigKeyError" in name or "not in struct" in str(exc) or "Key '" in str(exc):
-        return RecipeError(f"unknown recipe key '{key}'{where}.{_suggest(str(key))} "
+        return RecipeError(f"unknown recipe key '{key}'{where}.{suggest(str(key))} "
                            "Run `python -m launcher show RECIPE` to see every key.")
     value = getattr(exc, "value", None)
     msg = str(exc).splitlines()[0]
