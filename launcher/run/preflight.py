@@ -18,24 +18,24 @@ Checked here, in the launcher:
   * the memory plan (launcher/plan/);
   * checkpointless.startup_timeout_s against the time a worker needs to start with this model
     (launcher/plan/startup.py).
-The hub helpers they share with the plan live in models/hub.py.
+The model's and the tokenizer's checks (folders, hub, weight files) are in preflight_model.py;
+the hub helpers they share with the plan live in models/hub.py.
 """
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
-from models.hub import hub_problem, looks_like_path, offline_unless_reachable
+from models.hub import hub_problem, offline_unless_reachable
 from launcher.plan import check_fits
 from launcher.recipe.load import RecipeError
-from launcher.recipe.schema import SHARDED
 from launcher.plan.startup import startup_problem
+from launcher.run.preflight_model import model_problem, tokenizer_problem
+# its name here before the model's checks had a file of their own
+from launcher.run.preflight_model import weights_problem as _weights_problem  # noqa: F401
 
 
 def preflight(cfg) -> None:
     """Raise RecipeError listing every problem found, each with its fix; return when none."""
     offline_unless_reachable(cfg)
-    model, tokenizer = _model(cfg), _tokenizer(cfg)
+    model, tokenizer = model_problem(cfg), tokenizer_problem(cfg)
     problems = [p for p in (_devices(cfg), _etcd_binary(cfg), *missing_packages(cfg), model,
                             tokenizer, _data(cfg),
                             # the model is built to compare shapes only when it can be
@@ -52,7 +52,7 @@ def preflight_data(cfg) -> None:
     """The part of the pre-flight that preparing the data needs (`python -m launcher prepare`,
     on a node or login host without the recipe's GPUs): the tokenizer and the dataset."""
     offline_unless_reachable(cfg)
-    problems = [p for p in (_tokenizer(cfg), _data(cfg)) if p]
+    problems = [p for p in (tokenizer_problem(cfg), _data(cfg)) if p]
     if problems:
         raise RecipeError("the data of this recipe cannot be prepared here:\n  - " +
                           "\n  - ".join(problems))
@@ -169,134 +169,6 @@ def _devices(cfg) -> str | None:
             f"spare(s) need {need} GPUs and this machine has {have}. Lower "
             f"distributed.num_processes (e.g. distributed.num_processes={max(1, have - 1)} "
             f"checkpointless.spares={min(1, have - 1)})")
-
-
-def _folder_problem(key: str, ident: str, what: str) -> str | None:
-    """A sentence for a local folder that cannot hold a Hugging Face model or tokenizer."""
-    if not looks_like_path(ident):
-        return None
-    folder = Path(ident).expanduser()
-    if not folder.exists():
-        return (f"{key}={ident}: no such folder. Fix: point {key} at a folder written by "
-                f"save_pretrained, or at a hub id ('org/name')")
-    if ident.startswith("~"):
-        return (f"{key}={ident}: transformers does not expand '~' in a path. Fix: write it in "
-                f"full, {key}={folder}")
-    if not folder.is_dir():
-        return (f"{key}={ident}: not a folder. Fix: point {key} at the folder that holds the "
-                f"{what}'s config.json (written by save_pretrained), or at a hub id ('org/name')")
-    if not (folder / "config.json").is_file():
-        return (f"{key}={ident}: the folder has no config.json (a Hugging Face model folder "
-                f"written by save_pretrained has one). Fix: point {key} at the folder "
-                f"save_pretrained wrote, or save the {what} there with save_pretrained")
-    return None
-
-
-# what AutoModelForCausalLM.from_pretrained reads from a local folder (transformers'
-# SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME): the workers load
-# a whole pretrained model this way under ddp; under fsdp each rank reads its shard from the
-# safetensors files only (models/pretrained.py)
-SAFETENSORS_FILES = ("model.safetensors", "model.safetensors.index.json")
-FROM_PRETRAINED_FILES = SAFETENSORS_FILES + ("pytorch_model.bin", "pytorch_model.bin.index.json")
-
-
-def _weights_problem(cfg) -> str | None:
-    """model.init=pretrained from a local folder without the files its loader reads."""
-    folder = Path(cfg.model.id).expanduser()
-    if cfg.model.init != "pretrained":
-        return None
-    if not folder.is_dir():
-        return _hub_weights_problem(cfg)
-    fsdp = cfg.distributed.strategy in SHARDED
-    accepted = SAFETENSORS_FILES if fsdp else FROM_PRETRAINED_FILES
-    if any((folder / f).is_file() for f in accepted):
-        return None
-    if not fsdp:
-        try:  # a config may name its weights file itself (transformers' transformers_weights)
-            import json
-            named = json.loads((folder / "config.json").read_text()).get("transformers_weights")
-        except (OSError, ValueError):
-            named = None
-        if named and (folder / named).is_file():
-            return None
-    if fsdp:
-        # each fsdp rank reads its own rows of each tensor, which safetensors allows
-        return (f"model.id={cfg.model.id}: model.init=pretrained under distributed.strategy=fsdp "
-                "reads the weights shard by shard from safetensors files, and this folder has "
-                "no model.safetensors or model.safetensors.index.json. Save it with "
-                "save_pretrained(..., safe_serialization=True), or use distributed.strategy=ddp")
-    return (f"model.id={cfg.model.id}: model.init=pretrained reads the weights from this folder, "
-            f"and it has none ({', '.join(accepted)}). Fix: save the model there with "
-            "save_pretrained, or start from random weights with model.init=random")
-
-
-def _hub_weights_problem(cfg) -> str | None:
-    """A hub id, offline: its weights must already be in the local cache (online, the workers
-    download what they need)."""
-    if os.environ.get("HF_HUB_OFFLINE", "0") in ("", "0", "false"):
-        return None
-    from huggingface_hub import constants, try_to_load_from_cache
-    ident = cfg.model.id
-    revision = cfg.model.get("revision") or None
-    fsdp = cfg.distributed.strategy in SHARDED
-
-    def cached(name):
-        got = try_to_load_from_cache(ident, name, revision=revision)
-        return got if isinstance(got, str) else None
-
-    for index, single in (("model.safetensors.index.json", "model.safetensors"),
-                          ("pytorch_model.bin.index.json", "pytorch_model.bin")):
-        if fsdp and single == "pytorch_model.bin":
-            break
-        if cached(single):
-            return None
-        if (path := cached(index)) is not None:
-            import json
-            shards = sorted(set(json.loads(Path(path).read_text())["weight_map"].values()))
-            absent = [f for f in shards if not cached(f)]
-            if not absent:
-                return None
-            return (f"model.id={ident}: model.init=pretrained needs {len(absent)} of its "
-                    f"{len(shards)} weight files ({absent[0]}, ...) that are not in the local "
-                    f"Hugging Face cache ({constants.HF_HUB_CACHE}), and the hub cannot be "
-                    f"reached (HF_HUB_OFFLINE). Fix: where the hub is reachable, run "
-                    f"huggingface-cli download {ident}, or start from model.init=random")
-    return (f"model.id={ident}: model.init=pretrained needs its weights, which are not in the "
-            f"local Hugging Face cache ({constants.HF_HUB_CACHE}), and the hub cannot be "
-            f"reached (HF_HUB_OFFLINE). Fix: where the hub is reachable, run "
-            f"huggingface-cli download {ident} (the workers read that cache), or start from "
-            "random weights with model.init=random")
-
-
-def _model(cfg) -> str | None:
-    if not cfg.model.id:
-        return None
-    if (msg := _folder_problem("model.id", cfg.model.id, "model")) is not None:
-        return msg
-    from transformers import AutoConfig
-    try:
-        AutoConfig.from_pretrained(cfg.model.id)
-    except Exception as exc:  # noqa: BLE001  every kind is told apart in hub_problem
-        return hub_problem(exc, "model", "model.id", cfg.model.id)
-    return _weights_problem(cfg)
-
-
-def _tokenizer(cfg) -> str | None:
-    if cfg.tokenizer.kind != "hub":
-        return None
-    ident = cfg.tokenizer.id or cfg.model.id
-    key = "tokenizer.id" if cfg.tokenizer.id else "model.id"
-    if looks_like_path(ident) and not Path(ident).expanduser().is_dir():
-        # said once, by _model, when it is model.id's folder
-        return None if ident == cfg.model.id else _folder_problem(key, ident, "tokenizer")
-    from transformers import AutoTokenizer
-    try:
-        AutoTokenizer.from_pretrained(ident)
-    except Exception as exc:  # noqa: BLE001
-        if ident == cfg.model.id and _folder_problem("model.id", ident, "model"):
-            return None  # the folder's problem, said once by _model
-        return hub_problem(exc, "tokenizer", key, ident)
-    return None
 
 
 def _data(cfg) -> str | None:
