@@ -92,9 +92,9 @@ class NodeAgent:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):  # preemption: the coordinator stops it
                 signal.signal(sig, lambda s, _f: asked.append(signal.Signals(s).name))
-        threading.Thread(target=follow_commands, args=(self,), daemon=True,
+        threading.Thread(target=self._follow_commands, daemon=True,
                          name=f"node{self.node}-commands").start()
-        threading.Thread(target=relay_plans, args=(self,), daemon=True,
+        threading.Thread(target=self._relay_plans, daemon=True,
                          name=f"node{self.node}-plans").start()
         try:
             return self._serve(asked)
@@ -184,6 +184,9 @@ class NodeAgent:
             wait_for_exit(list(self.workers.values()), max(0.0, next_health - time.time()),
                           extra_fds=[self._wake_r])
 
+    # the bodies of its two threads (agent_threads.py), each given this agent
+    _follow_commands, _relay_plans = follow_commands, relay_plans
+
     def command_came(self, c: NodeCommand) -> None:
         """From the command thread (agent_threads.py): queue `c` and wake the loop."""
         self._cmds.put(c)
@@ -228,8 +231,8 @@ class NodeAgent:
         """Write this node's record: each live worker's last heartbeat (its step, how long ago,
         its generation and phase, its newest steps' own times for the straggler check), which
         are stopped (SIGSTOP, a frozen container: only this node can see it) and every exit so
-        far. With news (an exit), the job's event counter
-        moves so the coordinator reads the records at once. Returns the coordinator's word for
+        far. With news (an exit), the job's event counter moves so the coordinator reads the
+        records at once. Returns the coordinator's word for
         this node ("run", "fenced: ...", "shutdown"), read in the same call. `final`: the
         agent is leaving, its workers stopped."""
         live = [wid for wid, w in self.workers.items() if wid not in self.exited]
