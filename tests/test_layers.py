@@ -244,10 +244,12 @@ def test_the_launcher_check_catches_a_worker_importing_the_launch():
 
 
 def test_every_module_path_written_in_a_string_resolves():
-    """`python -m launcher.train.loop`, `launcher.train.loop:preload`, mock targets: a path named
-    in a string (code, tests, Makefile) is a module that exists, or an attribute of one."""
+    """`python -m launcher.train.loop`, `launcher.train.loop:preload`, a test's script module,
+    mock targets: a path named in a string (code, tests, Makefile) is a module that exists, or an
+    attribute of one."""
     import re
-    pattern = re.compile(r"""["'](?:-m )?(launcher(?:\.\w+)+)(?::([A-Za-z_]\w*))?["' ]""")
+    pattern = re.compile(
+        r"""["'](?:-m )?((?:launcher|tests|models)(?:\.\w+)+)(?::([A-Za-z_]\w*))?["' ]""")
     files = [*sorted((ROOT / "launcher").rglob("*.py")), *sorted((ROOT / "tests").rglob("*.py")),
              ROOT / "Makefile"]
     bad = []

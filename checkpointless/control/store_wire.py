@@ -1,7 +1,7 @@
 """The c10d store's wire format as a relay reads it: where a call ends, and what its answer
 looks like, without decoding either (node_door.py forwards the bytes as they came).
 
-torch 2.x's format (tests/test_store_door.py and test_node_relay.py check it against torch's
+torch 2.x's format (tests/library/ha/test_store_door.py and test_node_relay.py check it against torch's
 own client and server): each call is one byte of type and its arguments; a string or a value
 is a little-endian uint64 length and its bytes, a count a uint64, a number an int64. A
 connection opens with VALIDATE and a magic number, then PING with a nonce the server echoes.

@@ -6,7 +6,7 @@ partial row is dropped. A group's rows depend on its own documents only, so proc
 contiguous runs of groups and write one shard each produce, once their shards are read in order,
 exactly the rows one process would (byte for byte, whatever num_proc is). These are the rows of
 the earlier single-process packing (datasets' map, batches of 1000), so a recipe's data did not
-change with this file; tests/test_text_cache.py checks both.
+change with this file; tests/launcher/test_text_cache.py checks both.
 
 The cache is a folder of Arrow shards (`shard-00000.arrow`, ...: int32 token ids, half the disk of
 int64) and `manifest.json`, written last. It is built in a temporary folder beside the final one

@@ -8,7 +8,7 @@ reads each socket once per wake-up, answers every call whose reply is complete, 
 the resumed ranks wrote in one write per connection (about 0.3 ms a rank). The servers are torch's (the coordinator's store, each agent's node store); only the
 simulated ranks' side of the socket is written here.
 
-The format (torch 2.x, as its client writes it; tests/test_scale_wire.py checks it against
+The format (torch 2.x, as its client writes it; tests/bench/test_scale_wire.py checks it against
 torch's server and client): a connection opens with VALIDATE and a magic number, then PING with a
 nonce the server echoes. Each call is one byte of query type and its arguments; a string or a
 value is a little-endian uint64 length and its bytes, a count a uint64, a number an int64. Keys
