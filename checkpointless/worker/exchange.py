@@ -11,7 +11,7 @@ import torch
 _TAG_HEADER, _TAG_PAYLOAD = 11, 12
 
 
-class Job:
+class Shipment:
     """One exchange: my message for `step`, to `holders`, while receiving from `sources`."""
 
     def __init__(self, step, rank, payload, nflat, holders, sources, token):
@@ -33,7 +33,7 @@ class Exchanger:
                                         name=f"checkpointless-replicas-{gen}")
         self._thread.start()
 
-    def submit(self, job: Job) -> None:
+    def submit(self, job: Shipment) -> None:
         self._jobs.put(job)
 
     def stop(self, join_s: float = 0.0) -> None:
@@ -59,7 +59,7 @@ class Exchanger:
             if self.broken:
                 return
 
-    def _exchange(self, group, job: Job) -> None:
+    def _exchange(self, group, job: Shipment) -> None:
         header = torch.tensor([job.step, job.nflat, job.payload.numel() - job.nflat,
                                job.checksum], dtype=torch.int64)
         got = {s: torch.empty(4, dtype=torch.int64) for s in job.sources}

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from .failures import MembershipMoved, PeerLost
-from .exchange import Job, Exchanger
+from .exchange import Exchanger, Shipment
 from . import scrub
 from .scrub import CopySums
 from .transfer import strip_tensors
@@ -72,7 +72,7 @@ class ShardReplicas:
         self._retired: set[int] = set()  # buffers an abandoned exchange may still read
         self._token = 0  # bumped when a generation is left: its exchange may commit nothing
         self._exchanger: Exchanger | None = None
-        self._inflight: Job | None = None
+        self._inflight: Shipment | None = None
         self._pin = torch.cuda.is_available()  # pinned buffers make device-to-host copies fast
         # what the exchanges cost the training thread itself (the rest runs beside the step)
         self.timing = {"exchanges": 0, "snapshot_s": 0.0, "wait_s": 0.0}
@@ -176,7 +176,7 @@ class ShardReplicas:
             if connect is None:
                 raise ValueError("replicate(): connect (the side group's constructor) is needed")
             ex = self._exchanger = Exchanger(self, gen, connect)
-        job = Job(step, rank, payload, nflat, holders, sources, self._token)
+        job = Shipment(step, rank, payload, nflat, holders, sources, self._token)
         job.checksum = self.sums.sums.get(("own", step), 0)
         self._inflight = job
         ex.submit(job)
@@ -234,7 +234,7 @@ class ShardReplicas:
             pass
         self.abandon(join_s=timeout_s)
 
-    def _commit_receive(self, job: Job, headers: dict[int, torch.Tensor]):
+    def _commit_receive(self, job: Shipment, headers: dict[int, torch.Tensor]):
         """In the thread, after the headers: drop what the arriving versions replace and hand
         out receive buffers. {source: (buffer view, flat bytes, skeleton bytes)}."""
         out = {}
@@ -253,7 +253,7 @@ class ShardReplicas:
                 out[s] = (self._take(nflat + nskel)[:nflat + nskel], nflat, nskel, total)
         return out
 
-    def _commit_copies(self, job: Job, bufs) -> None:
+    def _commit_copies(self, job: Shipment, bufs) -> None:
         """In the thread, once every byte has arrived: the copies become restorable."""
         with self._lock:
             if job.token != self._token:

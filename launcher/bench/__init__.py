@@ -15,18 +15,23 @@ These modes train the same recipe, seed and step count (fsdp and fsdp-replicated
   restart         torchrun with --max-restarts: every failure restarts all workers, which resume
                   from the newest disk checkpoint, saved every tau steps (Young's optimum)
 
-The parts, each a module (arrows are imports; there are no cycles):
-  command   bench(args): runs the modes in order          -> everything below
-  config    BenchConfig, `bench.*` keys, the mode list
-  modes     the recipe of each mode; a supervised run     -> failures
-  baseline  the torchrun baseline: command, run, workers  -> failures, model
-  paired    off, on (and plain) taking turns              -> modes, baseline, records
-  plain_loop the plain mode's worker (torch only)         -> launcher.train.loop, launcher.data.prepare
-  failures  the seeded failure schedule and the killer    -> records
-  records   figures from step records (metrics.jsonl)     -> checkpointless.control.goodput
-  report    the tables and bench.json                     -> config, model, plot
-  plot      steps over time, failures marked
-  model     the goodput model at cluster scale, arithmetic only
+The parts, each a module (imports run down this list; tests/test_layers.py checks no cycle):
+  command        bench(args): runs the modes in order, then the paired run, then the report
+  config         BenchConfig, the `bench.*` keys, the mode list
+  modes          the recipe of each mode; a supervised run
+  shrink         the shrink modes (checkpointless.shrink)
+  baseline       the torchrun baseline: command, run, workers; the consistency and copy probes
+  paired         off, on (and plain) taking turns: the steady overhead
+  plain_loop     the plain mode's worker (torch only)
+  failures       the seeded failure schedule and the thread that carries it out
+  records        figures from step records (metrics.jsonl)
+  report         the tables and bench.json; compared: one mode read against another
+  plot           steps over time, failures marked
+  model          the goodput model at cluster scale, through goodput_sim (its inputs in
+                 goodput_inputs; `python -m launcher.bench.goodput_sim`)
+  boundary, regroup, data_rate    probes of their own: the step boundary's cost, forming a
+                 group by world size, how fast raw text is prepared
+  scale/         the control plane at thousands of simulated ranks (`python -m launcher.bench.scale`)
 """
 from launcher.bench.command import bench
 

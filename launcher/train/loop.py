@@ -61,7 +61,7 @@ class Run:
     metrics: Metrics | None
     tokenizer: object
     micro: MicroBatch  # one micro-batch's forward and backward (micro.py)
-    validate: object  # None, or a function returning the validation figures
+    evaluate: object  # None, or a function returning the validation figures
     catch_up_threads: int
     overlapped: bool
     pipe: object = None  # pipeline.Pipeline under distributed.pp_size > 1
@@ -159,11 +159,11 @@ def join(cfg, out_dir: Path) -> Run:
                if accelerator.is_main_process else None)
     device = accelerator.device
     # a tp group's ranks evaluate the same rows together; its first rank's figures count
-    validate = (lambda: evaluate(run.model, *evalset, *eval_share(cfg, job),
+    evaluate_now = (lambda: evaluate(run.model, *evalset, *eval_share(cfg, job),
                                  t.micro_batch_size, device, Autocast(accelerator),
                                  adds=job.rank % d.tp_size == 0)) if evalset else None
     run = Run(cfg, out_dir, job, accelerator, model, wrapped, optimizer, opt, ckpt, metrics,
-              tokenizer, MicroBatch.of_loop(job, accelerator, sampler), validate,
+              tokenizer, MicroBatch.of_loop(job, accelerator, sampler), evaluate_now,
               catch_up_threads, overlapped=isinstance(wrapped, checkpointless.DistributedDataParallel),
               pipe=pipe)
     install(run)  # fsdp under shrink=exact: the logical reduce-scatter, the rebuild (logical_step.py)
@@ -177,7 +177,7 @@ def train_step(run: Run, step: int):
     cfg = run.cfg
     # validation after `step` steps, inside the step: a failure in it is recovered and
     # the step redone, and a replacement starting at this step validates too
-    pending = (run.validate() if run.validate and step and step % cfg.eval.every == 0
+    pending = (run.evaluate() if run.evaluate and step and step % cfg.eval.every == 0
                else None)
     lr = lr_at(step, cfg)
     for group in run.optimizer.param_groups:
@@ -246,8 +246,8 @@ def finish_run(run: Run) -> None:
     d, t = cfg.distributed, cfg.trainer
     # what this rank's memory held, read before the end-of-run digest and export (report.json)
     memory = held(model, run.optimizer, job.replica_host_bytes(), job.replica_host_bytes("own"))
-    if run.validate and not job.preempted:  # collectives after the loop: recovered too
-        run.last_eval = dict(job.between_steps(run.validate), eval_after_steps=job.completed_steps)
+    if run.evaluate and not job.preempted:  # collectives after the loop: recovered too
+        run.last_eval = dict(job.between_steps(run.evaluate), eval_after_steps=job.completed_steps)
         if metrics:
             metrics.record(run.last_eval)
     lora = cfg.peft.method == "lora"
