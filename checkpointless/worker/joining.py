@@ -44,7 +44,8 @@ def _freeze_gc_across_forks() -> None:
         _FORKS_FREEZE_GC.append(True)
 
 
-def join(seed: int | None = None, backend: str | None = None, replay=None):
+def join(seed: int | None = None, backend: str | None = None, replay=None,
+         unsupervised: protocol.Spec | None = None):
     """Join the job; blocks until this worker holds a rank (a spare waits here, warm).
 
     Under the supervisor (`python -m checkpointless` or `python -m launcher train`) this returns a
@@ -53,12 +54,16 @@ def join(seed: int | None = None, backend: str | None = None, replay=None):
     `replay`: how this process recomputes a rank's step, for audits while it waits as a spare
     (checkpointless.audit.every; auditor.AuditServer says what it must offer). Without it a
     spare does not audit.
+
+    `unsupervised`: the settings a run under torchrun follows (`job.spec`), where no supervisor
+    writes the job's Spec to the store (a launcher gives its recipe's, so that both runs reduce
+    alike); the defaults otherwise. Under the supervisor the store's Spec is the one read.
     """
     if not protocol.supervised():
         if "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ:
             if backend is None:
                 backend = "nccl" if torch.cuda.is_available() else "gloo"
-            return PlainJob(backend, 0 if seed is None else seed)
+            return PlainJob(backend, 0 if seed is None else seed, unsupervised)
         raise RuntimeError("checkpointless.join(): not started by the supervisor. Launch with "
                            "`python -m checkpointless --nproc N --spares S script.py`.")
     _freeze_gc_across_forks()

@@ -84,7 +84,7 @@ class PlainJob(LogicalRanks):
     catching_up = 0
     is_replacement = False
 
-    def __init__(self, backend: str, seed: int):
+    def __init__(self, backend: str, seed: int, spec: protocol.Spec | None = None):
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         # torchrun keeps one rendezvous store across restarts; keys left by the previous round
         # (old gloo addresses) make a plain env:// init connect to dead peers and fail again
@@ -97,6 +97,8 @@ class PlainJob(LogicalRanks):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.worker_id, self.gen, self.seed = self.rank, 0, seed
         self.backend = backend
+        # the job's settings, as a supervised Job reads them from the store (join's argument)
+        self.spec = spec if spec is not None else protocol.Spec(backend=backend, seed=seed)
         self.device_slot = int(os.environ.get("LOCAL_RANK", "0"))
         self.steploop = PlainStepLoop(self.rank, seed)
         self._scoped = False

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 import checkpointless
+from checkpointless import protocol
 from checkpointless.worker import local_tensor
 
 from launcher.recipe.schema import Recipe
@@ -132,7 +133,10 @@ def join(cfg, out_dir: Path) -> Run:
     tokenizer, model, sampler, evalset, device, catch_up_threads = warm(cfg)
     # a spare replays sampled ranks' steps while it waits, when audits are on (audit_replay.py)
     replay = LoopReplay(cfg, model, sampler, device)  # used if the job audits (its Spec says)
-    job = checkpointless.join(seed=cfg.run.seed, replay=replay)
+    # under the supervisor the worker's settings are the job's Spec, from the store (the
+    # supervisor's own record); under torchrun, where none is written, the recipe's
+    job = checkpointless.join(seed=cfg.run.seed, replay=replay, unsupervised=protocol.Spec(
+        seed=cfg.run.seed, shrink=cfg.checkpointless.shrink))
     if job.logical_world != d.num_processes or dist.get_world_size() != job.world_size:
         raise RuntimeError(f"torch.distributed reports world size {dist.get_world_size()} "
                            f"(logical {job.logical_world}) but distributed.num_processes="
