@@ -38,7 +38,7 @@ import time
 
 from ..protocol.keys import ENV_PRELOAD, with_worker_defaults  # noqa: F401  (read as before)
 # the server's side, importable from here as before
-from .fork_serving import become_worker, main, preload_spec, serve  # noqa: F401
+from .fork_serving import preload_spec
 from .spawn import die_with_parent
 
 
@@ -236,6 +236,3 @@ def _own_group_dying_with_parent() -> None:
     os.setpgid(0, 0)
     die_with_parent()
 
-
-if __name__ == "__main__":
-    main()

@@ -36,7 +36,6 @@ from .pace import Pace, watch_collectives
 from .recovery import Phase, Recovery
 from .seeding import seed_all, step_seed
 from .state import ProtectedState
-from .turns import StepScope  # noqa: F401  (the `with job.step():` scope, now in turns.py)
 
 
 class StepLoop:

@@ -62,14 +62,13 @@ class Sharded(DataParallel):
 
     def gradients(self, run, step: int) -> torch.Tensor:
         """FSDP2 averaged the gradients; the loss needs its own collective."""
-        loss_total = self.forward_backward(run, step).clone()
+        loss_total = self.forward_backward(run, step)  # a fresh tensor: summed in place
         dist.all_reduce(loss_total)
         return loss_total
 
     def clip(self, run, max_norm: float):
         """Under tensor parallel over gradients on two meshes (tensor_parallel.py)."""
-        params = run.model.parameters()
         if run.cfg.distributed.tp_size > 1:
-            return full_tensor(tp_clip_grad_norm_(params, max_norm))
+            return full_tensor(tp_clip_grad_norm_(run.model.parameters(), max_norm))
         return super().clip(run, max_norm)
 

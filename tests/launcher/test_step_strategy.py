@@ -40,7 +40,7 @@ from launcher.train.accelerator import build_accelerator
 from launcher.train.micro import MicroBatch
 acc = build_accelerator(cfg, Job(), device)
 
-def grads(micro, seed_first=0):
+def grads(micro):
     torch.manual_seed(0)
     model = Tiny()
     loss_sum = torch.zeros(1)
