@@ -6,7 +6,7 @@ process (worker/) and the control plane (control/) build on it without seeing ea
 
 `from checkpointless import protocol; protocol.plan_key(g)` reads a key here as before.
 """
-from . import faults, keys, layout, membership, records, settings
+from . import faults, keys, layout, membership, records, replay, settings
 from .faults import Fault, FaultError, parse_fault, parse_faults, split_fault
 from .keys import *  # noqa: F401,F403  (every key and helper: keys.__all__)
 from .keys import __all__ as _keys

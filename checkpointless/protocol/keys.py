@@ -210,6 +210,24 @@ def sdc_key(wid: int) -> str:
     return f"sdc/{wid}"
 
 
+# the replay rehearsal (worker/rehearsal.py): each rank's finding, the job's verdict, and the
+# mismatches the redo check found after recoveries
+REPLAY = "replay/verdict"  # {checked_at_step, replayable, mismatches, reason, mode}, by rank 0
+REPLAY_RANKS = "replay/ranks"  # counter: ranks whose rehearsal finding is in
+REPLAY_STOP = "replay/stop"  # set by a rank whose rehearsal failed under strict: the run stops
+REPLAY_REDO = "replay/redo"  # counter: redo mismatches (replay/redo/<i> holds each, from 1)
+
+
+def replay_rank_key(rank: int) -> str:
+    """One rank's rehearsal finding: {step, rank, differs: [what], ...}."""
+    return f"replay/rank/{rank}"
+
+
+def replay_redo_key(i: int) -> str:
+    """The i-th mismatch the redo check found (from 1): {step, rank, what}."""
+    return f"replay/redo/{i}"
+
+
 def rewind_key(gen: int) -> str:
     """A generation's way back to a state known clean, from the supervisor: {"at_most": STEP,
     "why": ...}; every rank loads the newest durable checkpoint <= STEP."""

@@ -70,6 +70,10 @@ class Defaults:
     # too, so a shrunk run keeps its bits), fast (today's collectives; the batch is kept, the
     # bits may differ), off (wait spare_wait_s for a spare, then stop)
     shrink: str = "off"
+    # the replay rehearsal (worker/rehearsal.py): early in a run one step is run twice, the
+    # state put back between, and the two compared bit for bit; warn (say a difference), strict
+    # (stop the run on one) or off
+    replay_check: str = "warn"
 
 
 DEFAULTS = Defaults()
@@ -106,6 +110,7 @@ class Spec:
     pp_size: int = 1  # pipeline stages, outermost: world/pp consecutive ranks each (mesh.py)
     audit_every: int = DEFAULTS.audit_every  # steps between audits by a spare's replay (audit.py)
     shrink: str = DEFAULTS.shrink  # exact, fast or off: no spare ready (worker/logical.py)
+    replay_check: str = DEFAULTS.replay_check  # warn, strict or off (worker/rehearsal.py)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -161,6 +166,7 @@ class SupervisorConfig:
     pp_size: int = 1  # pipeline stages (mesh.py); 1: none
     audit_every: int = DEFAULTS.audit_every  # steps between audits by replay (0: none)
     shrink: str = DEFAULTS.shrink  # exact, fast or off: a lost rank with no spare ready
+    replay_check: str = DEFAULTS.replay_check  # warn, strict or off (worker/rehearsal.py)
     shrink_max_hosted: int = 0  # most logical ranks one process may host (0: no limit)
     shrink_min_processes: int = 1  # fewer would be left: wait for a spare instead (fsdp and
     # hsdp: 2, or what the launcher's memory plan leaves room for on a device)

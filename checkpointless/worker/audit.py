@@ -25,13 +25,16 @@ import random
 
 import torch
 
+from .tensors import local_tensor
+
 _AS_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def checksum(t: torch.Tensor) -> torch.Tensor:
     """An int64 scalar on t's device: the sum of t's elements read as integers of their width.
-    One flipped bit changes it by +-2^k; it is independent of the order of a sum of such."""
-    flat = t.detach().contiguous().reshape(-1)
+    One flipped bit changes it by +-2^k; it is independent of the order of a sum of such. A
+    DTensor's local part is read (no collective)."""
+    flat = local_tensor(t).detach().contiguous().reshape(-1)
     return flat.view(_AS_INT[flat.element_size()]).sum(dtype=torch.int64)
 
 
@@ -90,10 +93,11 @@ class GradTap:
 
     def __init__(self, model: torch.nn.Module):
         self._names: dict[int, str] = {}
+        self._module_hooks = []  # the forward pre-hooks, for remove()
         for name, module in model.named_modules():
             if any(True for _ in module.parameters(recurse=False)):
                 self._names[id(module)] = name
-                module.register_forward_pre_hook(self._before_forward)
+                self._module_hooks.append(module.register_forward_pre_hook(self._before_forward))
         self.step: int | None = None
         self._handles: list = []
         self.flip = False
@@ -111,6 +115,13 @@ class GradTap:
         for h in self._handles:
             h.remove()
         self._handles, self.step = [], None
+
+    def remove(self) -> None:
+        """Take every hook off the model (a tap used once, such as the replay rehearsal's)."""
+        self.disarm()
+        for h in self._module_hooks:
+            h.remove()
+        self._module_hooks = []
 
     @property
     def armed(self) -> bool:

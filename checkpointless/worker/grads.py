@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .audit import checksum
 from .failures import communicating
 
 
@@ -70,6 +71,9 @@ class KeptGrads:
         # logical rank, of the step in `_logical_step`; valid while the state is that step's
         self._logical: dict = {}
         self._logical_step = -1
+        # the redo check (rehearsal.py): told (step, what) when a step this rank recomputes
+        # after a recovery differs from what it had computed of it before the failure
+        self.on_redo_mismatch = None
 
     def reusable(self, step: int, rank: int, world: int) -> bool:
         """This rank redoes `step` from what it kept: its gradients, or (shrink=exact) the
@@ -98,8 +102,21 @@ class KeptGrads:
     def remember(self, step: int, rank: int, world: int, grads, extra=None) -> None:
         """Keep references to this rank's own gradients of `step` and its `extra` (the bucketed
         all-reduce of checkpointless.DistributedDataParallel calls this before it sums)."""
+        self._check_redo(step, rank, world, list(grads))
         self._kept = {"step": step, "rank": rank, "world": world, "grads": list(grads),
                       "extra": extra}
+
+    def _check_redo(self, step: int, rank: int, world: int, grads) -> None:
+        """A step recomputed although this rank kept its gradients of it (a survivor whose loop
+        recomputes after a recovery): the same state, step and batch must give the same bits. A
+        difference means the step cannot be replayed (a batch drawn outside it, ...): said, for
+        the report; nothing else changes. Free on a step that is not redone."""
+        if not self.usable(step, rank, world) or self.on_redo_mismatch is None:
+            return
+        before = [(id(p), checksum(g)) for p, g in self._kept["grads"]]
+        now = [(id(p), checksum(g)) for p, g in grads if g is not None]
+        if sorted(before) != sorted(now):
+            self.on_redo_mismatch(step, "gradients")
 
     def restore(self):
         """Put the kept gradients back on their parameters; returns the kept `extra`."""
@@ -114,6 +131,7 @@ class KeptGrads:
         if self.usable(step, rank, world) and all(p.grad is None for p in params):
             extra = self.restore()
         else:
+            self._check_redo(step, rank, world, [(p, p.grad) for p in params])
             self._kept = {"step": step, "rank": rank, "world": world,
                           "grads": [(p, p.grad) for p in params if p.grad is not None],
                           "extra": None if extra is None else extra.detach().clone()}

@@ -29,6 +29,7 @@ from .grads import KeptGrads, stage_all_reduce, summed_extra
 from .hosting import LogicalRanks
 from .outside import OutsideSteps
 from .recovery import Recovery
+from .rehearsal import Rehearsal
 from .reporter import Reporter
 from .steploop import StepLoop
 from .seeding import seed_all, step_seed
@@ -60,9 +61,14 @@ class Job(LogicalRanks):
         self._injector.where = lambda: (self._rec.rank, self._rec.completed)
         self._audits = RankAudits(store, worker_id, int(spec.audit_every),  # audit.py
                                   lambda: protocol.membership.connect(host, port))
+        # the replay rehearsal and the redo check: a step run twice is compared (rehearsal.py)
+        self._rehearsal = Rehearsal(getattr(spec, "replay_check", "warn"), self._state,
+                                    self._kept, store)
+        self._kept.on_redo_mismatch = lambda step, what: self._rehearsal.redo_mismatch(
+            step, self._rec.rank, what)
         # the step boundary, the public API the drop-in Accelerator drives too (steploop.py)
         self.steploop = StepLoop(store, worker_id, spec, self._rec, self._state, self._injector,
-                                 self._audits)
+                                 self._audits, self._rehearsal)
         self._ddp: DistributedDataParallel | None = None
         self._outside = OutsideSteps(self.steploop, self._rec, store, worker_id)
         self._turns = LoopTurns(self.steploop, self._rec, self._state, self._outside)  # turns.py
@@ -108,6 +114,22 @@ class Job(LogicalRanks):
     @property
     def last_recovery(self) -> dict | None:
         return self._rec.last
+
+    @property
+    def rehearsing(self) -> bool:
+        """The step's body in flight is the replay rehearsal's first attempt (rehearsal.py): it
+        is run again from the same state right after, so skip effects outside the protected
+        state (a checkpoint written, a line logged); the second attempt makes them."""
+        return self.steploop.rehearsing
+
+    @property
+    def replay(self) -> dict | None:
+        """The replay check's verdict, on rank 0 once the rehearsal ended (protocol/replay.py:
+        checked_at_step, replayable, mismatches, reason), and the redo mismatches this rank saw."""
+        r = self._rehearsal
+        if r.verdict is None and not r.redo_seen:
+            return None
+        return {**(r.verdict or {}), "redo_mismatches_here": r.redo_seen}
 
     @property
     def step_started_at(self) -> float:  # wall time at which the current (or last) step began

@@ -27,6 +27,7 @@ class PlainStepLoop:
     """The same boundary under torchrun: nothing is recovered, a failure ends the job."""
 
     fault_tolerant = False
+    rehearsing = False  # nothing is redone under torchrun, so nothing is rehearsed
     generation = 0
     failed = False
     update_applied = False
@@ -80,6 +81,8 @@ class PlainJob(LogicalRanks):
     shrinks: its one logical rank a process reduces as `Job` does, hosting.py)."""
 
     grads_kept = False  # a failure ends the job: no step is ever redone in-process
+    rehearsing = False  # so no step is rehearsed either (rehearsal.py)
+    replay = None
     preempted = False  # torchrun handles its own signals
     catching_up = 0
     is_replacement = False

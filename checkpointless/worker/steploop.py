@@ -34,6 +34,7 @@ from .failures import report_error
 from .injector import FaultInjector, InjectedFault, die_here
 from .pace import Pace, watch_collectives
 from .recovery import Phase, Recovery
+from .rehearsal import Rehearsal, ReplayMismatch
 from .seeding import seed_all, step_seed
 from .state import ProtectedState
 
@@ -44,10 +45,13 @@ class StepLoop:
     fault_tolerant = True
 
     def __init__(self, store, worker_id: int, spec: protocol.Spec, rec: Recovery,
-                 state: ProtectedState, injector: FaultInjector, audits=None):
+                 state: ProtectedState, injector: FaultInjector, audits=None,
+                 rehearsal: Rehearsal | None = None):
         self.store, self.worker_id, self.spec = store, worker_id, spec
         self.rec, self.state, self.injector = rec, state, injector
         self.audits = audits  # audit_rank.RankAudits: taps the gradients of audited steps
+        # the replay rehearsal (rehearsal.py): an early step run twice and compared
+        self.rehearsal = rehearsal or Rehearsal("off", state, None, store)
         self.started = False  # start() ran: the state is agreed
         self.step_started_at = 0.0
         self.duties = BoundaryDuties(self)  # replica exchange, consistency, securing, audits
@@ -74,6 +78,13 @@ class StepLoop:
         return self.state.update_applied
 
     @property
+    def rehearsing(self) -> bool:
+        """The body in flight is the replay rehearsal's first attempt, which is run again from
+        the same state: a side effect outside the protected state (a checkpoint written, a line
+        logged) belongs to the second."""
+        return self.rehearsal.rehearsing
+
+    @property
     def may_communicate(self) -> bool:
         """False in a replacement before its first step: the survivors are inside the loop and
         would never meet a collective it made there."""
@@ -88,6 +99,7 @@ class StepLoop:
             if rec.rank == 0 and rec.gen == 0:  # where this launch's step records begin
                 self.store.set(protocol.FIRST_STEP, str(rec.completed))
                 self.store.set(protocol.FIRST_T, f"{time.time():.6f}")
+        self.rehearsal.plan(rec.gen, rec.completed)
         self.started = True
 
     def next(self) -> int:
@@ -110,6 +122,9 @@ class StepLoop:
         False when a peer failed meanwhile (the next turn recovers)."""
         # written as the body starts (open), or before a collective here that may hang
         self.rec.reporter.beat(step, self.rec.gen, "step", write=False, pace=self.pace.recent())
+        if self.rehearsal.second_pass(step, self.rec.gen):  # the same step once more: its
+            self.state.update_applied = False  # faults, copies and checks were done for it
+            return True
         if self.injector.scheduled("step", self.rec.rank, step):
             # a fault due here finds every record out (a hang's beat says where it stopped,
             # and the last step's record is not lost with a kill)
@@ -123,6 +138,7 @@ class StepLoop:
         """The step's body starts: seeded per step (a redone step draws the same numbers), and a
         collective stuck on a hung peer may be aborted from here on."""
         self.state.update_applied = False
+        self.rehearsal.open(step, self.rec.gen)  # the state kept before a rehearsed step
         self.rec.enter_step()
         seed_all(step_seed(int(self.spec.seed), step, self.rec.rank, 0))
         self.rec.reporter.kick()  # this step's heartbeat, the last one's record
@@ -165,6 +181,9 @@ class StepLoop:
         self.rec.leave_step()
         rec, step = self.rec, self.rec.completed
         committed = not (rec.failed and not self.state.update_applied)
+        rehearsed = self.rehearsal.close(step, rec.gen, rec.failed, self.state.update_applied)
+        if rehearsed == "redo":  # the rehearsal's first attempt: the state is back at the start
+            committed = False
         if self.audits is not None:
             self.audits.close(step, rec.rank, rec.world_size, rec.gen, committed)
         if not committed:
@@ -172,7 +191,22 @@ class StepLoop:
             return False
         self.pace.end(self.rec.completed, self.rec.gen)
         self.rec.commit(self.step_started_at)
+        self._replay_verdict(rehearsed == "mismatch")
         return True
+
+    def _replay_verdict(self, stop: bool) -> None:
+        """After the rehearsal ended on this rank: its finding published (rank 0 says the
+        job's verdict); under strict a step that gave other bits stops the run here."""
+        rec = self.rec
+        self.rehearsal.publish(rec.rank, rec.world_size, lambda: rec.watch.moved(rec.gen))
+        if stop:
+            exc = ReplayMismatch(
+                f"checkpointless.replay_check=strict: step {rec.completed - 1} gave other bits "
+                f"when run again from the same state on rank {rec.rank}; see the replay check's "
+                "message for what differed and why")
+            self.store.set(protocol.REPLAY_STOP, str(exc))
+            self.report(exc)
+            raise exc
 
     def fail_or_raise(self, exc: Exception) -> None:
         """After an exception outside a step's body: a peer's failure marks this worker failed

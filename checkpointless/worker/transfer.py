@@ -27,6 +27,9 @@ class _TensorRef:
     def __init__(self, index, dtype, shape):
         self.index, self.dtype, self.shape = index, dtype, shape
 
+    def __repr__(self) -> str:  # the same for the same place (a digest of a skeleton reads it)
+        return f"<tensor {self.index} {self.dtype} {list(self.shape)}>"
+
 
 def strip_tensors(obj) -> tuple[object, list[torch.Tensor]]:
     """(the structure of `obj` with each tensor replaced by a reference, its tensors in traversal
