@@ -41,6 +41,12 @@ def _parser() -> argparse.ArgumentParser:
                         "and compares its gradients (the script passes join(replay=...)); a "
                         "rank found wrong is evicted and the job rewinds to a durable checkpoint "
                         "(0: off)")
+    p.add_argument("--replay-check", default=DEFAULTS.replay_check, dest="replay_check",
+                   choices=["warn", "strict", "off"],
+                   help="the replay rehearsal: the second step is run twice from the same state "
+                        "and compared bit for bit; a difference (the script's step cannot be "
+                        "redone exactly, so a recovery would change the bits) is said (warn) or "
+                        "stops the run (strict); off: not checked")
     p.add_argument("--straggler-action", default=DEFAULTS.straggler_action,
                    choices=["evict", "report", "off"],
                    help="a rank slower than its peers: a ready spare takes it (evict), it is "
@@ -120,6 +126,10 @@ def main(argv=None) -> int:
     if not agree:  # replicas that drifted apart are never a success
         print("[checkpointless] ERROR: ranks ended with different params_sha256", file=sys.stderr)
         return 1
+    replay = report.get("replay") or {}
+    if replay.get("replayable") is False:  # never said to equal a run without failures
+        print("[checkpointless] the bits of this run are NOT guaranteed to equal a run without "
+              f"failures: {replay['reason']} (report: replay)", file=sys.stderr)
     return 0
 
 

@@ -184,6 +184,13 @@ class Accelerator(GuardedCollectives, accelerate.Accelerator):
         nothing). A script that writes files in the loop body can skip them while this holds."""
         return self._void
 
+    @property
+    def rehearsing(self) -> bool:
+        """True in the replay rehearsal's first attempt of a step (early in the run the step is
+        run twice from the same state and compared: checkpointless/worker/rehearsal.py): print
+        and log do nothing then; a script that writes files in the loop body can skip them."""
+        return self.steploop.rehearsing
+
     def _to_user(self) -> None:
         self._in_body = self._epoch is not None
         if self._in_body:

@@ -97,7 +97,9 @@ class GuardedCollectives:
         """Print on each node's lowest rank, as one write: the builtin writes each argument and
         the newline separately, and another process writing to the same pipe at that moment
         (a peer's last line, the supervisor's) could land between them and split the line."""
-        if self._void or not self.is_local_main_process:  # a void pass's figures are stand-ins
+        # a void pass's figures are stand-ins; the replay rehearsal's first attempt of a step
+        # is run again at once (rehearsal.py): its lines are the second attempt's to print
+        if self._void or self.steploop.rehearsing or not self.is_local_main_process:
             return
         out = file if file is not None else sys.stdout
         out.write(sep.join(str(a) for a in args) + end)
@@ -105,6 +107,6 @@ class GuardedCollectives:
             out.flush()
 
     def log(self, values: dict, step: int | None = None, log_kwargs: dict | None = None):
-        if not self._void:
+        if not (self._void or self.steploop.rehearsing):
             return super().log(values, step=step, log_kwargs=log_kwargs)
 

@@ -30,6 +30,15 @@ def startup_overdue(started: dict[int, float], beats: dict, timeout_s: float,
     return sorted(w for w, t in started.items() if beats.get(w) is None and now - t > timeout_s)
 
 
+def replay_strict(stop: str | None) -> str | None:
+    """Under replay_check=strict a rank whose rehearsed step gave other bits the second time
+    leaves with that error: a spare would run the same script, so the run stops with it."""
+    if not stop:
+        return None
+    return (f"{stop}. The run stops before training on (checkpointless.replay_check=strict; "
+            "warn would only say it)")
+
+
 def clean_exit(wid: int, rank: int, code, hung: bool, node_lost: bool) -> str | None:
     """A worker that exited 0 without job.finish() left its loop: no spare can help."""
     if hung or node_lost or code != 0:

@@ -14,6 +14,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from .. import protocol
 from ..protocol import membership
 from .report import goodput_from_steps, new_step_records, recovery_entry, \
     shrunk_capacity_lost, slow_time
@@ -137,6 +138,19 @@ class Figures:
             stragglers.add_metric([action], sum(e.get("action", "reported") == action
                                                 for e in entries))
         yield stragglers
+        verdict = protocol.read_json(self.store, protocol.REPLAY)
+        redo = int(self.store.add(protocol.REPLAY_REDO, 0))
+        checked = verdict is not None and verdict.get("replayable") is not None
+        yield gauge("replay_replayable", "The replay check: 1 the rehearsed step gave the same "
+                    "bits when run again, 0 a step run again gave other bits (the run's bits are "
+                    "not guaranteed to equal a run without failures); absent while unchecked",
+                    0 if redo else int(bool(verdict["replayable"])) if checked else None)
+        mismatches = CounterMetricFamily("checkpointless_replay_mismatches",
+                                         "Steps that gave other bits when run again, by check "
+                                         "(rehearsal, redo after a recovery)", labels=["check"])
+        mismatches.add_metric(["rehearsal"], len((verdict or {}).get("mismatches") or []))
+        mismatches.add_metric(["redo"], redo)
+        yield mismatches
         yield gauge("uptime_seconds", "Since the coordinator started the job",
                     time.time() - now.t_start if now.t_start else None)
 

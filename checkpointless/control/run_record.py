@@ -45,7 +45,8 @@ class RunRecord:
             killed_after_done=s.killed_after_done,
             stragglers=self.stragglers.entries or [], check=self.stragglers.summary(),
             earlier=self.ledger.earlier(), processes=s.placement.processes,
-            shrink=self.cfg.shrink, resizes=list(s.resizes)))
+            shrink=self.cfg.shrink, resizes=list(s.resizes),
+            replay_check=self.cfg.replay_check))
 
     def figures(self, store) -> Snapshot:
         """What Prometheus shows now (prometheus.py), read on the scraper's thread with its

@@ -42,6 +42,9 @@ class StopRules:
         """A lost worker that never finished starting up, or that exited cleanly, ends the run
         (what a spare would do again, or what no failure explains)."""
         store = self.state.store
+        stop = store.get(protocol.REPLAY_STOP).decode() if store.check(
+            [protocol.REPLAY_STOP]) else None
+        self.check(policy.replay_strict(stop))
         code = None if hung or w.node_lost else w.proc.returncode
         err = protocol.read_json(store, protocol.error_key(w.wid))
         self.check(policy.startup_failure(w.wid, w.rank, code,

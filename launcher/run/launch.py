@@ -14,7 +14,7 @@ from checkpointless.control import JobFailed, Supervisor
 
 from launcher.run.exits import node_exit_said
 from launcher.run.preflight import preflight
-from launcher.run.report import build_report, log, metrics_line, recoveries_said
+from launcher.run.report import build_report, log, metrics_line, recoveries_said, replay_said
 from launcher.run.supervise import check_node_health, supervisor_config
 
 
@@ -107,7 +107,7 @@ def train(cfg, on_start=None, coordinator: bool = False) -> dict | None:
           f"goodput {'-' if good is None else f'{good:.1%}'}, "
           f"{recoveries_said(report['recoveries'])}, replicas "
           f"{'agree' if agree else 'DISAGREE'} (params_sha256 {str(report['params_sha256'])[:16]}), "
-          f"report {out / 'report.json'}", flush=True)
+          f"{replay_said(report['replay'])}, report {out / 'report.json'}", flush=True)
     if not agree:
         print("[launcher] ERROR: ranks ended with different parameters", file=sys.stderr)
         return None

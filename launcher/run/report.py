@@ -33,6 +33,17 @@ def recoveries_said(recoveries: list) -> str:
     return said
 
 
+def replay_said(replay: dict | None) -> str:
+    """What the final line says of the bits: checked, not guaranteed (and why), or unchecked."""
+    if not replay or replay.get("replayable") is None:
+        why = (replay or {}).get("reason", "not checked")
+        return f"bits as a run without failures not checked ({why.removeprefix('not checked: ')})"
+    if replay["replayable"]:
+        return f"replay check passed at step {replay['checked_at_step']}"
+    return ("bits NOT guaranteed to equal a run without failures: a step run again from the same "
+            f"state gave other bits ({replay['reason']})")
+
+
 def placed(d, recoveries: list[dict]) -> list[dict]:
     """The recoveries with the mesh coordinates of the lost rank and of the rank that sent it,
     where the generation that failed ran the launch's mesh: after a shrink the ranks number
@@ -89,6 +100,8 @@ def build_report(cfg, run: dict, t0: float, **extra) -> dict:
         "local_params_by_rank": {str(r): v.get("local_params") for r, v in results.items()},
         "full_params": r0.get("full_params"),
         "memory": memory_by_rank(results),
+        # the replay rehearsal's verdict and the redo check's mismatches (rehearsal.py)
+        "replay": run.get("replay"),
         # checkpointless.shrink on: its mode, the shrinks and grows, the processes at the end
         # (results_by_rank counts those) and the capacity lost while shrunk
         **{k: run[k] for k in ("shrink", "shrinks", "grows", "processes_at_end",

@@ -94,6 +94,7 @@ def supervisor_config(cfg) -> SupervisorConfig:
         tp_size=d.tp_size, pp_size=d.pp_size,
         straggler_factor=c.straggler.factor, straggler_window=c.straggler.window,
         audit_every=c.audit.every if c.enabled else 0,
+        replay_check=c.replay_check if c.enabled else "off",
         shrink_max_hosted=shrink_max_hosted(cfg),
         shrink_min_processes=shrink_min_processes(cfg),
         health=health_settings(cfg),

@@ -70,6 +70,7 @@ class Run:
     loss_value: float = float("nan")
     tokens: int = 0
     last_eval: dict | None = None
+    replay_said: bool = False  # the replay check's verdict went to metrics.jsonl and trackers
     chosen: tuple = (None, None)  # (generation, the step strategy chosen for it)
 
     def strategy(self):
@@ -194,7 +195,8 @@ def train_step(run: Run, step: int):
     loss_total, grad_norm = run.strategy().gradients_and_norm(run, step, clip)
     run.opt.step()  # under fp16 the GradScaler skips an update with inf/nan gradients
     run.opt.zero_grad(set_to_none=True)
-    if run.ckpt and (step + 1) % cfg.checkpoint.interval == 0:
+    if run.ckpt and (step + 1) % cfg.checkpoint.interval == 0 and not run.job.rehearsing:
+        # (not in the replay rehearsal's first attempt: the step is run again at once)
         # inside the step: planned with the peers on this generation's group (a peer's
         # failure here is recovered like any in the step); each rank's files are then
         # written by a thread while training goes on
@@ -225,6 +227,9 @@ def train(run: Run) -> None:
                              time.time())
                 if metrics.trackers:
                     metrics.trackers.recovery(job, step)
+                if job.replay and not run.replay_said:  # rank 0's, once the rehearsal ended
+                    metrics.replay(job.replay, step)
+                    run.replay_said = True
             if pending:
                 run.last_eval = dict(pending, eval_after_steps=step)
                 if metrics:
