@@ -246,7 +246,8 @@ def _kept_up(ratios: list[float]) -> float:
 
 
 def find_stragglers(paces: dict[int, dict[int, float]], factor: float,
-                    window: int, sustained: dict | None = None) -> dict[int, tuple[float, int]]:
+                    window: int, sustained: dict | None = None,
+                    baselines: dict[int, float] | None = None) -> dict[int, tuple[float, int]]:
     """Workers that kept a slowness above `factor` over their newest `window` steps and have
     been slow for at least `window` steps: wid -> (the slowness kept up, the step it began).
 
@@ -261,7 +262,8 @@ def find_stragglers(paces: dict[int, dict[int, float]], factor: float,
 
     `sustained`, if given, is filled with each worker's slowness kept up over its newest window:
     in a failure-free run, the figure that says how high noise alone goes (report.json's
-    straggler_check)."""
+    straggler_check). `baselines` (wid -> ratio): work that comes with a worker's rank (rank 0's
+    evaluation, logging, saving), its ratios divided by it (stragglers.py learns them)."""
     by_step: dict[int, list[float]] = {}
     for mine in paces.values():
         for s, x in mine.items():
@@ -281,7 +283,7 @@ def find_stragglers(paces: dict[int, dict[int, float]], factor: float,
             peers = _median_without(v, mine[s])
             if peers <= 0:
                 continue
-            judged.append((s, min(cap, mine[s] / peers)))
+            judged.append((s, min(cap, mine[s] / peers / (baselines or {}).get(w, 1.0))))
             recent = judged[-window:]
             kept = _kept_up([r for _, r in recent]) if len(recent) == window else 0.0
             if kept > factor:

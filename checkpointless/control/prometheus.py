@@ -138,6 +138,13 @@ class Figures:
             stragglers.add_metric([action], sum(e.get("action", "reported") == action
                                                 for e in entries))
         yield stragglers
+        yield from self._replay(gauge)
+        yield gauge("uptime_seconds", "Since the coordinator started the job",
+                    time.time() - now.t_start if now.t_start else None)
+
+    def _replay(self, gauge):
+        """The replay check's verdict and mismatches (worker/rehearsal.py), read each scrape."""
+        from prometheus_client.core import CounterMetricFamily
         verdict = protocol.read_json(self.store, protocol.REPLAY)
         redo = int(self.store.add(protocol.REPLAY_REDO, 0))
         checked = verdict is not None and verdict.get("replayable") is not None
@@ -151,8 +158,6 @@ class Figures:
         mismatches.add_metric(["rehearsal"], len((verdict or {}).get("mismatches") or []))
         mismatches.add_metric(["redo"], redo)
         yield mismatches
-        yield gauge("uptime_seconds", "Since the coordinator started the job",
-                    time.time() - now.t_start if now.t_start else None)
 
 
 def serve(sup, port: int, tokens_per_step: int = 0, addr: str = "0.0.0.0"):

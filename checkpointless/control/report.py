@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from .. import protocol
 from ..protocol.records import Entered
-from ..protocol.replay import judge
+from ..protocol.replay import replay_report
 
 
 @dataclass
@@ -322,31 +322,4 @@ def shrink_report(run: RunFacts, lost: float) -> dict:
                 shrinks=[e for e, r in zip(events, run.resizes) if r["kind"] == "shrink"],
                 grows=[e for e, r in zip(events, run.resizes) if r["kind"] == "grow"],
                 processes_at_end=run.processes or run.nproc, shrunk_capacity_lost_s=lost)
-
-
-def replay_report(store, nproc: int, mode: str) -> dict:
-    """report.json's `replay`: the rehearsal's verdict (rank 0's, or judged here from what the
-    ranks left when rank 0 could not: protocol/replay.py) and every mismatch the redo check
-    found after a recovery. `replayable`: True (checked: the same bits), False (a mismatch was
-    seen: the bits are not guaranteed), None (not checked: off, cut short, or the run ended
-    before the rehearsed step)."""
-    verdict = protocol.read_json(store, protocol.REPLAY)
-    if verdict is None:
-        found = [f for r in range(nproc)
-                 for f in [protocol.read_json(store, protocol.replay_rank_key(r))] if f]
-        verdict = judge(found, nproc, mode) if found else {
-            "checked_at_step": None, "replayable": None, "mismatches": [], "mode": mode,
-            "reason": "not checked: replay_check=off" if mode == "off" else
-            "not checked: the run ended before the rehearsed step (the launch's second)"}
-    redo = [protocol.read_json(store, protocol.replay_redo_key(i))
-            for i in range(1, int(store.add(protocol.REPLAY_REDO, 0)) + 1)]
-    redo = [{**m, "check": "redo"} for m in redo if m]
-    if redo:
-        verdict = {**verdict, "replayable": False,
-                   "mismatches": verdict.get("mismatches", []) + redo,
-                   "reason": "a step redone after a recovery gave other bits than its first run "
-                             "(a batch or a value drawn outside the step, state protect() does "
-                             "not hold, or a nondeterministic kernel)"
-                   if verdict.get("replayable") is not False else verdict["reason"]}
-    return verdict
 

@@ -51,6 +51,10 @@ class Stragglers:
         # in a failure-free run, how far noise alone goes
         self.worst_sustained = 0.0
         self.paused = False  # the job is shrunk: see the module's docstring
+        # rank -> its own ratio to its peers over its first window: work that comes with the
+        # rank (rank 0's evaluation, logging, saving) is its normal, not slowness (`_learn`)
+        self.own_work: dict[int, float] = {}
+        self._slot_normal: set[int] = set()  # ranks whose normal was learned from an eviction
 
     def note(self, beats: dict) -> None:
         """Keep the figures the newest heartbeats carry ({wid: beat or None})."""
@@ -74,9 +78,43 @@ class Stragglers:
         self._open.clear()
 
     def summary(self) -> dict:
-        """The check's settings and the highest slowness a worker kept up over a window."""
+        """The check's settings, the highest slowness a worker kept up over a window, and the
+        ranks whose own work was learned as their normal (`_learn`)."""
         return {"action": self.action, "factor": self.factor, "window": self.window,
-                "worst_sustained_ratio": self.worst_sustained}
+                "worst_sustained_ratio": self.worst_sustained,
+                "own_work": {str(r): b for r, b in sorted(self.own_work.items()) if b > 1.05}}
+
+    def _learn(self, active: dict) -> dict[int, float]:
+        """Each rank's ratio to its peers over its first full window of the launch, learned
+        once per rank: a rank that does more by design (rank 0 evaluating, logging or saving
+        inside the step) is judged against its own normal, which an eviction could not
+        change, since its replacement does the same work. A uniform slowdown moves every rank
+        alike and no ratio. A normal at or above the factor is not learned (that rank may be a
+        slow node from the start): it is judged as any, and if its replacement is as slow, the
+        slot's slowness is learned then (`_learned_from_eviction`). Returns wid -> normal."""
+        if any(w.rank not in self.own_work for w in active.values()):
+            raw: dict[int, float] = {}
+            policy.find_stragglers(self.paces, self.factor, self.window, raw)
+            for wid, ratio in raw.items():
+                if wid in active and active[wid].rank not in self.own_work:
+                    self.own_work[active[wid].rank] = round(ratio, 3)
+        return {wid: self.own_work[w.rank] for wid, w in active.items()
+                if 1.0 < self.own_work.get(w.rank, 1.0) < self.factor
+                or w.rank in self._slot_normal}
+
+    def _learned_from_eviction(self, entry: dict, spares_left: int) -> bool:
+        """A rank slot slow again soon after its straggler was evicted, by about as much: the
+        slowness comes with the rank (its work), not the worker; from now on it is the slot's
+        normal (`_learn`), and the straggler entry ends. False when that is not the case."""
+        rank = entry["rank"]
+        if self.action != "evict" or rank not in self._evicted_at or spares_left < 1:
+            return False
+        self.own_work[rank] = max(entry["factor"], self.own_work.get(rank, 1.0))
+        self._slot_normal.add(rank)
+        self.log(f"[checkpointless] rank {rank} is as slow again after its eviction "
+                 f"({entry['factor']:.2f}x its peers): that is work that comes with the rank, not "
+                 "a slow worker; it is judged against it from now on")
+        return True
 
     def began(self, store, wid: int) -> dict | None:
         """{"t": when worker `wid`'s newest slowness began}: the start of its first slow step,
@@ -132,7 +170,8 @@ class Stragglers:
         for wid in [w for w in self.paces if w not in active]:  # left the job meanwhile
             del self.paces[wid]
         sustained: dict[int, float] = {}
-        found = policy.find_stragglers(self.paces, self.factor, self.window, sustained)
+        found = policy.find_stragglers(self.paces, self.factor, self.window, sustained,
+                                       self._learn(active))
         self.worst_sustained = round(max([self.worst_sustained, *sustained.values()]), 3)
         if not found and not self._open:
             return [], []
@@ -180,6 +219,8 @@ class Stragglers:
                 self.log(f"[checkpointless] evicting rank(s) {[e['rank'] for e in entries]} "
                          "for slowness: ready spares take their ranks" +
                          (f" (node {active[group[0]].node} is fenced)" if len(group) > 1 else ""))
+            elif len(group) == 1 and self._learned_from_eviction(entries[0], spares_left):
+                continue
             elif group[0] not in self._stay_said:
                 self._stay_said.add(group[0])
                 e = entries[0]

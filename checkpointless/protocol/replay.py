@@ -1,6 +1,9 @@
-"""The replay rehearsal's findings made into the job's verdict and its one message (pure: the
-worker's rank 0 and the supervisor's report both judge with it; worker/rehearsal.py rehearses)."""
+"""The replay rehearsal's findings made into the job's verdict, its one message, and report.json's
+`replay` (the worker's rank 0 and the supervisor's report judge alike; worker/rehearsal.py
+rehearses and writes the findings under protocol.keys' replay keys)."""
 from __future__ import annotations
+
+from .keys import REPLAY, REPLAY_REDO, read_json, replay_rank_key, replay_redo_key
 
 GATHER_S = 30.0  # how long rank 0 waits for every rank's finding (they end the step together)
 MODES = ("warn", "strict", "off")
@@ -64,3 +67,31 @@ def say(verdict: dict) -> str:
             f"{'; objects: ' + ', '.join(objects) if objects else ''}). A recovery redoes a "
             "step this way, so after one this run would not end with the bits of a run without "
             f"failures. Likely cause: {verdict['reason']}. See {RULE}; {stop}")
+
+
+def replay_report(store, nproc: int, mode: str) -> dict:
+    """report.json's `replay`: the rehearsal's verdict (rank 0's, or judged here from what the
+    ranks left when rank 0 could not: protocol/replay.py) and every mismatch the redo check
+    found after a recovery. `replayable`: True (checked: the same bits), False (a mismatch was
+    seen: the bits are not guaranteed), None (not checked: off, cut short, or the run ended
+    before the rehearsed step)."""
+    verdict = read_json(store, REPLAY)
+    if verdict is None:
+        found = [f for r in range(nproc)
+                 for f in [read_json(store, replay_rank_key(r))] if f]
+        verdict = judge(found, nproc, mode) if found else {
+            "checked_at_step": None, "replayable": None, "mismatches": [], "mode": mode,
+            "reason": "not checked: replay_check=off" if mode == "off" else
+            "not checked: the run ended before the rehearsed step (the launch's second)"}
+    redo = [read_json(store, replay_redo_key(i))
+            for i in range(1, int(store.add(REPLAY_REDO, 0)) + 1)]
+    redo = [{**m, "check": "redo"} for m in redo if m]
+    if redo:
+        verdict = {**verdict, "replayable": False,
+                   "mismatches": verdict.get("mismatches", []) + redo,
+                   "reason": "a step redone after a recovery gave other bits than its first run "
+                             "(a batch or a value drawn outside the step, state protect() does "
+                             "not hold, or a nondeterministic kernel)"
+                   if verdict.get("replayable") is not False else verdict["reason"]}
+    return verdict
+

@@ -250,3 +250,66 @@ def test_a_launcher_on_an_unhealthy_node_is_refused_with_the_reason():
     with pytest.raises(RecipeError, match=r"node 0 is unhealthy: health command 'exit 3' "
                                           r"exited 3\. Fix the node"):
         check_node_health(load("tiny-llama", ["checkpointless.health.command='exit 3'"]))
+
+
+# ---- work that comes with a rank (issue 59) ----------------------------------------------------
+def own_work_paces(steps, extra=1.3, burst=(30, 45, 1.25)):
+    """Rank 0 does `extra` x its peers' work every step (its evaluation, logging, saving inside
+    the step); from burst[0] to burst[1] the machine is loaded and rank 0's share of it (it has
+    more to do) takes burst[2] x longer again: 1.3 x 1.25 = 1.63, above the factor."""
+    p = paces(4, steps)
+    for s in p[0]:
+        p[0][s] *= extra * (burst[2] if burst[0] <= s < burst[1] else 1.0)
+    return p
+
+
+def test_a_rank_doing_more_work_by_design_is_judged_against_its_own_normal():
+    """Rank 0 with 30% more work every step and a loaded stretch: judged against its peers
+    alone it would be evicted (the first assertion is what this guards against); judged
+    against its own first window it is not, and a real straggler later is still found."""
+    assert list(policy.find_stragglers(own_work_paces(range(3, 45)), 1.5, 10)) == [0]  # what
+    p = own_work_paces(range(3, 60))  # the rule prevents: an eviction that could not help
+    st = Stragglers(SupervisorConfig(nproc=4), lambda m: None)
+    active = {w: worker(w, w) for w in range(4)}
+    for upto in range(13, 60, 3):
+        st.note(beats_from(p, upto))
+        assert st.judge(active, upto, ready_spares=1) == ([], [])
+    assert st.entries == [] and 1.25 < st.own_work[0] < 1.35
+    assert st.summary()["own_work"] == {"0": st.own_work[0]}
+    slow = own_work_paces(range(3, 90), burst=(0, 0, 1))
+    for s in range(60, 90):
+        slow[2][s] *= 3.0  # a real straggler, found as before
+    st.note(beats_from(slow, 75))
+    evict, _ = st.judge(active, 75, ready_spares=1)
+    assert [w.wid for w in evict] == [2]
+
+
+def test_a_uniform_slowdown_makes_no_straggler():
+    p = paces(4, range(3, 60))
+    for m in p.values():
+        for s in m:
+            m[s] *= 2.5 if s >= 20 else 1.0  # every rank alike: the machine, not a rank
+    assert policy.find_stragglers(p, 1.5, 10) == {}
+
+
+def test_a_slot_as_slow_after_its_eviction_is_learned_as_the_ranks_own_work():
+    """A rank 2x slower from its first step (its work, or a slow node: timing cannot tell) is
+    evicted once; its replacement is as slow, so the slowness is the slot's, learned, and the
+    entry ends without a second eviction."""
+    lines = []
+    st = Stragglers(SupervisorConfig(nproc=4), lines.append)
+    active = {w: worker(w, w) for w in range(4)}
+    p = paces(4, range(3, 30), slow=(1, 0), factor=2.0)
+    st.note(beats_from(p, 29))
+    evict, _ = st.judge(active, 29, ready_spares=1)
+    assert [w.wid for w in evict] == [1]
+    active[9] = worker(9, 1)  # the replacement, on rank 1
+    del active[1]
+    again = paces(4, range(40, 70), slow=(1, 0), factor=2.0)
+    again[9] = again.pop(1)
+    st.note(beats_from(again, 69))
+    assert st.judge(active, 69, ready_spares=1) == ([], [])
+    assert any("work that comes with the rank" in x for x in lines)
+    st.note(beats_from(again, 69))
+    assert st.judge(active, 72, ready_spares=1) == ([], [])
+    assert st.entries[-1]["until_step"] == 72 and st.entries[-1]["action"] == "reported"

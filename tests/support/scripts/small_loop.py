@@ -18,6 +18,8 @@
     WORK=n               each step also multiplies n 128x128 matrices (a fixed amount of compute,
                          so that a rank slowed from outside takes longer over it)
     WAIT_READY=w,w       every rank starts its loop once those workers (spares) are ready
+    RANK0_EXTRA=f        rank 0 does f x WORK more of that compute every step (work that comes
+                         with the rank, as an evaluation or logging inside the step would)
 """
 import hashlib
 import os
@@ -32,6 +34,7 @@ import checkpointless
 
 STEPS = int(os.environ.get("MAX_STEPS", "16"))
 WORK = int(os.environ.get("WORK", "0"))
+RANK0_EXTRA = float(os.environ.get("RANK0_EXTRA", "0"))
 busy = torch.ones(128, 128)
 wid = os.environ.get("CL_WORKER_ID")
 if wid is not None and os.environ.get("CRASH_WORKER") == wid:
@@ -75,7 +78,8 @@ for step in job.steps(STEPS):
                 raise RuntimeError("timed out reading shard 7 of my own dataset")
         if loader is not None:
             next(loader)  # the data below stays a function of (step, rank)
-        for _ in range(WORK):  # compute that touches no state
+        for _ in range(WORK + (round(WORK * RANK0_EXTRA) if job.rank == 0 else 0)):
+            # compute that touches no state
             torch.mm(busy, busy)
         g = torch.Generator().manual_seed(step * 1000 + job.rank)
         x = torch.randn(32, 16, generator=g)
