@@ -84,6 +84,14 @@ def losses(out) -> list:
     return [r["loss"] for r in recs if "step" in r]
 
 
+def assert_replayed(report):
+    """The run's replay rehearsal ran its second step twice and found the same bits (issue 59:
+    no false warning on the project's own loops)."""
+    replay = report["replay"]
+    assert replay["replayable"] is True and replay["mismatches"] == [], replay
+    assert replay["checked_at_step"] is not None, replay
+
+
 def assert_replicas_agree(report):
     digests = set(report["params_sha256_by_rank"].values())
     processes = report.get("processes_at_end", report["world_size"])  # fewer after a shrink

@@ -45,7 +45,9 @@ def judge(found: list[dict], world: int, mode: str) -> dict:
         return {"checked_at_step": step, "replayable": None, "mismatches": [], "mode": mode,
                 "reason": f"not checked: {why}"}
     return {"checked_at_step": step, "replayable": True, "mismatches": [], "mode": mode,
-            "reason": "the step gave the same bits when run again from the same state"}
+            "reason": "the step gave the same bits when run again from the same state",
+            # the most a rank spent on it: its snapshot, the first attempt, the put-back
+            "cost_s": max(f.get("cost_s", 0.0) for f in found)}
 
 
 def say(verdict: dict) -> str:

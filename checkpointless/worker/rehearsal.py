@@ -72,6 +72,7 @@ class Rehearsal:
         self.finding: dict | None = None  # this rank's finding once the rehearsal ended
         self.verdict: dict | None = None  # the job's, on rank 0 (protocol.replay.judge)
         self.redo_seen = 0  # redo mismatches this rank recorded
+        self._t0 = self.cost_s = 0.0
 
     # ---- where it stands ------------------------------------------------------------------
     def plan(self, gen: int, completed: int) -> None:
@@ -99,6 +100,7 @@ class Rehearsal:
         if not self.due(step, gen):
             return
         if self.first is None:
+            self._t0 = time.perf_counter()
             skeleton, flat = flatten_state(self.state.state())
             self._snapshot = (skeleton, flat)
             self.attempt = 1
@@ -121,6 +123,8 @@ class Rehearsal:
                 return self._abandon(step, "a failure followed the rehearsed step's update")
             self.first = digests
             self._put_back()
+            # what the rehearsal cost this rank: the snapshot, the first attempt, the put-back
+            self.cost_s = round(time.perf_counter() - self._t0, 4)
             return "redo"
         self._snapshot = None
         differs = [k for k in ("params", "output", "grads") if digests[k] != self.first[k]]
@@ -128,7 +132,8 @@ class Rehearsal:
                          if digests["state"][k] != self.first["state"].get(k))
         if objects:
             differs.append("state")
-        self.finding = {"step": step, "differs": differs, "objects": objects}
+        self.finding = {"step": step, "differs": differs, "objects": objects,
+                        "cost_s": self.cost_s}
         return "mismatch" if differs and self.mode == "strict" else None
 
     def _put_back(self) -> None:

@@ -67,11 +67,9 @@ class Metrics:
             self.bar.write(line)
 
     def replay(self, verdict: dict, step: int) -> None:
-        """The replay check's verdict (checkpointless/worker/rehearsal.py), once: a line of
-        metrics.jsonl and, to the trackers, replay/replayable (1, 0; absent when not checked)
-        and replay/mismatches."""
-        self.file.write(json.dumps({"event": "replay", "step": step, **verdict}) + "\n")
-        self.file.flush()
+        """The replay check's verdict (checkpointless/worker/rehearsal.py), once, to the
+        trackers: replay/replayable (1 or 0; not logged when unchecked) and replay/mismatches.
+        (report.json's `replay` holds it whole; metrics.jsonl keeps to steps and evaluations.)"""
         if self.trackers and verdict.get("replayable") is not None:
             self.trackers.log({"replay/replayable": int(bool(verdict["replayable"])),
                                "replay/mismatches": len(verdict.get("mismatches") or [])}, step)

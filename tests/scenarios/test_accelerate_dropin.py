@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, assert_same_bits, final_digest, supervised
+from tests.conftest import ROOT, assert_replayed, assert_same_bits, final_digest, supervised
 
 PLAIN = ROOT / "examples/accelerate_plain.py"
 DROPIN = ROOT / "examples/accelerate_checkpointless.py"
@@ -91,6 +91,7 @@ def clean(references):
     """The failure-free run under the supervisor (trained once per session)."""
     rep = references.supervised([DROPIN, "--cpu"], nproc=2, env=ENV)
     assert rep["steps_completed"] == STEPS
+    assert_replayed(rep)  # the drop-in's loop passes its own rehearsal
     epochs = _epochs(rep["stdout"])
     assert sorted(epochs) == [0, 1, 2] and epochs[2]["accuracy"] > 0.9  # it learned
     assert [(e, b) for e, b, _ in _losses(rep["stdout"])] == [

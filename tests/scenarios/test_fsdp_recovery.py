@@ -11,13 +11,14 @@ import pytest
 
 from tests.conftest import FSDP_12 as BASE
 from tests.conftest import FSDP_SAVERS as SAVERS
-from tests.conftest import assert_replicas_agree, assert_same_bits, losses, train
+from tests.conftest import assert_replayed, assert_replicas_agree, assert_same_bits, losses, train
 
 pytestmark = pytest.mark.slow  # real training processes; `make test-fast` skips them
 
 
 @pytest.fixture
 def reference(fsdp_12_steps):
+    assert_replayed(fsdp_12_steps[1])  # the sharded step, run twice, gave the same bits
     return fsdp_12_steps
 
 

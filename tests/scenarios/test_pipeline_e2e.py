@@ -3,7 +3,7 @@ injected faults and by SIGKILL from outside mid-step, a node holding a stage los
 launchers; each run ends with the failure-free pipeline run's bits."""
 import pytest
 
-from tests.conftest import FSDP_12, TINY_30, assert_replicas_agree, assert_same_bits, losses
+from tests.conftest import FSDP_12, TINY_30, assert_replayed, assert_replicas_agree, assert_same_bits, losses
 from tests.support.external_kill import seeded_moments, train_killing
 
 pytestmark = pytest.mark.slow
@@ -20,6 +20,7 @@ def test_ddp_stages_train_as_ddp_and_kills_in_either_stage_keep_the_pipeline_bit
     pipeline run's."""
     out, ref, _ = references.train("tiny-llama", *PP_30)
     assert_replicas_agree(ref)
+    assert_replayed(ref)  # the pipelined step, run twice, gave the same bits
     assert ref["parallelism"] == {"dp_replicate": 2, "dp_shard": 1, "tp": 1, "pp": 2}
     assert ref["pipeline"]["split"] == "stage 0: layers 0-1 +embed; stage 1: layers 2-3 +norm,head"
     assert ref["pipeline"]["schedule"] == "1f1b" and ref["pipeline"]["microbatches"] == 2

@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from tests.conftest import FSDP_12, assert_replicas_agree, assert_same_bits, losses, train
+from tests.conftest import FSDP_12, assert_replayed, assert_replicas_agree, assert_same_bits, losses, train
 
 pytestmark = pytest.mark.slow  # real training processes; `make test-fast` skips them
 
@@ -20,10 +20,13 @@ def test_tiny_llama_trains_its_loss_falls_and_the_export_reloads_and_generates(
         tiny_llama_30_steps):
     """On the session's failure-free tiny-llama run (4 workers, 30 steps), which the fault
     tests of this file, test_preemption.py and test_multinode.py end with."""
-    out, rep, _ = tiny_llama_30_steps
+    out, rep, run = tiny_llama_30_steps
     assert rep["world_size"] == 4 and rep["steps_completed"] == 30
     assert rep["tokens"] == 30 * 4 * 8 * 128
     assert_replicas_agree(rep)
+    assert_replayed(rep)  # the recipe loop's step, run twice at step 1, gave the same bits
+    assert rep["replay"]["checked_at_step"] == 1 and "replay check passed at step 1" in \
+        run.stdout
     ls = losses(out)
     assert len(ls) == 30 and ls[-1] < ls[0] - 1.5  # from ~5.5 (uniform over bytes) well down
     assert rep["final_loss"] == pytest.approx(ls[-1])
@@ -110,6 +113,9 @@ def test_kill_hang_and_raise_in_one_run_end_with_the_failure_free_bits(tmp_path,
     assert last["checkpointless_generation"] == 3 + len(rep["grows"])
     assert 0 < last["checkpointless_goodput_ratio"] < 1
     assert last["checkpointless_tokens_per_second"] > 0
+    assert last["checkpointless_replay_replayable"] == 1  # the rehearsal at step 1 passed
+    assert last['checkpointless_replay_mismatches_total{check="redo"}'] == 0
+    assert_replayed(rep)  # and no redo after the three recoveries gave other bits
     assert any(s['checkpointless_recoveries_total{cause="exit"}'] == 0 for s in scrapes)  # before
     assert rep["final_loss"] == ref["final_loss"]
     causes = [(x["failed_rank"], x["cause"], x["resumed_step"]) for x in rep["recoveries"]]
