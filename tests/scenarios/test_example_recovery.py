@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, assert_same_bits, final_digest, supervised
+from tests.conftest import ROOT, assert_replayed, assert_same_bits, final_digest, supervised
 
 pytestmark = pytest.mark.slow  # real training processes; `make test-fast` skips them
 
@@ -65,6 +65,7 @@ def test_twin_differs_from_the_plain_script_by_at_most_ten_lines():
 def test_failure_free_twin_equals_plain_torchrun(tmp_path, plain_digest):
     rep = twin(tmp_path, "--spares", "0")
     assert_same_bits(rep, plain_digest)
+    assert_replayed(rep)
     assert rep["recoveries"] == []
     assert rep["steps_completed"] == STEPS
 
@@ -159,6 +160,7 @@ def test_a_typical_ddp_script_and_its_fault_tolerant_version(tmp_path, reference
     torchrun(ROOT / "examples/train_ddp.py", **env)
     ft_script = [ROOT / "examples/train_ddp_checkpointless.py"]
     clean = references.supervised(ft_script, env=dict(ENV, **env))
+    assert_replayed(clean)  # its step (the loader's batch, a protected scheduler) is replayable
     rep = supervised(tmp_path, "mid-epoch", ft_script, "--spares", "1", "--fault", "kill:2:12",
                      env=dict(ENV, **env))
     assert_same_bits(rep, clean)

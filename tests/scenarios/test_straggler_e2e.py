@@ -79,16 +79,14 @@ def test_a_rank_slowed_from_outside_is_evicted_and_the_run_keeps_the_bits(tmp_pa
 
 
 def test_a_rank_doing_30_percent_more_work_every_step_is_not_evicted(tmp_path, loop_digest):
-    """Rank 0 does 30% more compute than its peers in every step (as its own evaluation or
-    logging would), a spare ready: its replacement would do the same, so nobody is evicted;
-    its normal is learned and said in the report."""
+    """Rank 0 spends 30% more time than its peers in every step (as its own logging or saving
+    would), a spare ready: its replacement would do the same, so nobody is evicted; its normal
+    is learned and said in the report."""
     rep = supervised(tmp_path, "own-work", [SCRIPT], *OPTIONS, "--spares", "1",
                      env=dict(LOOP, RANK0_EXTRA="0.3"))
     assert_same_bits(rep, loop_digest)
     assert rep["stragglers"] == [] and rep["recoveries"] == [], rep["stragglers"]
-    # its normal, learned (on 2 cores shared by 4 workers its extra work slows the others too:
-    # 1.07 measured here, where its compute alone is 1.3x)
-    assert 1.0 < rep["straggler_check"]["own_work"]["0"] < 1.6, rep["straggler_check"]
+    assert 1.1 < rep["straggler_check"]["own_work"]["0"] < 1.6, rep["straggler_check"]
     assert rep["replay"]["replayable"] is True
 
 

@@ -18,8 +18,10 @@
     WORK=n               each step also multiplies n 128x128 matrices (a fixed amount of compute,
                          so that a rank slowed from outside takes longer over it)
     WAIT_READY=w,w       every rank starts its loop once those workers (spares) are ready
-    RANK0_EXTRA=f        rank 0 does f x WORK more of that compute every step (work that comes
-                         with the rank, as an evaluation or logging inside the step would)
+    RANK0_EXTRA=f        rank 0 spends f x the time of that compute more in every step, waiting
+                         (work that comes with the rank and waits on a disk or a tracker's
+                         server, as a log or a save inside the step does; a sleep, so that on a
+                         machine with fewer cores than workers it does not slow its peers too)
 """
 import hashlib
 import os
@@ -78,9 +80,11 @@ for step in job.steps(STEPS):
                 raise RuntimeError("timed out reading shard 7 of my own dataset")
         if loader is not None:
             next(loader)  # the data below stays a function of (step, rank)
-        for _ in range(WORK + (round(WORK * RANK0_EXTRA) if job.rank == 0 else 0)):
-            # compute that touches no state
+        t_work = time.perf_counter()
+        for _ in range(WORK):  # compute that touches no state
             torch.mm(busy, busy)
+        if RANK0_EXTRA and job.rank == 0:
+            time.sleep(RANK0_EXTRA * (time.perf_counter() - t_work))
         g = torch.Generator().manual_seed(step * 1000 + job.rank)
         x = torch.randn(32, 16, generator=g)
         if dropin is not None and job.grads_kept:  # a survivor redoing the step: no recompute
