@@ -112,8 +112,11 @@ class Rehearsal:
         """A step's body ended. "redo": the first attempt ended cleanly and the state is back
         at the step's start (the step must not commit); "mismatch": the second attempt differed
         under strict (the caller commits, then stops the run); None otherwise."""
-        if not self.due(step, gen) or self.attempt == 0:
+        if not self.due(step, gen):
             return None
+        if self.attempt == 0:  # the body ran without open(): nothing was kept to compare
+            return self._abandon(step, "the loop's steps do not open (with job.step(), or "
+                                 "steploop.open), so there is no step to run again")
         digests = self._disarm()
         if failed and not applied:  # cut short before the update: the recovery restores it
             return self._abandon(step, "a failure cut the rehearsed step short")
@@ -183,11 +186,12 @@ class Rehearsal:
                     self._outputs.device)
 
     # ---- the verdict ----------------------------------------------------------------------
-    def publish(self, rank: int, world: int, moved) -> dict | None:
+    def publish(self, rank: int, world: int, moved, beat=lambda: None) -> dict | None:
         """After the rehearsal ended on this rank: its finding to the store. Rank 0, having
         compared both attempts, gathers every rank's (until `moved()`: a failure ends the wait),
         writes the job's verdict and says it; the verdict on rank 0, else None. (A rehearsal cut
-        short waits for nobody: the supervisor's report judges from what the ranks left.)"""
+        short waits for nobody: the supervisor's report judges from what the ranks left.)
+        `beat()` keeps rank 0's heartbeat going while it waits."""
         if self.finding is None or self.finding.get("published"):
             return None
         self.finding["published"] = True
@@ -196,9 +200,12 @@ class Rehearsal:
         self.store.add(protocol.REPLAY_RANKS, 1)
         if rank != 0 or mine["differs"] is None:
             return None
-        deadline = time.time() + GATHER_S
+        deadline, beaten = time.time() + GATHER_S, time.time()
         while self.store.add(protocol.REPLAY_RANKS, 0) < world and time.time() < deadline \
                 and not moved():
+            if time.time() - beaten > 0.5:
+                beat()
+                beaten = time.time()
             time.sleep(0.01)
         found = [protocol.read_json(self.store, protocol.replay_rank_key(r))
                  for r in range(world)]

@@ -198,7 +198,8 @@ class StepLoop:
         """After the rehearsal ended on this rank: its finding published (rank 0 says the
         job's verdict); under strict a step that gave other bits stops the run here."""
         rec = self.rec
-        self.rehearsal.publish(rec.rank, rec.world_size, lambda: rec.watch.moved(rec.gen))
+        self.rehearsal.publish(rec.rank, rec.world_size, lambda: rec.watch.moved(rec.gen),
+                               lambda: rec.reporter.beat(rec.completed, rec.gen, "step"))
         if stop:
             exc = ReplayMismatch(
                 f"checkpointless.replay_check=strict: step {rec.completed - 1} gave other bits "

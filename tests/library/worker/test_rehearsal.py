@@ -190,3 +190,24 @@ def test_the_verdict_says_what_was_not_checked_and_why():
                 1, "strict")
     text = say(bad)
     assert "rank(s) 1" in text and "nondeterministic" in text and "run stops here" in text
+
+
+def test_a_loop_whose_steps_never_open_is_said_unchecked_not_passed(sup):
+    """`job.steps()` without `with job.step()`: nothing is kept before the body, so nothing can
+    be run again; the report must not say the step was checked."""
+    job = _job(sup)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    job.protect(model=model, optimizer=opt)
+    for _ in job.steps(3):
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        job.all_reduce_grads(model.parameters())
+        opt.step()
+    finding = protocol.read_json(sup.store, protocol.replay_rank_key(0))
+    assert finding["differs"] is None and "do not open" in finding["why"]
+    from checkpointless.protocol.replay import replay_report
+    assert replay_report(sup.store, 1, "warn")["replayable"] is None
+    job.finish()
