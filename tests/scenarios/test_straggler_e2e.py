@@ -47,6 +47,10 @@ def worker_pid(wid: int, marker: str, timeout_s: float = 60) -> int:
 
 def test_a_rank_slowed_from_outside_is_evicted_and_the_run_keeps_the_bits(tmp_path,
                                                                           loop_digest):
+    """Worker 2 stopped and continued from outside in turns is found and evicted. In the same
+    run rank 0 spends 30% more time than its peers in every step (as its own logging or saving
+    would; a wait, since on 2 cores extra compute would slow its peers too): its replacement
+    would do the same, so it is judged against its own normal, learned, and never evicted."""
     stop = threading.Event()
 
     def throttle():  # from outside the project: worker 2 runs 40% of the time
@@ -65,7 +69,8 @@ def test_a_rank_slowed_from_outside_is_evicted_and_the_run_keeps_the_bits(tmp_pa
     t.start()
     try:
         rep = supervised(tmp_path, "outside", [SCRIPT], *OPTIONS, "--spares", "1",
-                         env=dict(LOOP, MARKER_DIR=str(tmp_path)), timeout=240)
+                         env=dict(LOOP, MARKER_DIR=str(tmp_path), RANK0_EXTRA="0.3"),
+                         timeout=240)
     finally:
         stop.set()
     assert_same_bits(rep, loop_digest)
@@ -76,16 +81,6 @@ def test_a_rank_slowed_from_outside_is_evicted_and_the_run_keeps_the_bits(tmp_pa
     assert rec["cause"] == "slow" and rec["failed_rank"] == 2
     assert "is a straggler" in rep["stdout"] and "evicting rank(s) [2]" in rep["stdout"]
     assert rep["slow_s"] > 0 and rep["goodput"] < 0.99  # the slowness is not useful time
-
-
-def test_a_rank_doing_30_percent_more_work_every_step_is_not_evicted(tmp_path, loop_digest):
-    """Rank 0 spends 30% more time than its peers in every step (as its own logging or saving
-    would), a spare ready: its replacement would do the same, so nobody is evicted; its normal
-    is learned and said in the report."""
-    rep = supervised(tmp_path, "own-work", [SCRIPT], *OPTIONS, "--spares", "1",
-                     env=dict(LOOP, RANK0_EXTRA="0.3"))
-    assert_same_bits(rep, loop_digest)
-    assert rep["stragglers"] == [] and rep["recoveries"] == [], rep["stragglers"]
     assert 1.1 < rep["straggler_check"]["own_work"]["0"] < 1.6, rep["straggler_check"]
     assert rep["replay"]["replayable"] is True
 
