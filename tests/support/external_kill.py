@@ -73,8 +73,12 @@ def seeded_moments(seed: int, lines: list[int], max_delay_s: float = 0.5) -> lis
 def train_killing(tmp_path, name: str, recipe: str, moments, *overrides, victims=None,
                   timeout_s=400):
     """Train `recipe` through the CLI and kill worker 1, then 2, then 3 ... (or the worker ids in
-    `victims`) at `moments`. Returns (out dir, report, kills: [(line, delay, pid or None)], log
-    text)."""
+    `victims`) at `moments`. Returns (out dir, report, kills: [(line, delay, pid)], log text).
+
+    Every kill must land: a victim with no live process fails the run (were finding workers to
+    break, every run would otherwise pass as a failure-free one), and each victim must be in
+    the report, as a failure the job recovered from or as a worker killed after its result was
+    in (`killed_after_done`); a spare victim, only if it had taken a rank by then."""
     out = tmp_path / name
     log_path = tmp_path / f"{name}.log"
     with open(log_path, "w") as log:
@@ -89,13 +93,22 @@ def train_killing(tmp_path, name: str, recipe: str, moments, *overrides, victims
                     time.sleep(0.003)
                 time.sleep(delay)
                 pids = worker_pids(out, victim)
+                assert pids, (f"no live process of worker {victim} to kill at line {line} + "
+                              f"{delay} s: nothing would be tested", log_path.read_text()[-2000:])
                 for pid in pids:
                     os.kill(pid, signal.SIGKILL)
-                kills.append((line, delay, pids[0] if pids else None))
+                kills.append((line, delay, pids[0]))
             rc = proc.wait(timeout=max(1.0, deadline - time.time()))
         finally:
             if proc.poll() is None:
                 proc.kill()
     text = log_path.read_text()
     assert rc == 0, (kills, text[-4000:])
-    return out, json.loads((out / "report.json").read_text()), kills, text
+    report = json.loads((out / "report.json").read_text())
+    hit = {f["worker"] for f in report["failures"]} | set(report.get("killed_after_done", []))
+    launched = len(report["pids_at_start"])  # workers 0..n-1 held ranks from the start; a
+    for victim, kill in zip(victims or range(1, len(moments) + 1), kills):  # spare killed
+        # before it was promoted is replaced unseen by the job, and not in its report
+        assert victim >= launched or victim in hit, (f"worker {victim} was SIGKILLed {kill} but the report has no "
+                               "failure of it", report["failures"], text[-3000:])
+    return out, report, kills, text
