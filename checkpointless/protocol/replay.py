@@ -84,7 +84,9 @@ def replay_report(store, nproc: int, mode: str) -> dict:
         verdict = judge(found, nproc, mode) if found else {
             "checked_at_step": None, "replayable": None, "mismatches": [], "mode": mode,
             "reason": "not checked: replay_check=off" if mode == "off" else
-            "not checked: the run ended before the rehearsed step (the launch's second)"}
+            "not checked: no rank reached the rehearsed step (the launch's second) in the "
+            "launch's first generation: the run was shorter, or a failure came first (only "
+            "that generation rehearses; the redo check still watched every recovery)"}
     redo = [read_json(store, replay_redo_key(i))
             for i in range(1, int(store.add(REPLAY_REDO, 0)) + 1)]
     redo = [{**m, "check": "redo"} for m in redo if m]
