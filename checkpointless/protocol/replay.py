@@ -15,8 +15,8 @@ CAUSES = {
               "protected, or weights edited between steps)",
     "output": "the forward saw other inputs: a batch or a random value drawn outside the step "
               "(a prefetch of the next step's batch inside this one is the usual cause: draw "
-              "the batch at the start of the step, or use job.batches()), or a nondeterministic "
-              "forward kernel",
+              "the batch at the start of the step, or use job.batches()), a batch the step "
+              "changes in place, or a nondeterministic forward kernel",
     "grads": "the backward computed other gradients from the same output: a nondeterministic "
              "kernel (torch.use_deterministic_algorithms(True) finds it) or work that differs "
              "between the two runs of the step",
@@ -68,7 +68,8 @@ def say(verdict: dict) -> str:
             f"{', '.join(map(str, ranks))} ({which}"
             f"{'; objects: ' + ', '.join(objects) if objects else ''}). A recovery redoes a "
             "step this way, so after one this run would not end with the bits of a run without "
-            f"failures. Likely cause: {verdict['reason']}. See {RULE}; {stop}")
+            "failures (nor does it exactly now: whatever the step does outside protect() was "
+            f"done twice). Likely cause: {verdict['reason']}. See {RULE}; {stop}")
 
 
 def replay_report(store, nproc: int, mode: str) -> dict:

@@ -21,6 +21,9 @@ seed drawn when each epoch starts, which a replacement cannot draw again).
 """
 from __future__ import annotations
 
+import copy
+from collections import UserDict
+
 from torch.utils.data import (BatchSampler, DataLoader, DistributedSampler, IterableDataset,
                               SequentialSampler)
 
@@ -143,6 +146,13 @@ class Cursor:
         self.last = END
 
     def batch(self, index: int):
+        """The epoch's batch `index`. Each call hands out its own container (a dict's or list's
+        shallow copy): a body that takes from its batch (`labels = batch.pop("labels")`) finds
+        it whole again when the step is run again (a redo, the replay rehearsal)."""
+        got = self._batch(index)
+        return copy.copy(got) if isinstance(got, (dict, list, UserDict)) else got
+
+    def _batch(self, index: int):
         if index == self.taken - 1 and self.last is not END:
             return self.last
         if self.it is None or not 0 <= index - self.taken <= 2:

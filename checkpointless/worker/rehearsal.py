@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import re
 import sys
 import time
 
@@ -36,6 +38,7 @@ import torch
 from .. import protocol
 from ..protocol.replay import GATHER_S, RULE, judge, say
 from .audit import GradTap, checksum
+from .data import Position
 from .transfer import flatten_state, strip_tensors, unflatten_state
 
 
@@ -49,7 +52,8 @@ def _object_digests(state) -> dict[str, str]:
     out = {}
     for name, value in state.state().items():
         skeleton, tensors = strip_tensors(value)
-        h = hashlib.sha256(repr(skeleton).encode())
+        # an object's default repr names its address, which differs between two reads
+        h = hashlib.sha256(re.sub(r" at 0x[0-9a-fA-F]+", "", repr(skeleton)).encode())
         for t in tensors:
             h.update(int(checksum(t)).to_bytes(8, "little", signed=True))
         out[name] = h.hexdigest()[:16]
@@ -73,6 +77,7 @@ class Rehearsal:
         self.verdict: dict | None = None  # the job's, on rank 0 (protocol.replay.judge)
         self.redo_seen = 0  # redo mismatches this rank recorded
         self._t0 = self.cost_s = 0.0
+        self._in_first = False  # the first attempt's body is in flight (open to close)
 
     # ---- where it stands ------------------------------------------------------------------
     def plan(self, gen: int, completed: int) -> None:
@@ -85,9 +90,10 @@ class Rehearsal:
 
     @property
     def rehearsing(self) -> bool:
-        """The first attempt's body runs: its effects outside the protected state (a checkpoint
-        written, a line logged) are the second attempt's to make."""
-        return self.attempt == 1 and self._snapshot is not None
+        """The first attempt's body runs (from open to close, on every rank alike): its effects
+        outside the protected state (a checkpoint written, a line logged) are the second
+        attempt's to make."""
+        return self._in_first
 
     def second_pass(self, step: int, gen: int) -> bool:
         """The step about to run is the rehearsal's second attempt."""
@@ -101,9 +107,14 @@ class Rehearsal:
             return
         if self.first is None:
             self._t0 = time.perf_counter()
-            skeleton, flat = flatten_state(self.state.state())
+            state = self.state.state()
+            short = _host_short(state, int(getattr(self.state.spec, "workers_per_node", 1)))
+            if short:
+                self._abandon(step, short)
+                return
+            skeleton, flat = flatten_state(state)
             self._snapshot = (skeleton, flat)
-            self.attempt = 1
+            self.attempt, self._in_first = 1, True
         else:
             self.attempt = 2
         self._arm(step)
@@ -112,6 +123,7 @@ class Rehearsal:
         """A step's body ended. "redo": the first attempt ended cleanly and the state is back
         at the step's start (the step must not commit); "mismatch": the second attempt differed
         under strict (the caller commits, then stops the run); None otherwise."""
+        self._in_first = False
         if not self.due(step, gen):
             return None
         if self.attempt == 0:  # the body ran without open(): nothing was kept to compare
@@ -139,17 +151,30 @@ class Rehearsal:
                         "cost_s": self.cost_s}
         return "mismatch" if differs and self.mode == "strict" else None
 
+    def interrupted(self) -> None:
+        """A failure came between the two attempts (the first ended cleanly, the second never
+        opened in this generation): the rehearsal is over, unchecked, its copy freed. Called
+        as the loop recovers."""
+        if self.finding is None and self.first is not None:
+            self.first = None
+            self._abandon(self.at, "a failure came between the rehearsed step's two attempts")
+
     def _put_back(self) -> None:
         """The state at the step's start, as a recovery restores it: loaded whole, gradients
-        cleared, none kept (the second attempt computes them, as a replacement would)."""
+        cleared, none kept (the second attempt computes them, as a replacement would). A loop
+        position's pending move (not part of its state: the drop-in's next epoch, waiting for
+        its first commit) stays as it was."""
         skeleton, flat = self._snapshot
+        pending = {n: o.pending for n, o in self.state.objects.items() if isinstance(o, Position)}
         self.state.load(unflatten_state(skeleton, flat))
+        for name, move in pending.items():
+            self.state.objects[name].pending = move
         self.state.zero_grads()
         self.kept.drop()
         self.state.update_applied = False
 
     def _abandon(self, step: int, why: str) -> None:
-        self._snapshot, self.attempt = None, 0
+        self._snapshot, self.attempt, self._in_first = None, 0, False
         self.finding = {"step": step, "differs": None, "why": why}
         return None
 
@@ -226,3 +251,21 @@ class Rehearsal:
         self.log(f"[checkpointless] replay check: rank {rank} redid step {step} after a recovery "
                  f"and its {what} differed from the first time; this run's bits are not those of "
                  f"a run without failures. See {RULE}", file=sys.stderr, flush=True)
+
+
+def _host_short(state, workers_per_node: int) -> str | None:
+    """Why a host copy of `state` would not fit in this worker's share of the node's free
+    memory (with room to spare), or None. Checked before the rehearsal takes one: a run is never
+    put at risk for the check (it is then said unchecked, with this reason)."""
+    _, tensors = strip_tensors(state)
+    need = sum(t.numel() * t.element_size() for t in tensors)
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
+    share = free / max(1, workers_per_node)
+    if 2 * need <= share:
+        return None
+    return (f"a host copy of this rank's state ({need / 1e9:.1f} GB) would not fit twice in "
+            f"its share of the node's free memory ({share / 1e9:.1f} GB)")
+

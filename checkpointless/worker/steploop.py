@@ -114,6 +114,7 @@ class StepLoop:
                 self._leave(leave[1])
             rec.fail()  # no step in flight: wait here for the plan that replaces the leaver
         if rec.failed:
+            self.rehearsal.interrupted()  # a failure between its attempts ends the rehearsal
             self._reported(rec.recover)
         return rec.completed
 
@@ -138,7 +139,8 @@ class StepLoop:
         """The step's body starts: seeded per step (a redone step draws the same numbers), and a
         collective stuck on a hung peer may be aborted from here on."""
         self.state.update_applied = False
-        self.rehearsal.open(step, self.rec.gen)  # the state kept before a rehearsed step
+        self._reported(lambda: self.rehearsal.open(step, self.rec.gen))  # the state kept
+        # before a rehearsed step
         self.rec.enter_step()
         seed_all(step_seed(int(self.spec.seed), step, self.rec.rank, 0))
         self.rec.reporter.kick()  # this step's heartbeat, the last one's record

@@ -211,3 +211,79 @@ def test_a_loop_whose_steps_never_open_is_said_unchecked_not_passed(sup):
     from checkpointless.protocol.replay import replay_report
     assert replay_report(sup.store, 1, "warn")["replayable"] is None
     job.finish()
+
+
+def test_a_failure_between_the_two_attempts_ends_the_rehearsal_everywhere(sup):
+    """The first attempt ended cleanly and a peer was lost before the second opened: the
+    rehearsal is over (unchecked, its copy freed) and `rehearsing` is False from then on, as on
+    a replacement that never rehearsed (a loop that skips a checkpoint while it is True must not
+    skip it on some ranks only)."""
+    job = _job(sup)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    job.protect(model=model, optimizer=opt)
+    loop, seen, lost = job.steploop, [], []
+    loop.start()
+    while (step := loop.next()) < 4:
+        if not loop.ready(step):
+            continue
+        loop.open(step)
+        seen.append((step, job.rehearsing))
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        job.all_reduce_grads(model.parameters())
+        opt.step()
+        if not loop.close() and step == 1 and not lost:  # the first attempt ended cleanly
+            lost.append(step)
+            sup.lose_a_worker()  # lost before the second attempt opens
+    assert lost == [1] and loop.generation == 1
+    assert seen[:2] == [(0, False), (1, True)] and all(not r for _, r in seen[2:]), seen
+    finding = protocol.read_json(sup.store, protocol.replay_rank_key(0))
+    assert finding["differs"] is None and "between" in finding["why"]
+    assert loop.rehearsal._snapshot is None
+    job.finish()
+
+
+def test_a_body_that_takes_from_its_batch_finds_it_whole_when_run_again():
+    """job.batches(): each attempt of a step gets its own dict (a `batch.pop("labels")` in the
+    first does not take the labels from the second)."""
+    from torch.utils.data import DataLoader
+    from checkpointless.worker.data import Cursor
+    loader = DataLoader([{"x": torch.tensor(float(i)), "labels": torch.tensor(i)}
+                         for i in range(4)], batch_size=2)
+    cur = Cursor(loader)
+    first = cur.batch(0)
+    first.pop("labels")
+    again = cur.batch(0)
+    assert set(again) == {"x", "labels"} and torch.equal(again["x"], torch.tensor([0.0, 1.0]))
+
+
+def test_the_put_back_keeps_a_loops_pending_move_and_a_state_too_big_is_not_copied():
+    """The drop-in's move to the next epoch waits in its position's `pending` (not part of its
+    state) until that epoch's first step commits: putting the state back keeps it. A state
+    whose copy would not fit in the node's free memory is not copied: said unchecked."""
+    from checkpointless.worker.data import Position
+    from checkpointless.worker.grads import KeptGrads
+    from checkpointless.worker.rehearsal import Rehearsal, _host_short
+    from checkpointless.worker.state import ProtectedState
+
+    class Store:
+        def __init__(self):
+            self.kv = {}
+
+        def set(self, k, v):
+            self.kv[k] = v
+
+    state, pos = ProtectedState(protocol.Spec()), Position()
+    state.protect(loop=pos)
+    r = Rehearsal("warn", state, KeptGrads(), Store())
+    r.plan(0, 0)
+    pos.pending = (1, 1)  # epoch 0 ended at step 1's start: epoch 1 waits for its first commit
+    r.open(1, 0)
+    assert r.rehearsing
+    assert r.close(1, 0, failed=False, applied=True) == "redo"
+    assert pos.pending == (1, 1) and not r.rehearsing
+    assert _host_short({"w": torch.zeros(1000)}, workers_per_node=1) is None
+    assert "would not fit" in _host_short({"w": torch.zeros(1000)}, workers_per_node=10 ** 12)
