@@ -83,15 +83,18 @@ def crash_loop(rank: int, crashes: int, limit: int, error: str | None, code) -> 
 
 
 def escalation(failures: list, f) -> str | None:
-    """An error that strikes again at the same step is a bug, not a fault. `failures`: every
-    failure so far (objects with cause, step, rank, error), `f` among them."""
+    """An error that strikes again at the same step is a bug, not a fault: after a recovery (the
+    earlier one's rank was already replaced: its `gen` >= 0), or on two ranks at once (found in
+    the same turn, neither replaced yet). `failures`: every failure so far (objects with cause,
+    step, rank, error, gen), `f` among them."""
     same = [g for g in failures if g is not f and g.cause == "error" == f.cause
             and g.step == f.step]
     if not same:
         return None
     last = (f.error or "").rstrip().splitlines()[-1:] or ["(no message)"]
-    return (f"step {f.step} raised an error again after a recovery (ranks {same[0].rank} and "
-            f"{f.rank}): this is a bug in the step, not a transient fault. The error: {last[0]}")
+    when = "again after a recovery" if same[0].gen >= 0 else "on two ranks at once"
+    return (f"step {f.step} raised an error {when} (ranks {same[0].rank} and {f.rank}): this is "
+            f"a bug in the step, not a transient fault. The error: {last[0]}")
 
 
 def no_spare_left(lost: int, live_spares: int, spares: int, refill: bool) -> str | None:

@@ -74,14 +74,20 @@ def test_a_replacement_crash_loop_stops_after_the_limit_in_a_row():
 
 
 def test_an_error_again_at_the_same_step_escalates():
-    a = NS(cause="error", step=5, rank=0, error="x\nValueError: again")
-    b = NS(cause="error", step=5, rank=1, error="x\nValueError: again")
-    other = NS(cause="exit", step=5, rank=1, error=None)
+    a = NS(cause="error", step=5, rank=0, error="x\nValueError: again", gen=1)  # replaced
+    b = NS(cause="error", step=5, rank=1, error="x\nValueError: again", gen=-1)
+    other = NS(cause="exit", step=5, rank=1, error=None, gen=1)
     assert policy.escalation([a], a) is None
     assert policy.escalation([other, a], a) is None
     msg = policy.escalation([a, b], b)
     assert msg.startswith("step 5 raised an error again after a recovery (ranks 0 and 1)")
     assert msg.endswith("The error: ValueError: again")
+    # two ranks raising at once, before any recovery: a bug too, and said as it happened
+    at_once = NS(cause="error", step=0, rank=0, error="x\nKeyError: 'labels'", gen=-1)
+    too = NS(cause="error", step=0, rank=1, error="x\nKeyError: 'labels'", gen=-1)
+    msg = policy.escalation([at_once, too], too)
+    assert msg.startswith("step 0 raised an error on two ranks at once (ranks 0 and 1)")
+    assert "after a recovery" not in msg
 
 
 def test_no_spare_left_and_the_spare_wait_running_out_stop():
