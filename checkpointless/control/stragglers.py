@@ -86,18 +86,21 @@ class Stragglers:
 
     def _learn(self, active: dict) -> dict[int, float]:
         """Each rank's ratio to its peers over its first full window of the launch, learned
-        once per rank: a rank that does more by design (rank 0 evaluating, logging or saving
+        once per rank, when that window is steady (policy.steady_ratios: every step shows it;
+        a rank slowed partway through it learns nothing): a rank that does more by design (rank 0 evaluating, logging or saving
         inside the step) is judged against its own normal, which an eviction could not
         change, since its replacement does the same work. A uniform slowdown moves every rank
         alike and no ratio. A normal at or above the factor is not learned (that rank may be a
         slow node from the start): it is judged as any, and if its replacement is as slow, the
         slot's slowness is learned then (`_learned_from_eviction`). Returns wid -> normal."""
         if any(w.rank not in self.own_work for w in active.values()):
-            raw: dict[int, float] = {}
-            policy.find_stragglers(self.paces, self.factor, self.window, raw)
-            for wid, ratio in raw.items():
-                if wid in active and active[wid].rank not in self.own_work:
-                    self.own_work[active[wid].rank] = round(ratio, 3)
+            steady = None
+            for wid, paces in self.paces.items():
+                if wid in active and active[wid].rank not in self.own_work and \
+                        len(paces) >= self.window:  # its first window is in: learned once
+                    if steady is None:
+                        steady = policy.steady_ratios(self.paces, self.window)
+                    self.own_work[active[wid].rank] = round(steady.get(wid, 1.0), 3)
         return {wid: self.own_work[w.rank] for wid, w in active.items()
                 if 1.0 < self.own_work.get(w.rank, 1.0) < self.factor
                 or w.rank in self._slot_normal}

@@ -274,7 +274,7 @@ def test_a_rank_doing_more_work_by_design_is_judged_against_its_own_normal():
     for upto in range(13, 60, 3):
         st.note(beats_from(p, upto))
         assert st.judge(active, upto, ready_spares=1) == ([], [])
-    assert st.entries == [] and 1.25 < st.own_work[0] < 1.35
+    assert st.entries == [] and 1.2 < st.own_work[0] < 1.35
     assert st.summary()["own_work"] == {"0": st.own_work[0]}
     slow = own_work_paces(range(3, 90), burst=(0, 0, 1))
     for s in range(60, 90):
@@ -313,3 +313,19 @@ def test_a_slot_as_slow_after_its_eviction_is_learned_as_the_ranks_own_work():
     st.note(beats_from(again, 69))
     assert st.judge(active, 72, ready_spares=1) == ([], [])
     assert st.entries[-1]["until_step"] == 72 and st.entries[-1]["action"] == "reported"
+
+
+def test_a_rank_slowed_partway_through_its_first_window_learns_no_normal():
+    """Throttled 2.5x from step 10, inside its first window (steps 3-12): the window's mean
+    without its highest, 1.3, would have been learned as its normal and hidden it (as a CI run
+    once saw); its typical step is still 1, which is what is learned, and it is found."""
+    p = paces(4, range(3, 60), slow=(2, 10), factor=2.5)
+    assert 1.25 < policy._kept_up([p[2][s] / 100.0 for s in range(3, 13)]) < 1.5
+    assert policy.steady_ratios(p, 10).get(2, 1.0) < 1.1
+    st = Stragglers(SupervisorConfig(nproc=4), lambda m: None)
+    active = {w: worker(w, w) for w in range(4)}
+    for upto in range(13, 60, 3):
+        st.note(beats_from(p, upto))
+        st.judge(active, upto, ready_spares=0)
+    assert st.own_work[2] < 1.1 and [e["rank"] for e in st.entries] == [2]
+
