@@ -248,36 +248,6 @@ def _kept_up(ratios: list[float]) -> float:
     return (sum(ratios) - max(ratios)) / (len(ratios) - 1)
 
 
-def steady_ratios(paces: dict[int, dict[int, float]], window: int) -> dict[int, float]:
-    """Workers whose first `window` judged steps all show about the same ratio to their peers'
-    median: wid -> the median of those ratios. A rank that does more work by design (rank 0's
-    logging, saving) does it at every step; a rank throttled or slowed partway through the
-    window is not steady (some of its steps at 1, others far above) and gets nothing here.
-    Steady: all but the lowest ratio at least halfway from 1 to the median."""
-    by_step: dict[int, list[float]] = {}
-    for mine in paces.values():
-        for s, x in mine.items():
-            by_step.setdefault(s, []).append(x)
-    for v in by_step.values():
-        v.sort()
-    out = {}
-    for w, mine in paces.items():
-        ratios = []
-        for s in sorted(mine):
-            v = by_step[s]
-            if len(v) >= 2 and (peers := _median_without(v, mine[s])) > 0:
-                ratios.append(mine[s] / peers)
-            if len(ratios) == window:
-                break
-        if len(ratios) < window:
-            continue
-        ordered = sorted(ratios)
-        median = ordered[window // 2]
-        if ordered[1] >= 1 + (median - 1) / 2:
-            out[w] = median
-    return out
-
-
 def find_stragglers(paces: dict[int, dict[int, float]], factor: float,
                     window: int, sustained: dict | None = None,
                     baselines: dict[int, float] | None = None) -> dict[int, tuple[float, int]]:

@@ -86,7 +86,7 @@ class Stragglers:
 
     def _learn(self, active: dict) -> dict[int, float]:
         """Each rank's ratio to its peers over its first full window of the launch, learned
-        once per rank, when that window is steady (policy.steady_ratios: every step shows it;
+        once per rank, when that window is steady (`steady_ratios`: every step shows it;
         a rank slowed partway through it learns nothing): a rank that does more by design (rank 0 evaluating, logging or saving
         inside the step) is judged against its own normal, which an eviction could not
         change, since its replacement does the same work. A uniform slowdown moves every rank
@@ -99,7 +99,7 @@ class Stragglers:
                 if wid in active and active[wid].rank not in self.own_work and \
                         len(paces) >= self.window:  # its first window is in: learned once
                     if steady is None:
-                        steady = policy.steady_ratios(self.paces, self.window)
+                        steady = steady_ratios(self.paces, self.window)
                     self.own_work[active[wid].rank] = round(steady.get(wid, 1.0), 3)
         return {wid: self.own_work[w.rank] for wid, w in active.items()
                 if 1.0 < self.own_work.get(w.rank, 1.0) < self.factor
@@ -246,3 +246,33 @@ class Stragglers:
                  f"its last {self.window} steps (above {self.factor:g}x), slow since step "
                  f"{since}" +
                  (f"; every rank of node {w.node} is slow" if slow_node else ""))
+
+
+def steady_ratios(paces: dict[int, dict[int, float]], window: int) -> dict[int, float]:
+    """Workers whose first `window` judged steps all show about the same ratio to their peers'
+    median: wid -> the median of those ratios. A rank that does more work by design (rank 0's
+    logging, saving) does it at every step; a rank throttled or slowed partway through the
+    window is not steady (some of its steps at 1, others far above) and gets nothing here.
+    Steady: all but the lowest ratio at least halfway from 1 to the median."""
+    by_step: dict[int, list[float]] = {}
+    for mine in paces.values():
+        for s, x in mine.items():
+            by_step.setdefault(s, []).append(x)
+    for v in by_step.values():
+        v.sort()
+    out = {}
+    for w, mine in paces.items():
+        ratios = []
+        for s in sorted(mine):
+            v = by_step[s]
+            if len(v) >= 2 and (peers := policy._median_without(v, mine[s])) > 0:
+                ratios.append(mine[s] / peers)
+            if len(ratios) == window:
+                break
+        if len(ratios) < window:
+            continue
+        ordered = sorted(ratios)
+        median = ordered[window // 2]
+        if ordered[1] >= 1 + (median - 1) / 2:
+            out[w] = median
+    return out

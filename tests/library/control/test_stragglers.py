@@ -14,7 +14,7 @@ from checkpointless.worker import pace
 from checkpointless.control import policy
 from checkpointless.control.report import goodput_from_steps, slow_time
 from checkpointless.protocol.settings import SupervisorConfig
-from checkpointless.control.stragglers import Stragglers
+from checkpointless.control.stragglers import Stragglers, steady_ratios
 
 
 def paces(n_ranks, steps, slow=None, factor=3.0, base=100.0, jitter=0.1):
@@ -321,7 +321,7 @@ def test_a_rank_slowed_partway_through_its_first_window_learns_no_normal():
     once saw); its typical step is still 1, which is what is learned, and it is found."""
     p = paces(4, range(3, 60), slow=(2, 10), factor=2.5)
     assert 1.25 < policy._kept_up([p[2][s] / 100.0 for s in range(3, 13)]) < 1.5
-    assert policy.steady_ratios(p, 10).get(2, 1.0) < 1.1
+    assert steady_ratios(p, 10).get(2, 1.0) < 1.1
     st = Stragglers(SupervisorConfig(nproc=4), lambda m: None)
     active = {w: worker(w, w) for w in range(4)}
     for upto in range(13, 60, 3):
