@@ -240,6 +240,17 @@ def _median_without(v: list[float], x: float) -> float:
     return (at((m - 1) // 2) + at(m // 2)) / 2
 
 
+def figures_by_step(paces: dict[int, dict[int, float]]) -> dict[int, list[float]]:
+    """Every worker's figure at each step, sorted: step -> [ms, ...] (the peers' medians)."""
+    by_step: dict[int, list[float]] = {}
+    for mine in paces.values():
+        for s, x in mine.items():
+            by_step.setdefault(s, []).append(x)
+    for v in by_step.values():
+        v.sort()
+    return by_step
+
+
 def _kept_up(ratios: list[float]) -> float:
     """The slowness a window of per-step ratios kept up: their mean without the highest one (a
     rank descheduled once is not a straggler)."""
@@ -267,12 +278,7 @@ def find_stragglers(paces: dict[int, dict[int, float]], factor: float,
     in a failure-free run, the figure that says how high noise alone goes (report.json's
     straggler_check). `baselines` (wid -> ratio): work that comes with a worker's rank (rank 0's
     evaluation, logging, saving), its ratios divided by it (stragglers.py learns them)."""
-    by_step: dict[int, list[float]] = {}
-    for mine in paces.values():
-        for s, x in mine.items():
-            by_step.setdefault(s, []).append(x)
-    for v in by_step.values():
-        v.sort()
+    by_step = figures_by_step(paces)
     cap, out = 2 * factor, {}
     for w, mine in paces.items():
         judged: list[tuple[int, float]] = []  # (step, ratio), oldest first

@@ -254,12 +254,7 @@ def steady_ratios(paces: dict[int, dict[int, float]], window: int) -> dict[int, 
     logging, saving) does it at every step; a rank throttled or slowed partway through the
     window is not steady (some of its steps at 1, others far above) and gets nothing here.
     Steady: all but the lowest ratio at least halfway from 1 to the median."""
-    by_step: dict[int, list[float]] = {}
-    for mine in paces.values():
-        for s, x in mine.items():
-            by_step.setdefault(s, []).append(x)
-    for v in by_step.values():
-        v.sort()
+    by_step = policy.figures_by_step(paces)
     out = {}
     for w, mine in paces.items():
         ratios = []
