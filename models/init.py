@@ -223,10 +223,13 @@ def materialize(model: torch.nn.Module, rules: InitRules, seed: int, device,
             total += local.numel() * local.element_size()
             if not fill(name, p):
                 continue
-            key = weights.key_for(name, prefixes) if weights is not None else None
-            if key is not None:
-                local.copy_(weights.read_part(key, p))
-                continue
+            if weights is not None:
+                key = weights.key_for(name, prefixes)
+                if key is not None:
+                    local.copy_(weights.read_part(key, p))
+                    continue
+                if not weights.may_lack(name):  # never a silent random init of a base weight
+                    raise weights.missing(name)
             full = rules.full_value(name, p.shape, p.dtype, local.device, seed)
             local.copy_(_my_part(full, p))
             del full  # at most one full parameter at a time

@@ -3,9 +3,11 @@
     files = SafetensorsFiles.locate("meta-llama/Meta-Llama-3-8B")   # a folder or the hub cache
     local = files.read_part("model.layers.0.mlp.up_proj.weight", param)  # this rank's rows only
 
-`safe_open(...).get_slice(key)[a:b]` reads the bytes of rows a..b of one tensor from the
-memory-mapped file and nothing else, so a rank under FSDP2 (Shard(0) over a 1-D mesh) reads
-1/world of each parameter and no process holds the whole model.
+`safe_open(...).get_slice(key)[a:b, c:d]` reads the bytes of that block of one tensor from the
+memory-mapped file and nothing else. Which block a rank holds is DTensor's own answer for the
+parameter's mesh and placements (any number of dimensions: fsdp, hsdp, fsdp x tp, hsdp x tp,
+each pipeline stage's): every rank cuts a small index probe as DTensor cuts the parameter, so a
+rank reads its part of each tensor and no process holds a whole large tensor.
 """
 from __future__ import annotations
 
@@ -57,6 +59,20 @@ class SafetensorsFiles:
         candidates = [name, plain] + [plain.removeprefix(p + ".") for p in prefixes if p]
         return next((c for c in candidates if c in self.where), None)
 
+    @staticmethod
+    def may_lack(name: str) -> bool:
+        """A parameter the checkpoint need not hold: peft's adapters, which the recipe adds to
+        the pretrained model and initializes by their own rules."""
+        return ".lora_" in name or name.startswith("lora_")
+
+    def missing(self, name: str) -> "MissingWeights":
+        return MissingWeights(
+            f"{self.folder}: the checkpoint holds no tensor for parameter {name!r} of the model "
+            "the recipe builds (its keys name none of that parameter's spellings). The model "
+            "would start with that weight random while the rest is pretrained. Fix: point "
+            "model.id at a checkpoint of the same architecture as model.name and model.config, "
+            "saved with save_pretrained")
+
     def _file(self, path: Path):
         if path not in self._open:
             from safetensors import safe_open
@@ -81,23 +97,45 @@ class SafetensorsFiles:
 
 
 def _my_index(param) -> tuple | None:
-    """Index of this rank's part of a DTensor sharded on a 1-D mesh (torch.chunk's split, as
-    DTensor's Shard(dim) cuts); None for a whole tensor."""
+    """This rank's part of `param` as an index into the whole tensor: one slice per dimension,
+    or None for a whole tensor (not a DTensor, or replicated on every mesh dimension).
+
+    The rows (and columns) a rank holds are found by letting DTensor cut, for each dimension d,
+    a probe whose values along d are their own indices (and whose other dimensions are just long
+    enough for every rank to keep one entry): the values this rank keeps are its indices along
+    d. This follows any placement DTensor makes, FSDP2's Shard(0) and its strided shard over a
+    tensor-parallel split included, without restating how each one divides a tensor."""
     if not hasattr(param, "device_mesh"):
         return None
-    from torch.distributed.tensor import Replicate, Shard
-    mesh = param.device_mesh
-    if mesh.ndim != 1:
-        raise NotImplementedError("sharded loading handles a 1-D device mesh (FSDP2's)")
-    (placement,) = param.placements
-    if isinstance(placement, Replicate):
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    mesh, placements = param.device_mesh, tuple(param.placements)
+    if all(isinstance(p, Replicate) for p in placements):
         return None
-    if not isinstance(placement, Shard):
-        raise NotImplementedError(f"sharded loading: placement {placement} is not handled")
-    dim, n, world = placement.dim, param.shape[placement.dim], mesh.size()
-    chunk = -(-n // world)
-    start = min(n, mesh.get_local_rank() * chunk)
-    stop = min(n, start + chunk)
-    index = [slice(None)] * len(param.shape)
-    index[dim] = slice(start, stop)
+    shape = tuple(param.shape)
+    sharded = {}  # tensor dim -> how many parts the mesh cuts it into
+    for size, p in zip(mesh.shape, placements):
+        if hasattr(p, "dim"):
+            sharded[p.dim] = sharded.get(p.dim, 1) * size
+        elif not isinstance(p, Replicate):
+            raise NotImplementedError(f"reading pretrained weights into placement {p} "
+                                      "(a partial sum) is not handled")
+    index = [slice(None)] * len(shape)
+    for dim in sharded:
+        probe_shape = [min(shape[k], sharded.get(k, 1)) if k != dim else shape[k]
+                       for k in range(len(shape))]
+        view = [1] * len(shape)
+        view[dim] = shape[dim]
+        probe = torch.arange(shape[dim], dtype=torch.int64).view(view).expand(probe_shape)
+        # src_data_rank=None: each rank cuts its own copy, nothing is sent
+        mine = distribute_tensor(probe.contiguous(), mesh, placements,
+                                 src_data_rank=None).to_local()
+        along = mine.movedim(dim, 0).reshape(mine.shape[dim], -1)
+        rows = along[:, 0].tolist() if along.shape[1] else []  # [] : an empty part
+        if not rows:
+            index[dim] = slice(0, 0)
+        elif rows != list(range(rows[0], rows[0] + len(rows))):
+            raise NotImplementedError(f"reading pretrained weights: the part of dimension {dim} "
+                                      f"placed by {placements} is not one run of rows")
+        else:
+            index[dim] = slice(rows[0], rows[-1] + 1)
     return tuple(index)
