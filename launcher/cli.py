@@ -11,6 +11,9 @@
     python -m launcher prepare RECIPE [key=value ...]  tokenize the recipe's data into its cache
     python -m launcher train RECIPE [key=value ...]    train (workers + spares, supervised)
     python -m launcher coordinator RECIPE [...]        a stand-alone coordinator for many nodes
+    python -m launcher smoke [RECIPE ...] [key=value ...]  each recipe in its own shape, shrunk
+                                                       to this CPU, 3 steps and a kill, from a
+                                                       saved tiny checkpoint (launcher/run/smoke.py)
     python -m launcher bench [key=value ...]           goodput benchmark (see launcher/bench/)
 
 RECIPE is a name in recipes/ or a path to a YAML file. Overrides use OmegaConf dotlist syntax
@@ -101,6 +104,11 @@ def cmd_train(args) -> int:
     return 0 if report is not None else 1
 
 
+def cmd_smoke(args) -> int:
+    from launcher.run.smoke import main as smoke_main  # imported late: torch and transformers
+    return smoke_main(args)
+
+
 def cmd_prepare(args) -> int:
     """Build a recipe's data caches here, as `train` does before its workers start. Run ahead of
     a multi-node job (on each node, or once where all share data.cache_dir), so that no node's
@@ -137,7 +145,7 @@ def cmd_bench(args) -> int:
 
 COMMANDS = {"ls": cmd_ls, "show": cmd_show, "validate": cmd_validate, "plan": cmd_plan,
             "coordinator": cmd_coordinator, "prepare": cmd_prepare,
-            "train": cmd_train, "bench": cmd_bench}
+            "train": cmd_train, "smoke": cmd_smoke, "bench": cmd_bench}
 
 
 def main(argv=None) -> int:

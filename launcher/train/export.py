@@ -158,8 +158,8 @@ _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
 
 def export_lora(cfg, model, state: dict, tokenizer, out_dir: Path) -> None:
     """The adapter in `adapter/` (save_pretrained: loadable with PeftModel.from_pretrained on its
-    base); the base in `base/` when it came from a seeded init rather than a model id (nothing
-    else could rebuild it); with peft.merge=true the merged model in `model/`.
+    base); the base in `base/` when it came from a seeded init rather than pretrained weights
+    (nothing else could rebuild it); with peft.merge=true the merged model in `model/`.
 
     The live model is left untouched (merging or unloading it would change this rank's
     parameters before the replicas are compared): copies are built on the CPU from `state`."""
@@ -171,7 +171,10 @@ def export_lora(cfg, model, state: dict, tokenizer, out_dir: Path) -> None:
         fresh.load_state_dict(state)
         return fresh
 
-    adapter_dir, base_dir = out_dir / "adapter", None if cfg.model.id else out_dir / "base"
+    # a base from a seeded init (model.init=random, with or without a model.id for its config)
+    # exists nowhere else: written beside the adapter; a pretrained one is model.id's
+    adapter_dir = out_dir / "adapter"
+    base_dir = None if cfg.model.init == "pretrained" else out_dir / "base"
     local = copy()
     local.save_pretrained(str(adapter_dir))
     tokenizer.save_pretrained(str(adapter_dir))
