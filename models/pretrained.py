@@ -79,6 +79,9 @@ class SafetensorsFiles:
             self._open[path] = safe_open(str(path), framework="pt")
         return self._open[path]
 
+    def shape(self, key: str) -> tuple:
+        return tuple(self._file(self.where[key]).get_slice(key).get_shape())
+
     def read_part(self, key: str, param) -> torch.Tensor:
         """The part of checkpoint tensor `key` that this rank holds of `param` (all of it when
         `param` is not a DTensor), in the parameter's dtype."""

@@ -119,7 +119,48 @@ def model_problem(cfg) -> str | None:
         AutoConfig.from_pretrained(cfg.model.id)
     except Exception as exc:  # noqa: BLE001  every kind is told apart in hub_problem
         return hub_problem(exc, "model", "model.id", cfg.model.id)
-    return weights_problem(cfg)
+    return weights_problem(cfg) or checkpoint_keys_problem(cfg)
+
+
+def checkpoint_keys_problem(cfg) -> str | None:
+    """model.init=pretrained read shard by shard (fsdp, hsdp, tp, pp) from a local folder: every
+    parameter of the model the recipe builds must be in the checkpoint, in its shape. Said here,
+    before any worker starts, rather than by every rank at its first step (a hub id's files are
+    checked by the workers as they read them)."""
+    folder = Path(cfg.model.id).expanduser()
+    if cfg.model.init != "pretrained" or cfg.distributed.strategy not in SHARDED or \
+            not folder.is_dir():
+        return None
+    import torch
+    from omegaconf import OmegaConf
+    from transformers import AutoModelForCausalLM
+
+    from models import model_config
+    from models.pretrained import MissingWeights, SafetensorsFiles
+    try:
+        files = SafetensorsFiles(folder)
+    except MissingWeights:
+        return None  # weights_problem said it
+    config = OmegaConf.to_container(cfg.model.config) if cfg.model.config else {}
+    with torch.device("meta"):  # shapes only: nothing allocated
+        model = AutoModelForCausalLM.from_config(model_config(cfg.model.name, str(folder),
+                                                              config))
+    prefixes, bad = (getattr(model, "base_model_prefix", ""),), []
+    for name, p in model.named_parameters():
+        key = files.key_for(name, prefixes)
+        if key is None:
+            bad.append(f"{name} is missing")
+        elif files.shape(key) != tuple(p.shape):
+            bad.append(f"{name} is {list(files.shape(key))} there, {list(p.shape)} here")
+    files.close()
+    if not bad:
+        return None
+    more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+    return (f"model.id={cfg.model.id}: the checkpoint does not hold the model the recipe builds "
+            f"({type(model).__name__} from its config and model.config): "
+            f"{'; '.join(bad[:3])}{more}. Fix: point model.id at a checkpoint of this "
+            "architecture written by save_pretrained, or drop the model.config keys that change "
+            "its shapes")
 
 
 def tokenizer_problem(cfg) -> str | None:

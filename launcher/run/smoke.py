@@ -19,8 +19,8 @@ Only sizes shrink, by one rule (SHRINK below):
                 fsdp shard (or ddp) ranks filling up to 4 workers; one node; at most 1 spare
     device      cpu, gloo, one thread per worker; the tiny recipes' failure detection timeouts
 
-Where the recipe has spares, the run is made twice: failure-free, and with rank 1 killed in its
-second step; the two must end with the same bits. Then: the run's replay check must not have
+Where the recipe has spares, the run is made twice: failure-free, and with rank 1 killed at a
+moment of its second step seeded by the recipe's name; the two must end with the same bits. Then: the run's replay check must not have
 found the step unreplayable; the export must reload with from_pretrained (LoRA: the adapter
 on the saved base) to the run's final state, bit for bit; and the memory plan's parameter
 bytes per rank must agree with what the workers held. Recipes whose shrunk form is the same
@@ -40,7 +40,13 @@ from launcher.recipe.load import RecipeError, recipe_names, resolve
 STEPS = 3
 ROWS = 8  # rows a step trains, whatever the shape (the same first loss across shapes)
 MAX_WORKERS = 4
-KILL = "kill:1:2"  # rank 1, in its second step
+
+
+def kill_for(name: str) -> str:
+    """Rank 1 killed at a moment of its second step seeded by the recipe's name: recipes are
+    killed at moments all through a step (forward, backward, reduction, optimizer)."""
+    seed = 1 + int(hashlib.sha256(name.encode()).hexdigest()[:6], 16) % 9999
+    return f"kill:1:2@random:{seed}"
 # model fields and their tiny value, set where the recipe's model config has them
 TINY_FIELDS = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16, n_embd=64, n_head=4, n_inner=None,
@@ -277,7 +283,7 @@ def main(args: list[str]) -> int:
         offline_unless_reachable(cfg)
         print(f"[smoke] {name}: {describe(cfg)}", flush=True)
         reference = train_once(name, shrunk, root / name / "failure-free", [])
-        killed = train_once(name, shrunk, root / name / "killed", [KILL]) \
+        killed = train_once(name, shrunk, root / name / "killed", [kill_for(name)]) \
             if cfg.checkpointless.spares > 0 and reference is not None else None
         results[name] = dict(check(cfg, reference, killed), shape=describe(cfg),
                              seconds=round(time.time() - t0, 1))

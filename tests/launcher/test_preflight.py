@@ -198,3 +198,25 @@ def test_replication_above_the_process_count_names_the_fix():
     msg = str(err.value)
     assert "checkpointless.replication.factor=2: cannot exceed distributed.num_processes=1" in msg
     assert "set checkpointless.replication.factor=1 (no peer copies) or use more processes" in msg
+
+
+def test_a_checkpoint_that_is_not_the_recipes_model_is_refused_before_launch(tmp_path):
+    """Read shard by shard, a weight the checkpoint lacks would otherwise be found by every rank
+    at its first step; one of another shape too."""
+    from transformers import AutoModelForCausalLM
+
+    from launcher.plan.model import hf_config
+    AutoModelForCausalLM.from_config(hf_config(load("tiny-llama"))[0]).save_pretrained(
+        tmp_path / "m")  # tiny-llama's own model
+    pretrained = [f"model.id={tmp_path / 'm'}", "model.init=pretrained",
+                  "distributed.strategy=fsdp"]
+    preflight(load("tiny-llama", pretrained))  # the checkpoint's own shape: accepted
+    with pytest.raises(RecipeError) as err:
+        preflight(load("tiny-llama", pretrained + ["model.config.num_hidden_layers=5"]))
+    msg = str(err.value)
+    assert f"model.id={tmp_path / 'm'}: the checkpoint does not hold the model" in msg
+    assert "model.layers.4.self_attn.q_proj.weight is missing" in msg and "more" in msg
+    assert "Fix:" in msg
+    with pytest.raises(RecipeError, match=r"model.layers.0.mlp.gate_proj.weight is \[352, 128\] "
+                                          r"there, \[48, 128\] here"):
+        preflight(load("tiny-llama", pretrained + ["model.config.intermediate_size=48"]))
