@@ -67,7 +67,9 @@ def build_model(name: str, init: str = "random", id: str | None = None,
     if init == "pretrained" and load_weights:
         return AutoModelForCausalLM.from_pretrained(id, dtype=dtype, **(config or {}))
     if init == "pretrained":  # the checkpoint's own vocabulary and token ids
+        from .mxfp4 import drop_quantization
         cfg = model_config(name, id, config)
+        drop_quantization(cfg)  # read dequantized, trained in full precision
         return AutoModelForCausalLM.from_config(cfg, **({"dtype": dtype} if dtype else {}))
     cfg = model_config(name, id, config, vocab_size, token_ids)
     return AutoModelForCausalLM.from_config(cfg, **({"dtype": dtype} if dtype else {}))

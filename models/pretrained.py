@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from models import mxfp4
+
 
 class MissingWeights(RuntimeError):
     pass
@@ -57,7 +59,11 @@ class SafetensorsFiles:
         from the bare model lack (GPT-2's `h.0...` for `transformer.h.0...`)."""
         plain = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
         candidates = [name, plain] + [plain.removeprefix(p + ".") for p in prefixes if p]
-        return next((c for c in candidates if c in self.where), None)
+        found = next((c for c in candidates if c in self.where), None)
+        if found is None:  # stored quantized (gpt-oss's MXFP4 experts): read through models/mxfp4.py
+            found = next((k for k in (mxfp4.packed_key(c, self.where) for c in candidates) if k),
+                         None)
+        return found
 
     @staticmethod
     def may_lack(name: str) -> bool:
@@ -79,18 +85,28 @@ class SafetensorsFiles:
             self._open[path] = safe_open(str(path), framework="pt")
         return self._open[path]
 
+    def _slice(self, key: str):
+        return self._file(self.where[key]).get_slice(key)
+
     def shape(self, key: str) -> tuple:
-        return tuple(self._file(self.where[key]).get_slice(key).get_shape())
+        """The shape of the parameter that checkpoint tensor `key` gives (dequantized)."""
+        stored = tuple(self._slice(key).get_shape())
+        return mxfp4.logical_shape(stored) if mxfp4.is_packed(key) else stored
 
     def read_part(self, key: str, param) -> torch.Tensor:
         """The part of checkpoint tensor `key` that this rank holds of `param` (all of it when
         `param` is not a DTensor), in the parameter's dtype."""
-        sl = self._file(self.where[key]).get_slice(key)
-        shape = tuple(sl.get_shape())
+        shape = self.shape(key)
         if shape != tuple(param.shape):
             raise MissingWeights(f"{key}: the checkpoint holds shape {list(shape)}, the model "
                                  f"built from the recipe's config wants {list(param.shape)}")
         index = _my_index(param)
+        if mxfp4.is_packed(key):
+            scales = key.removesuffix(mxfp4.BLOCKS) + mxfp4.SCALES
+            part, read = mxfp4.read(self._slice(key), self._slice(scales), index, param.dtype)
+            self.elements_read += read
+            return part
+        sl = self._slice(key)
         part = sl[index] if index else sl[:]
         self.elements_read += part.numel()
         return part.to(param.dtype)

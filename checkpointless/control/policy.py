@@ -82,17 +82,22 @@ def crash_loop(rank: int, crashes: int, limit: int, error: str | None, code) -> 
             f"is a bug, not bad luck. The last one's error:\n{why}")
 
 
-def escalation(failures: list, f) -> str | None:
+def escalation(failures: list, f, stepped: bool = True) -> str | None:
     """An error that strikes again at the same step is a bug, not a fault: after a recovery (the
     earlier one's rank was already replaced: its `gen` >= 0), or on two ranks at once (found in
     the same turn, neither replaced yet). `failures`: every failure so far (objects with cause,
-    step, rank, error, gen), `f` among them."""
+    step, rank, error, gen), `f` among them; `stepped`: the job has committed a step (else the
+    error is in the set-up between joining and the first step: sharding, loading weights)."""
     same = [g for g in failures if g is not f and g.cause == "error" == f.cause
             and g.step == f.step]
     if not same:
         return None
     last = (f.error or "").rstrip().splitlines()[-1:] or ["(no message)"]
     when = "again after a recovery" if same[0].gen >= 0 else "on two ranks at once"
+    if not stepped:
+        return (f"the job's set-up before its first step (after joining: the model's shards, "
+                f"its weights, the optimizer) raised an error {when} (ranks {same[0].rank} and "
+                f"{f.rank}): a bug or a bad input, not a transient fault. The error: {last[0]}")
     return (f"step {f.step} raised an error {when} (ranks {same[0].rank} and {f.rank}): this is "
             f"a bug in the step, not a transient fault. The error: {last[0]}")
 

@@ -64,7 +64,8 @@ class StopRules:
             self.check(policy.crash_loop(f.rank, crashes, self.cfg.max_replacement_failures,
                                          f.error, code))
         self.check(policy.disabled(self.cfg.enabled, f.rank, w.wid, f.cause, code))
-        self.check(policy.escalation(self.state.failures, f))
+        stepped = protocol.read_json(self.state.store, protocol.LAST_STEP) is not None
+        self.check(policy.escalation(self.state.failures, f, stepped))
         self.check(policy.none_left(len(self.state.ranks),
                                     [g.error for g in self.state.failures if g.error]))
 

@@ -15,12 +15,14 @@ Only sizes shrink, by one rule (SHRINK below):
                 64 tokens a row (chat: 128); evaluation, when the recipe has it, every 2 steps
     steps       3, each of 8 rows: micro-batches of 8 / (data ranks x accumulation), with the
                 recipe's gradient accumulation capped at 2
-    processes   tensor parallel, pipeline stages and hsdp replica groups each capped at 2, the
-                fsdp shard (or ddp) ranks filling up to 4 workers; one node; at most 1 spare
+    processes   each parallel dimension the recipe has (pipeline stages, hsdp replica groups,
+                fsdp shard ranks, tensor parallel) capped at 2; ddp or fsdp alone: 4 workers;
+                one node; at most 1 spare
     device      cpu, gloo, one thread per worker; the tiny recipes' failure detection timeouts
 
-Where the recipe has spares, the run is made twice: failure-free, and with rank 1 killed at a
-moment of its second step seeded by the recipe's name; the two must end with the same bits. Then: the run's replay check must not have
+Where the recipe has spares, the run is made twice: failure-free, and with rank 1 killed in the
+last step at a moment the recipe's name chooses (the step's start, its backward, its optimizer
+step, or a seeded moment); the two must end with the same bits. Then: the run's replay check must not have
 found the step unreplayable; the export must reload with from_pretrained (LoRA: the adapter
 on the saved base) to the run's final state, bit for bit; and the memory plan's parameter
 bytes per rank must agree with what the workers held. Recipes whose shrunk form is the same
@@ -39,14 +41,19 @@ from launcher.recipe.load import RecipeError, recipe_names, resolve
 
 STEPS = 3
 ROWS = 8  # rows a step trains, whatever the shape (the same first loss across shapes)
-MAX_WORKERS = 4
+MAX_WORKERS = 4  # of a 1-D mesh (ddp, fsdp)
 
 
 def kill_for(name: str) -> str:
-    """Rank 1 killed at a moment of its second step seeded by the recipe's name: recipes are
-    killed at moments all through a step (forward, backward, reduction, optimizer)."""
-    seed = 1 + int(hashlib.sha256(name.encode()).hexdigest()[:6], 16) % 9999
-    return f"kill:1:2@random:{seed}"
+    """Rank 1 killed in the last step at a moment chosen by the recipe's name: at the step's
+    start, in its backward (some gradient collectives done), as its optimizer step begins, or
+    at a seeded moment (which may fall just after the step, in the export). Across the recipes
+    every moment of a step is tried."""
+    digest = int(hashlib.sha256(f"smoke/{name}".encode()).hexdigest()[:8], 16)
+    moment = ("step", "backward", "optimizer", f"random:{1 + digest % 9999}")[digest % 4]
+    return f"kill:1:{STEPS - 1}@{moment}"
+
+
 # model fields and their tiny value, set where the recipe's model config has them
 TINY_FIELDS = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16, n_embd=64, n_head=4, n_inner=None,
@@ -54,7 +61,9 @@ TINY_FIELDS = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                    max_position_embeddings=256, n_positions=256, n_ctx=256,
                    sliding_window=16, initial_context_length=256)
 LAYER_FIELDS = ("num_hidden_layers", "n_layer")
-CHAT_FILES = ("launcher/assets/tiny_chat.jsonl", "launcher/assets/tiny_chat_eval.jsonl")
+LAYERS = 4  # 2 pipeline stages of 2 virtual stages each; the same model for every shape
+ASSETS = Path(__file__).resolve().parent.parent / "assets"  # wherever the command is run from
+CHAT_FILES = (str(ASSETS / "tiny_chat.jsonl"), str(ASSETS / "tiny_chat_eval.jsonl"))
 
 
 def tiny_model_config(cfg, layers: int):
@@ -71,9 +80,14 @@ def tiny_model_config(cfg, layers: int):
             setattr(hf, key, layers)
     if getattr(hf, "layer_types", None):  # gpt-oss: one attention kind per layer
         hf.layer_types = list(hf.layer_types[:layers])
-    if getattr(hf, "rope_scaling", None) and "original_max_position_embeddings" in \
-            (hf.rope_scaling or {}):
-        hf.rope_scaling = dict(hf.rope_scaling, original_max_position_embeddings=64)
+    # a scaled rope (yarn, llama3) keeps its factor over the shorter context (transformers 5
+    # names it rope_parameters, earlier ones rope_scaling)
+    key = "rope_parameters" if "rope_parameters" in vars(hf) else "rope_scaling"
+    rope = vars(hf).get(key)
+    if isinstance(rope, dict) and "original_max_position_embeddings" in rope:
+        factor = rope.get("factor") or 1
+        setattr(hf, key, dict(rope, original_max_position_embeddings=max(
+            1, int(TINY_FIELDS["max_position_embeddings"] // factor))))
     hf.dtype = "float32"
     return hf
 
@@ -99,13 +113,14 @@ def save_weights(hf, seed: int, root: Path) -> Path:
 
 
 def shape(cfg) -> dict:
-    """The smoke's layout for the recipe's: each parallel dimension capped, 4 workers at most."""
+    """The smoke's layout for the recipe's: each parallel dimension capped at 2."""
     d = cfg.distributed
     stage = d.num_processes // d.pp_size  # the workers of one pipeline stage
     replicas = stage // d.shard_size if d.strategy == "hsdp" else 1
     ranks = stage // (replicas * d.tp_size)  # fsdp shard (or ddp) ranks of a replica group
     tp, pp, replicas = min(d.tp_size, 2), min(d.pp_size, 2), min(replicas, 2)
-    ranks = max(1, min(ranks, MAX_WORKERS // (tp * pp * replicas)))
+    # every dimension the recipe has is kept, at 2 (a 1-D mesh, ddp or fsdp alone: 4 ranks)
+    ranks = min(ranks, MAX_WORKERS if tp * pp * replicas == 1 else 2)
     workers = pp * replicas * ranks * tp
     data_ranks = workers // tp
     accum = min(cfg.trainer.grad_accum_steps, 2)
@@ -144,12 +159,6 @@ def shrunk_overrides(cfg, weights: Path) -> list[str]:
             for k, v in out.items()] + ["~model.config"]
 
 
-def layers_for(cfg) -> int:
-    """4: enough for 2 pipeline stages of 2 virtual stages each, and the same model (and first
-    loss) for every shape of a family."""
-    return 4
-
-
 def signature(cfg) -> str:
     """What a run depends on: the resolved recipe without its names and output paths."""
     plain = OmegaConf.to_container(cfg, resolve=True)
@@ -164,7 +173,7 @@ def smoke_recipe(name: str, user: list[str], root: Path):
     would run it (refused here if invalid), its model saved at the smoke's size, then the
     shrink applied."""
     base, _ = resolve(name, user)
-    weights = save_weights(tiny_model_config(base, layers_for(base)), base.run.seed,
+    weights = save_weights(tiny_model_config(base, LAYERS), base.run.seed,
                            root / "weights")
     overrides = shrunk_overrides(base, weights) + [f"data.cache_dir={root / 'data-cache'}"] + \
         [o for o in user if not o.startswith(("run.output_dir", "faults", "logging.dir"))]

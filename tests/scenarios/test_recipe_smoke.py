@@ -1,7 +1,8 @@
 """Every shipped recipe starts for real in its own shape (`python -m launcher smoke`,
 launcher/run/smoke.py): its strategy and mesh, pretrained weights from a tiny checkpoint saved
 here of its architecture, its data format, chat template, LoRA and evaluation, 3 steps on CPU,
-and where it has spares a kill of rank 1 in its second step ending with the failure-free bits;
+and where it has spares a kill of rank 1 in its last step (its start, backward, optimizer or a
+seeded moment, chosen by the recipe's name) ending with the failure-free bits;
 the export reloads to the final state, the replay check passes, the plan's parameter bytes per
 rank agree with the workers'. A recipe file added to recipes/ is covered with nothing else.
 

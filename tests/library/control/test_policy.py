@@ -88,6 +88,12 @@ def test_an_error_again_at_the_same_step_escalates():
     msg = policy.escalation([at_once, too], too)
     assert msg.startswith("step 0 raised an error on two ranks at once (ranks 0 and 1)")
     assert "after a recovery" not in msg
+    # before the job's first step: its set-up after joining (shards, weights), not "the step"
+    msg = policy.escalation([at_once, too], too, stepped=False)
+    assert msg.startswith("the job's set-up before its first step (after joining: the model's "
+                          "shards, its weights, the optimizer) raised an error on two ranks at "
+                          "once (ranks 0 and 1)")
+    assert "bug in the step" not in msg and msg.endswith("KeyError: 'labels'")
 
 
 def test_no_spare_left_and_the_spare_wait_running_out_stop():
