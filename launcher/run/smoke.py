@@ -207,7 +207,7 @@ def export_problem(cfg, report: dict) -> str | None:
         return None
     from transformers import AutoModelForCausalLM
 
-    from checkpointless.worker.digest import state_sha256
+    from checkpointless import state_sha256
     out = Path(report["output_dir"])
     if cfg.peft.method == "lora":
         from peft import PeftModel
