@@ -21,8 +21,9 @@ Only sizes shrink, by one rule (SHRINK below):
     device      cpu, gloo, one thread per worker; the tiny recipes' failure detection timeouts
 
 Where the recipe has spares, the run is made twice: failure-free, and with rank 1 killed in the
-last step at a moment the recipe's name chooses (the step's start, its backward, its optimizer
-step, or a seeded moment); the two must end with the same bits. Then: the run's replay check must not have
+second step (the one the replay check runs twice) at a moment the recipe's name chooses (the
+step's start, its backward, its optimizer step, or a seeded moment); the two must end with the
+same bits. Then: the run's replay check must not have
 found the step unreplayable; the export must reload with from_pretrained (LoRA: the adapter
 on the saved base) to the run's final state, bit for bit; and the memory plan's parameter
 bytes per rank must agree with what the workers held. Recipes whose shrunk form is the same
@@ -45,13 +46,13 @@ MAX_WORKERS = 4  # of a 1-D mesh (ddp, fsdp)
 
 
 def kill_for(name: str) -> str:
-    """Rank 1 killed in the last step at a moment chosen by the recipe's name: at the step's
-    start, in its backward (some gradient collectives done), as its optimizer step begins, or
-    at a seeded moment (which may fall just after the step, in the export). Across the recipes
-    every moment of a step is tried."""
+    """Rank 1 killed in the second step (the one the replay check runs twice) at a moment chosen
+    by the recipe's name: at the step's start, in its backward (some gradient collectives
+    done), as its optimizer step begins, or at a seeded moment (a fraction of the first step's
+    time, which may reach into the third). Across the recipes every moment of a step is tried."""
     digest = int(hashlib.sha256(f"smoke/{name}".encode()).hexdigest()[:8], 16)
     moment = ("step", "backward", "optimizer", f"random:{1 + digest % 9999}")[digest % 4]
-    return f"kill:1:{STEPS - 1}@{moment}"
+    return f"kill:1:1@{moment}"
 
 
 # model fields and their tiny value, set where the recipe's model config has them
@@ -240,34 +241,36 @@ def plan_problem(cfg, report: dict) -> tuple[str | None, dict]:
     return None, figures
 
 
-def check(cfg, reference: dict | None, killed: dict | None) -> dict:
-    """The recipe's smoke verdict: every problem found, and the figures behind it."""
-    problems, got = [], {}
-    final = killed or reference
-    for what, rep in (("failure-free", reference), ("killed", killed)):
-        if rep is not None and rep.get("status") != "ok":
-            problems.append(f"the {what} run ended {rep.get('status')!r}")
-    if final is None or any(r is None for r in (reference,)):
-        return {"problems": problems + ["a run failed (its log above says why)"]}
-    if killed is not None:
+def check(cfg, reference: dict | None, killed: dict | None, kill: bool) -> dict:
+    """The recipe's smoke verdict: every problem found, and the figures behind it. `kill`: a
+    killed run was made (`killed` is None if it failed)."""
+    runs = [("failure-free", reference)] + ([("killed", killed)] if kill else [])
+    problems = [f"the {what} run failed (its log above says why)" for what, rep in runs
+                if rep is None]
+    problems += [f"the {what} run ended {rep.get('status')!r}" for what, rep in runs
+                 if rep is not None and rep.get("status") != "ok"]
+    if problems:
+        return {"problems": problems}
+    if kill:
         if not killed.get("failures"):
             problems.append("the kill did not land: the report lists no failure")
         if killed.get("params_sha256") != reference.get("params_sha256"):
             problems.append("the run that lost rank 1 ended with other bits than the "
                             "failure-free run")
-    replay = final.get("replay") or {}
-    if replay.get("replayable") is False:
-        problems.append(f"the replay check found the step unreplayable: {replay}")
+    # the failure-free run's rehearsal says whether the recipe's step is replayable; a kill
+    # during the killed run's rehearsal leaves that one unchecked, never unreplayable
+    for _, rep in runs:
+        said = rep.get("replay") or {}
+        if said.get("replayable") is False:
+            problems.append(f"the replay check found the step unreplayable: {said}")
+    final = killed if kill else reference
     problems.append(export_problem(cfg, final))
     plan_said, figures = plan_problem(cfg, final)
     problems.append(plan_said)
-    got.update(figures)
-    got["first_loss"] = first_loss(reference["output_dir"])
-    got["params_sha256"] = final.get("params_sha256")
-    got["killed"] = killed is not None
-    got["replayable"] = replay.get("replayable")
-    got["problems"] = [p for p in problems if p]
-    return got
+    return dict(figures, first_loss=first_loss(reference["output_dir"]),
+                params_sha256=final.get("params_sha256"), killed=kill,
+                replayable=(reference.get("replay") or {}).get("replayable"),
+                problems=[p for p in problems if p])
 
 
 def main(args: list[str]) -> int:
@@ -292,9 +295,10 @@ def main(args: list[str]) -> int:
         offline_unless_reachable(cfg)
         print(f"[smoke] {name}: {describe(cfg)}", flush=True)
         reference = train_once(name, shrunk, root / name / "failure-free", [])
+        kill = cfg.checkpointless.spares > 0 and reference is not None
         killed = train_once(name, shrunk, root / name / "killed", [kill_for(name)]) \
-            if cfg.checkpointless.spares > 0 and reference is not None else None
-        results[name] = dict(check(cfg, reference, killed), shape=describe(cfg),
+            if kill else None
+        results[name] = dict(check(cfg, reference, killed, kill), shape=describe(cfg),
                              seconds=round(time.time() - t0, 1))
         done[sig] = name
     (root / "smoke.json").write_text(json.dumps(results, indent=2) + "\n")
