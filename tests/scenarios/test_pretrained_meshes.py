@@ -12,6 +12,8 @@ import torch
 
 from tests.conftest import spawn_gloo
 
+pytestmark = pytest.mark.slow  # 4 processes importing transformers: not in make test-fast
+
 WORLD = 4
 # (name, recipe overrides, (shard_size, tp) of the Layout): the job's mesh of each shape
 SHAPES = [
