@@ -134,9 +134,30 @@ def final_digest(rep) -> str:
 
 def assert_same_bits(rep, reference, *context):
     """The run ended with the reference's bits (both: reports or digests); `context` is shown
-    when they differ."""
+    when they differ. Between two launcher reports, the rest of the state too
+    (assert_same_state)."""
     got, want = final_digest(rep), final_digest(reference)
     assert got == want, (*context, rep.get("recoveries"), rep.get("failures"))
+    assert_same_state(rep, reference, *context)
+
+
+def assert_same_state(rep, reference, *context):
+    """Beside the parameters, report.json's `state_sha256`: the optimizer state (the same on
+    every rank) and the data position equal the reference's; and each rank's random state,
+    where both runs ended with the same processes under the same strategy (a shrunk run's
+    processes hosted other ranks)."""
+    if not (isinstance(rep, dict) and isinstance(reference, dict)
+            and rep.get("state_sha256") and reference.get("state_sha256")):
+        return
+    got, want = rep["state_sha256"], reference["state_sha256"]
+    said = (*context, rep.get("recoveries"), rep.get("failures"))
+    assert len({s["optimizer"] for s in rep["state_sha256_by_rank"].values()}) == 1, said
+    for part in ("optimizer", "data"):
+        assert got[part] == want[part], (part, *said)
+    same_processes = all(rep.get(k) == reference.get(k) for k in ("world_size", "strategy")) \
+        and not rep.get("shrinks") and not reference.get("shrinks")
+    if same_processes:
+        assert got["rng_by_rank"] == want["rng_by_rank"], ("rng", *said)
 
 
 class References:

@@ -242,6 +242,15 @@ class ClusterPool(WorkerPool):
                 out[w] = self.nodes[self.workers[w].node].beats.get(w)
         return out
 
+    def unheard(self, node: int) -> bool:
+        """A remote node whose record has missed two of its writes: what its workers do is not
+        known until it writes again, or is found lost (fence_silent_nodes, node_timeout_s)."""
+        if not self.remote(node):
+            return False
+        from .agent import record_interval_s
+        return time.time() - self.nodes[node].beat_seen_at > \
+            2 * record_interval_s(self.node_timeout_s)
+
     def stopped(self, w: Worker) -> bool:
         if not self.remote(w.node):
             return super().stopped(w)

@@ -147,7 +147,12 @@ class LossFinder:
         beats = self.pool.beats(list(active))
         self.stragglers.note(beats)
         now = time.time()
-        hung = policy.find_hung(beats, self.cfg.heartbeat_timeout_s,
+        # a node whose record stopped coming says nothing of its workers: whether it is lost is
+        # silent_nodes()'s to judge. Judged from their frozen beats, a dead node's workers were
+        # taken for hung whenever the job's stall was noticed before the node's silence
+        # (heartbeat_timeout_s and node_timeout_s both 3 s: a race a Slurm node loss lost once)
+        heard = {w: b for w, b in beats.items() if not self.pool.unheard(active[w].node)}
+        hung = policy.find_hung(heard, self.cfg.heartbeat_timeout_s,
                                 now, stopped=lambda wid: self.pool.stopped(active[wid]))
         first = {wid: w.started for wid, w in active.items() if w.took_over_gen is None}
         for wid in policy.startup_overdue(first, beats, self.cfg.startup_timeout_s, now):

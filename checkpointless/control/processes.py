@@ -199,6 +199,11 @@ class WorkerPool:
         from .detection import read_beats
         return read_beats(self.store, list(wids))
 
+    @staticmethod
+    def unheard(node: int) -> bool:
+        """This machine's workers are always heard from (ClusterPool: other nodes')."""
+        return False
+
     def stopped(self, w: Worker) -> bool:
         """The worker's process is stopped (SIGSTOP, a debugger, a frozen container)."""
         from .detection import process_stopped

@@ -85,6 +85,10 @@ def build_report(cfg, run: dict, t0: float, **extra) -> dict:
         "eval": r0.get("eval"),
         "params_sha256": r0.get("params_sha256"),
         "params_sha256_by_rank": {str(r): v.get("params_sha256") for r, v in results.items()},
+        # the rest of the training state: optimizer and data position (one for the job, as
+        # rank 0 has them; by rank below), and each rank's random state
+        "state_sha256": state_of(r0, results),
+        "state_sha256_by_rank": {str(r): v.get("state_sha256") for r, v in results.items()},
         "goodput": run["goodput"],
         # stragglers (rank, node, factor, from_step, what was done) and what they cost
         "stragglers": run.get("stragglers", []),
@@ -107,6 +111,16 @@ def build_report(cfg, run: dict, t0: float, **extra) -> dict:
         **{k: run[k] for k in ("shrink", "shrinks", "grows", "processes_at_end",
                                "shrunk_capacity_lost_s") if k in run},
     }
+
+
+def state_of(r0: dict, results: dict) -> dict | None:
+    """report.json's `state_sha256`: rank 0's parts, the random state by rank."""
+    mine = r0.get("state_sha256")
+    if not mine:
+        return None
+    return {**{k: v for k, v in mine.items() if k != "rng"},
+            "rng_by_rank": {str(r): (v.get("state_sha256") or {}).get("rng")
+                            for r, v in sorted(results.items())}}
 
 
 def memory_by_rank(results: dict) -> dict | None:

@@ -42,6 +42,7 @@ from launcher.train.micro import MicroBatch
 from launcher.train.model_setup import build, build_eval, full_state, setup, warm_up
 from launcher.train.optim import build_optimizer, lr_at
 from launcher.train.pipeline import ViewSet
+from launcher.train.state_digest import state_digests
 from launcher.train.strategy import choose, digest_and_export, place_model
 
 __all__ = ["main", "Metrics"]
@@ -263,6 +264,7 @@ def finish_run(run: Run) -> None:
     # an unfinished (preempted) model is not exported: the checkpoint holds it
     export_to = out_dir / "model" if t.save_model and not job.preempted and not lora else None
     digest, full_params = job.between_steps(lambda: digest_and_export(run, export_to))
+    digests = state_digests(run, digest)  # optimizer, data position, random state beside it
     if lora and t.save_model and not job.preempted:  # adapters are small; the base goes to
         state = job.between_steps(lambda: full_state(model, d.strategy))  # rank 0's host
         if job.rank == 0:
@@ -273,7 +275,7 @@ def finish_run(run: Run) -> None:
         metrics.close()
     local = sum(local_tensor(p).numel() for p in model.parameters())
     write_results(run, digest, local, full_params)
-    job.finish({"params_sha256": digest, "local_params": local,
+    job.finish({"params_sha256": digest, "state_sha256": digests, "local_params": local,
                 "full_params": full_params, "final_loss": run.loss_value,
                 "tokens": run.tokens, "eval": run.last_eval,
                 "steps": job.completed_steps, "worker_id": job.worker_id, "pid": os.getpid(),

@@ -284,3 +284,20 @@ def test_a_silent_node_is_fenced_and_its_workers_fail_together():
     assert all(w.node_lost and w.proc.poll() == -9 for w in lost)
     assert agents[2].health(news=False).kind is Word.FENCED  # it learns so when it returns
     assert all(w.alive() for w in pool.workers.values() if w.node == 1)
+
+
+def test_a_node_whose_record_stopped_is_unheard_so_its_workers_wait_for_the_node_verdict():
+    """Losses.hung judges only heard nodes' workers: a dead node's frozen beats, behind a job
+    stalled on it, once made its workers 'hung' before the node's silence was noticed."""
+    from checkpointless.control.agent import record_interval_s
+    from checkpointless.control.processes import WorkerPool
+    master, pool, coordinator, agents = cluster(1)
+    pool.refresh(force=True)
+    now = time.time()
+    for n in pool.nodes.values():
+        n.beat_seen_at = now
+    assert not pool.unheard(0) and not pool.unheard(1) and not pool.unheard(2)
+    pool.nodes[2].beat_seen_at = now - 2 * record_interval_s(0.2) - 0.05  # two writes missed
+    assert pool.unheard(2) and not pool.unheard(1)
+    assert not pool.unheard(0)  # the coordinator's own node: its workers are read here
+    assert WorkerPool.unheard(5) is False
