@@ -60,7 +60,7 @@ class SafetensorsFiles:
         plain = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
         candidates = [name, plain] + [plain.removeprefix(p + ".") for p in prefixes if p]
         found = next((c for c in candidates if c in self.where), None)
-        if found is None:  # stored quantized (gpt-oss's MXFP4 experts): read through models/mxfp4.py
+        if found is None:  # stored quantized (gpt-oss's MXFP4 experts): models/mxfp4.py reads it
             found = next((k for k in (mxfp4.packed_key(c, self.where) for c in candidates) if k),
                          None)
         return found

@@ -8,7 +8,11 @@ with its optimizer state, data position and random state too, or its next step w
                pipeline each stage's, combined in stage order
     data       the data position: the steps completed and the tokens trained (the sampler draws
                step s's rows from (run.seed, s), so nothing else positions it)
-    rng        torch's CPU random state (and the CUDA one on a GPU), by rank: each rank's own
+    rng        torch's CPU random state (and the CUDA one on a GPU), by rank: each rank's own.
+               The loop reseeds every micro-batch from (run.seed, step, share, micro)
+               (micro.py), so no random state is carried from one step to the next: this one
+               says the run drew the same numbers, and a rank replaced after the last step (in
+               the export) shows its fresh process's
 """
 from __future__ import annotations
 

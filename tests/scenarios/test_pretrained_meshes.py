@@ -127,9 +127,10 @@ def _each_shape(rank, port, q, folder, out, gpt_oss):
         digest = state_sha256(local_state(model, "fsdp"))
         export_to = out / name.replace(" ", "")
         digest_and_export(model, "fsdp", tokenizer, export_to, rank, WORLD)
+        # plain numbers: a tensor on the queue is shared through a file descriptor that dies
+        # with the process
         got[name] = {"read": read[0], "largest": largest, "digest": digest,
-                     "loss": outputs.loss.item(), # plain numbers: a tensor on the queue is shared through a file descriptor that dies
-                     # with the process
+                     "loss": outputs.loss.item(),
                      "logits": logits.tolist() if rank == 0 else None,
                      "export": str(export_to)}
     got["gpt-oss mxfp4"] = _mxfp4_under_fsdp(rank, gpt_oss, out, read)
