@@ -23,11 +23,10 @@ Only sizes shrink, by one rule (SHRINK below):
 Where the recipe has spares, the run is made twice: failure-free, and with rank 1 killed in the
 second step (the one the replay check runs twice) at a moment the recipe's name chooses (the
 step's start, its backward, its optimizer step, or a seeded moment); the two must end with the
-same bits. Then: the run's replay check must not have
-found the step unreplayable; the export must reload with from_pretrained (LoRA: the adapter
-on the saved base) to the run's final state, bit for bit; and the memory plan's parameter
-bytes per rank must agree with what the workers held. Recipes whose shrunk form is the same
-(llama3-8b and llama3-70b shrink alike) share one run, said in the summary.
+same bits. Then: the run's replay check must not have found the step unreplayable; the export
+must reload with from_pretrained (LoRA: the adapter on the saved base) to the run's final
+state, bit for bit; and the memory plan's parameter bytes per rank must agree with what the
+workers held.
 """
 from __future__ import annotations
 
@@ -160,17 +159,8 @@ def shrunk_overrides(cfg, weights: Path) -> list[str]:
             for k, v in out.items()] + ["~model.config"]
 
 
-def signature(cfg) -> str:
-    """What a run depends on: the resolved recipe without its names and output paths."""
-    plain = OmegaConf.to_container(cfg, resolve=True)
-    plain.pop("description", None)
-    plain["run"] = {k: v for k, v in plain["run"].items() if k not in ("name", "output_dir")}
-    plain.get("logging", {}).pop("dir", None)
-    return hashlib.sha256(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()
-
-
 def smoke_recipe(name: str, user: list[str], root: Path):
-    """(the recipe's smoke run config, its overrides, its signature): the recipe as the user
+    """(the recipe's smoke run config, its overrides): the recipe as the user
     would run it (refused here if invalid), its model saved at the smoke's size, then the
     shrink applied."""
     base, _ = resolve(name, user)
@@ -179,7 +169,7 @@ def smoke_recipe(name: str, user: list[str], root: Path):
     overrides = shrunk_overrides(base, weights) + [f"data.cache_dir={root / 'data-cache'}"] + \
         [o for o in user if not o.startswith(("run.output_dir", "faults", "logging.dir"))]
     cfg, _ = resolve(name, overrides + [f"run.output_dir={root / name}"])
-    return cfg, overrides, signature(cfg)
+    return cfg, overrides
 
 
 def train_once(name: str, overrides: list[str], out: Path, faults: list[str]) -> dict | None:
@@ -281,16 +271,13 @@ def main(args: list[str]) -> int:
     root = Path(given[-1] if given else "runs/smoke").resolve()
     root.mkdir(parents=True, exist_ok=True)
     from models.hub import offline_unless_reachable
-    results, done = {}, {}  # recipe -> verdict; signature -> the recipe that ran it
+    results = {}  # recipe -> verdict
     for name in names:
         t0 = time.time()
         try:
-            cfg, shrunk, sig = smoke_recipe(name, overrides, root)
+            cfg, shrunk = smoke_recipe(name, overrides, root)
         except RecipeError as exc:
             results[name] = {"problems": [f"refused: {exc}"]}
-            continue
-        if sig in done:
-            results[name] = dict(results[done[sig]], same_run_as=done[sig])
             continue
         offline_unless_reachable(cfg)
         print(f"[smoke] {name}: {describe(cfg)}", flush=True)
@@ -300,7 +287,6 @@ def main(args: list[str]) -> int:
             if kill else None
         results[name] = dict(check(cfg, reference, killed, kill), shape=describe(cfg),
                              seconds=round(time.time() - t0, 1))
-        done[sig] = name
     (root / "smoke.json").write_text(json.dumps(results, indent=2) + "\n")
     print(summary(results, root), flush=True)
     return 1 if any(r["problems"] for r in results.values()) else 0
@@ -321,9 +307,7 @@ def summary(results: dict, root: Path) -> str:
     for name, r in results.items():
         verdict = "ok  " if not r["problems"] else "FAIL"
         said = r.get("shape", "")
-        if r.get("same_run_as"):
-            said = f"the same run as {r['same_run_as']}"
-        elif r.get("first_loss") is not None:
+        if r.get("first_loss") is not None:
             said += f"; first loss {r['first_loss']:.6f}" + \
                 ("; kill: same bits" if r.get("killed") and not r["problems"] else "")
         lines.append(f"  {verdict} {name:<18} {said}")
